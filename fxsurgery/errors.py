@@ -1,0 +1,13 @@
+"""Errors raised by fxsurgery; each message names the module or graph node at fault."""
+
+
+class TraceError(RuntimeError):
+    """The model (or a module that hosts units) cannot be traced with torch.fx."""
+
+
+class AnalysisError(ValueError):
+    """The graph was traced but holds no unit group that can be operated on safely."""
+
+
+class OptimizerStateError(TypeError):
+    """An attached optimizer keeps per-parameter state that surgery cannot map."""

@@ -1,0 +1,281 @@
+"""From labelled ids to unit groups.
+
+Tied ids form classes (networkx connected components); a class that holds coordinates of a Linear's
+output is a unit. Units that share a tensor axis form a group. A group is kept only when every
+tensor it touches can be sliced along one axis in a regular ``[outer][unit][inner]`` layout, one
+Linear reads it (the output projection), and every count-dependent constant can be rewritten.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx
+
+from . import constants as K
+from . import ids as I
+from .labelling import Labeller, Records
+from .slicing import ParamSlice
+
+NO_ID = I.NO_ID
+
+
+@dataclass
+class GroupSpec:
+    """One unit group as found in one graph."""
+
+    kind: str
+    count: int
+    members: list[ParamSlice]
+    constants: list[K.ConstantSpec]
+    exact: bool
+    notes: list[str]
+    modules: list[str]
+    sink: str
+    sink_node: str
+    tap_inner: int
+    min_count: int
+
+
+@dataclass
+class Refusal:
+    """A would-be group the analysis leaves out, and why."""
+
+    modules: list[str]
+    reasons: list[str]
+
+
+@dataclass
+class Analysis:
+    groups: list[GroupSpec] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+
+
+def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
+    """Class representative (smallest id) of every id, from the tie edges."""
+    rep = torch.arange(n)
+    if not edges:
+        return rep
+    e = torch.unique(torch.cat(edges), dim=0)
+    g = nx.Graph()
+    g.add_edges_from(e.tolist())
+    for comp in nx.connected_components(g):
+        c = torch.tensor(sorted(comp))
+        rep[c] = c[0]
+    return rep
+
+
+def resolve_tentative(rep: torch.Tensor, tentative: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A parameter element used only with one class joins it; one used across classes is shared."""
+    tent = [t for t in tentative if t.numel()]
+    if not tent:
+        return []
+    t = torch.cat(tent)
+    pc = torch.unique(torch.stack([t[:, 0], rep[t[:, 1]]], 1), dim=0)
+    ids, counts = torch.unique(pc[:, 0], return_counts=True)
+    single = ids[counts == 1]
+    keep = torch.isin(pc[:, 0], single)
+    return [pc[keep]]
+
+
+def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
+    """(outer, inner) when unit indices ``u`` along a dim follow ``[outer][n][inner]``."""
+    size = u.numel()
+    if n == 0 or size % n or (u < 0).any():
+        return None
+    inner = 1
+    while inner < size and u[inner] == u[0]:
+        inner += 1
+    if size % (n * inner):
+        return None
+    expected = (torch.arange(size) // inner) % n
+    return (size // (n * inner), inner) if torch.equal(u, expected) else None
+
+
+def module_of(node: torch.fx.Node) -> str:
+    if node.op in ("call_module",):
+        return node.target
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return list(stack.values())[-1][0]
+    return ""
+
+
+class _Builder:
+    """Turns one labelling into group specs."""
+
+    def __init__(self, lab: Labeller):
+        self.lab, self.rec = lab, lab.rec
+        rec: Records = self.rec
+        rep = classes(rec.next_id, rec.edges)
+        self.rep = classes(rec.next_id, rec.edges + resolve_tentative(rep, rec.tentative))
+        n = rec.next_id
+        is_space = torch.zeros(n, dtype=torch.bool)
+        for start, stop, _ in rec.spaces:
+            is_space[start:stop] = True
+        self.unit_class = torch.zeros(n, dtype=torch.bool)
+        self.unit_class[self.rep[is_space]] = True
+        self.head = torch.zeros(n, dtype=torch.bool)
+        for ids in rec.contracted:
+            c = self.cls(ids)
+            self.head[c[c >= 0]] = True
+        self.benign = torch.zeros(n, dtype=torch.bool)
+        self.hard: dict[int, list[str]] = {}
+        for pin in rec.pins:
+            c = self.cls(pin.ids)
+            if pin.dim is not None and not I.varies(c, pin.dim):
+                continue
+            c = torch.unique(c[(c >= 0)])
+            c = c[self.unit_class[c]]
+            if pin.benign:
+                self.benign[c] = True
+            else:
+                for k in c.tolist():
+                    self.hard.setdefault(k, []).append(pin.reason)
+        self.mixed: dict[int, list[str]] = {}
+        for p, why in rec.mixes:
+            c = self.cls(p)
+            diff = c[:, 0] != c[:, 1]
+            for k in torch.unique(c[diff].flatten()).tolist():
+                if k >= 0 and self.unit_class[k]:
+                    self.mixed.setdefault(k, []).append(why)
+
+    def cls(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
+
+    def groups(self) -> list[list[int]]:
+        """Unit classes that share a tensor axis belong to one group."""
+        g = nx.Graph()
+        for _, _, ids in self.rec.acts:
+            c = torch.unique(self.cls(ids))
+            c = c[c >= 0]
+            c = c[self.unit_class[c]].tolist()
+            g.add_nodes_from(c)
+            g.add_edges_from(zip(c, c[1:]))
+        return [sorted(comp) for comp in nx.connected_components(g)]
+
+    def build(self) -> Analysis:
+        out = Analysis()
+        for units in self.groups():
+            try:
+                spec = self.group(units)
+            except K.Unsupported as e:
+                out.refusals.append(Refusal(self.modules_of(units), [str(e)]))
+                continue
+            if spec is None:
+                continue
+            if isinstance(spec, Refusal):
+                out.refusals.append(spec)
+            else:
+                out.groups.append(spec)
+        return out
+
+    def modules_of(self, units: list[int]) -> list[str]:
+        mods = []
+        for node, _, ids in self.rec.acts:
+            c = self.cls(ids)
+            if torch.isin(c, torch.tensor(units)).any():
+                mods.append(module_of(node))
+        return mods
+
+    def group(self, units: list[int]) -> GroupSpec | Refusal | None:
+        ut = torch.tensor(units)
+        if self.benign[ut].any():
+            return None  # not a unit axis (residual stream, model output)
+        mods = self.modules_of(units)
+        hard = sorted({r for k in units for r in self.hard.get(k, [])})
+        if hard:
+            return Refusal(mods, hard)
+        sinks = [(w, node, self.cls(col)) for w, node, col in self.rec.sinks if torch.isin(self.cls(col), ut).any()]
+        names = sorted({w for w, _, _ in sinks})
+        if len(names) != 1:
+            why = "no linear map reads these units" if not names else f"read by several linear maps: {', '.join(names)}"
+            return Refusal(mods, [why])
+        sink, sink_node, col = sinks[0]
+        order = list(dict.fromkeys(c for c in col.tolist() if c >= 0))
+        n = len(units)
+        if sorted(order) != units:
+            return Refusal(mods, [f"{sink} reads only some of the units"])
+        if n < 2:
+            return Refusal(mods, ["a single unit: its axis cannot be located"])
+        index = torch.full((self.rec.next_id,), NO_ID)
+        index[torch.tensor(order)] = torch.arange(n)
+        members = [self.member(name, ids, index, n, sink) for name, ids in self.rec.members]
+        members = list(dict.fromkeys(m for m in members if m is not None))
+        axes = self.unit_axes(index, n)
+        consts, notes_zero = self.constants(axes, n)
+        sink_member = next(m for m in members if m.output)
+        mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
+        mixed = sorted({r for k in units for r in self.mixed.get(k, [])})
+        kind = "head" if self.head[ut].any() else "channel"
+        min_count = 1 if (kind == "channel" or notes_zero) else 0
+        return GroupSpec(kind, n, members, consts, not mixed, mixed + notes_zero, mods, sink, sink_node,
+                         sink_member.inner if sink_member.outer == 1 else 0, min_count)
+
+    def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: str) -> ParamSlice | None:
+        c = self.cls(ids)
+        u = torch.where(c >= 0, index[c.clamp(min=0)], c)
+        if not (u >= 0).any():
+            return None
+        shape = self.shape_of(name)
+        u = I.align(u, len(shape))
+        dims = [d for d in range(u.dim()) if I.varies(u, d)]
+        if len(dims) != 1:
+            raise K.Unsupported(f"{name}: units vary along {len(dims)} dims")
+        d = dims[0]
+        other = [k for k in range(u.dim()) if k != d]
+        u1 = u.amax(dim=other, keepdim=True) if other else u
+        if not ((u == u1) | (u == NO_ID)).all():
+            raise K.Unsupported(f"{name}: elements of one slice belong to different units")
+        lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
+        if lay is None:
+            raise K.Unsupported(f"{name}: dim {d} is not laid out as [outer][unit][inner]")
+        return ParamSlice(name, d, lay[0], lay[1], name == sink and d == 1)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        root = self.lab.module
+        try:
+            return tuple(root.get_parameter(name).shape)
+        except AttributeError:
+            return tuple(root.get_buffer(name).shape)
+
+    def unit_axes(self, index: torch.Tensor, n: int) -> dict[tuple, int]:
+        """The unit axis of every activation that carries the group's units."""
+        axes = {}
+        for node, i, ids in self.rec.acts:
+            c = self.cls(ids)
+            u = torch.where(c >= 0, index[c.clamp(min=0)], c)
+            if not (u >= 0).any():
+                continue
+            dims = [d for d in range(u.dim()) if I.varies(u, d)]
+            if len(dims) != 1:
+                raise K.Unsupported(f"{node.name}: carries the units along {len(dims)} axes")
+            if (u < 0).any():
+                raise K.Unsupported(f"{node.name}: mixes units with other coordinates on the unit axis")
+            axes[(node, i)] = dims[0]
+        return axes
+
+    def constants(self, axes: dict[tuple, int], n: int) -> tuple[list[K.ConstantSpec], list[str]]:
+        consts, notes = [], []
+        lab = self.lab
+        for node in lab.module.graph.nodes:
+            src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+            in_dim = axes.get((src, None)) if src is not None else None
+            out_dim = axes.get((node, None))
+            if in_dim is None and out_dim is None:
+                continue
+            site = K.Site(node, in_dim, out_dim, lab.shapes.get(src), lab.shapes.get(node), n,
+                          lab.rec.size_reads, lab.values)
+            found = K.find(site)
+            consts += found
+            if node.op == "call_method" and node.target in ("view", "reshape") and out_dim is not None:
+                paths = K.shape_paths(node, 1)
+                if any(K.get_path(node, p) == -1 for k, p in enumerate(paths) if k != out_dim):
+                    notes.append(f"{node.name}: a -1 beside the unit axis is ambiguous at zero units")
+        return consts, notes
+
+
+def analyse(lab: Labeller) -> Analysis:
+    """Group specs (and refusals) of a graph that ``lab`` has run."""
+    return _Builder(lab).build()

@@ -1,0 +1,230 @@
+"""Dataflow labelling: run a traced graph on real inputs and, beside every value, an id tensor that
+says which feature coordinates (rows of the Linear that produced them) each position carries.
+
+Ops tie coordinates together (an elementwise op of two activations, a contraction of two activations,
+a parameter shared by a coordinate), couple them for exactness (normalisations), or make them
+unsliceable (an op without a rule). ``Records`` keeps all of it for the grouping step. Op handling
+is the table in ``fxsurgery.rules``.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+from torch.fx.node import Node, map_arg
+
+from . import ids as I
+
+
+@dataclass(frozen=True)
+class Label:
+    """Ids beside one tensor value. ``param`` is True while the value derives only from parameters or
+    buffers (its ids are the elements' own ids, not feature coordinates)."""
+
+    ids: torch.Tensor
+    param: bool = False
+
+
+@dataclass
+class Pin:
+    """Coordinates that cannot be sliced. ``dim`` set: only if the unit axis turns out to be that dim."""
+
+    ids: torch.Tensor
+    reason: str
+    benign: bool  # the coordinates simply are not a unit axis (residual stream, model output)
+    dim: int | None = None
+
+
+@dataclass
+class Records:
+    """Everything the labelling learns, in terms of ids."""
+
+    next_id: int = 0
+    edges: list[torch.Tensor] = field(default_factory=list)  # definite ties (k, 2)
+    tentative: list[torch.Tensor] = field(default_factory=list)  # (param id, activation id) uses
+    mixes: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # normalised together
+    pins: list[Pin] = field(default_factory=list)
+    contracted: list[torch.Tensor] = field(default_factory=list)  # ids contracted against activations
+    spaces: list[tuple[int, int, str]] = field(default_factory=list)  # (start, stop, producer node)
+    params: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> fresh id range
+    members: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (name, ids broadcast to shape)
+    sinks: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)  # (param, node, col ids)
+    acts: list[tuple[Node, int | None, torch.Tensor]] = field(default_factory=list)
+    size_reads: set[Node] = field(default_factory=set)
+
+    def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        out = torch.arange(self.next_id, self.next_id + n).reshape(shape)
+        self.next_id += n
+        return out
+
+    def tie(self, p: torch.Tensor) -> None:
+        if p.numel():
+            self.edges.append(p)
+
+    def member(self, name: str, ids: torch.Tensor) -> None:
+        """``ids`` (broadcastable to the parameter) name the coordinates its elements belong to; a
+        weight is listed once for its rows and once for its columns."""
+        self.members.append((name, ids))
+
+    def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None) -> None:
+        self.pins.append(Pin(ids, reason, benign, dim))
+
+
+class Labeller(torch.fx.Interpreter):
+    """Interpreter whose one job is to compute a ``Label`` beside every value of the graph."""
+
+    def __init__(self, gm: torch.fx.GraphModule, rules: "RuleTable"):
+        super().__init__(gm, garbage_collect_values=True)
+        self.rules = rules
+        self.rec = Records()
+        self.labels: dict[Node, Any] = {}
+        self.shapes: dict[Node, Any] = {}
+        self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
+
+    def run_node(self, n: Node) -> Any:
+        out = super().run_node(n)
+        if torch.is_tensor(out):
+            self.shapes[n] = tuple(out.shape)
+        elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out):
+            self.shapes[n] = tuple(tuple(o.shape) for o in out)
+        elif out is None or isinstance(out, (int, float, bool, torch.Size, tuple, list)):
+            self.values[n] = out
+        label = self.rules.label(Step(self, n, out))
+        self.labels[n] = label
+        self._record_acts(n, label)
+        return out
+
+    def _record_acts(self, n: Node, label: Any) -> None:
+        if isinstance(label, Label) and not label.param:
+            self.rec.acts.append((n, None, label.ids))
+        elif isinstance(label, tuple):
+            for i, lab in enumerate(label):
+                if isinstance(lab, Label) and not lab.param:
+                    self.rec.acts.append((n, i, lab.ids))
+
+
+class Step:
+    """One node being labelled: its real argument values, their labels, and the output value."""
+
+    def __init__(self, lab: Labeller, node: Node, out: Any):
+        self.lab, self.rec, self.node, self.out = lab, lab.rec, node, out
+        env = lab.env
+        self.args = map_arg(node.args, lambda a: env.get(a))
+        self.kwargs = map_arg(node.kwargs, lambda a: env.get(a))
+        self.largs = map_arg(node.args, lambda a: lab.labels.get(a))
+        self.lkwargs = map_arg(node.kwargs, lambda a: lab.labels.get(a))
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def arg(self, i: int, key: str, default: Any = None) -> tuple[Any, Any]:
+        """(value, label) of positional argument ``i`` or keyword ``key``."""
+        if i < len(self.node.args):
+            return self.args[i], self._label_at(self.node.args[i], self.largs[i])
+        if key in self.node.kwargs:
+            return self.kwargs[key], self._label_at(self.node.kwargs[key], self.lkwargs[key])
+        return default, None
+
+    @staticmethod
+    def _label_at(raw: Any, label: Any) -> Any:
+        return label if isinstance(raw, Node) else None
+
+    def tensors(self) -> Iterator[tuple[torch.Tensor, Label | None]]:
+        """Every tensor argument (nested in lists too) with its label."""
+        vals, labs = [], []
+        _flatten((self.node.args, self.node.kwargs), (self.args, self.kwargs), (self.largs, self.lkwargs), vals, labs)
+        for v, lab in zip(vals, labs):
+            if torch.is_tensor(v):
+                yield v, lab if isinstance(lab, Label) else None
+
+    def has_labels(self) -> bool:
+        return any(lab is not None for _, lab in self.tensors())
+
+
+def _flatten(raw: Any, val: Any, lab: Any, vals: list, labs: list) -> None:
+    if isinstance(raw, Node):
+        vals.append(val)
+        labs.append(lab)
+    elif isinstance(raw, (tuple, list)):
+        for r, v, l in zip(raw, val, lab):
+            _flatten(r, v, l, vals, labs)
+    elif isinstance(raw, dict):
+        for k in raw:
+            _flatten(raw[k], val[k], lab[k], vals, labs)
+
+
+Rule = Callable[[Step], Any]
+
+
+class RuleTable:
+    """Maps a node to its rule: call_function by target, call_method by name, call_module by type."""
+
+    def __init__(self) -> None:
+        self.functions: dict[Any, Rule] = {}
+        self.methods: dict[str, Rule] = {}
+        self.modules: list[tuple[type, Rule]] = []
+        self.always: dict[str, Rule] = {}  # op kinds labelled even without labelled inputs
+        self.fallback: Rule | None = None
+
+    def function(self, *targets: Any) -> Callable[[Rule], Rule]:
+        def deco(fn: Rule) -> Rule:
+            for t in targets:
+                self.functions[t] = fn
+            return fn
+        return deco
+
+    def method(self, *names: str) -> Callable[[Rule], Rule]:
+        def deco(fn: Rule) -> Rule:
+            for n in names:
+                self.methods[n] = fn
+                self.methods[n + "_"] = fn  # in-place variants tie the same coordinates
+            return fn
+        return deco
+
+    def module(self, *types: type) -> Callable[[Rule], Rule]:
+        def deco(fn: Rule) -> Rule:
+            for t in types:
+                self.modules.append((t, fn))
+            return fn
+        return deco
+
+    def find(self, s: Step) -> Rule | None:
+        n = s.node
+        if n.op == "call_function":
+            return self.functions.get(n.target)
+        if n.op == "call_method":
+            return self.methods.get(n.target)
+        if n.op == "call_module":
+            mod = s.lab.module.get_submodule(n.target)
+            for t, fn in self.modules:
+                if isinstance(mod, t):
+                    return fn
+        return None
+
+    def label(self, s: Step) -> Any:
+        if s.node.op in self.always:
+            return self.always[s.node.op](s)
+        rule = self.find(s)
+        if rule is not None and getattr(rule, "always", False):
+            return rule(s)
+        if not s.has_labels():
+            return None
+        if rule is None:
+            return self.fallback(s) if self.fallback else None
+        return rule(s)
+
+
+def always(fn: Rule) -> Rule:
+    """Mark a rule that runs even when no input carries ids (producers start ids)."""
+    fn.always = True  # type: ignore[attr-defined]
+    return fn
+
+
+GETITEM = operator.getitem

@@ -1,0 +1,422 @@
+"""The public entry point: find unit groups in a model and remove or clone units in place."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from . import constants as K
+from .errors import AnalysisError, TraceError
+from .graph_forward import GraphForward
+from .grouping import Analysis, GroupSpec, Refusal, analyse
+from .labelling import Labeller
+from .rules import RULES
+from .slicing import ParamSlice, clone_state, clone_unit, remove_unit, state_tensors
+from .tracing import capture_inputs, forked_rng, trace, training_mode
+
+
+def common_module(paths: Sequence[str]) -> str:
+    """Deepest module that contains every path (dotted names)."""
+    parts = [p.split(".") if p else [] for p in paths]
+    if not parts:
+        return ""
+    out = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        out.append(level[0])
+    return ".".join(out)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+@dataclass(eq=False)
+class UnitGroup:
+    """Interchangeable units (attention heads or FFN channels) of one layer, operated on together.
+
+    ``count`` is always current; ``max_count`` is the count in the model as analysed. ``exact`` is
+    True when clone and remove are function-preserving for this group."""
+
+    name: str
+    kind: str
+    module: str
+    count: int
+    max_count: int
+    exact: bool
+    slices: tuple[ParamSlice, ...]
+    notes: tuple[str, ...] = ()
+    min_count: int = 0
+    host: str = ""
+    sink_module: str | None = None
+    tap_inner: int = 0
+    constants: list[K.ConstantSpec] = field(default_factory=list, repr=False)
+
+    def __repr__(self) -> str:
+        return f"UnitGroup({self.name!r}, {self.kind}, {self.count}/{self.max_count}, exact={self.exact})"
+
+
+@dataclass
+class LeftOut:
+    """A part of the model the analysis did not turn into a group, and why."""
+
+    module: str
+    reasons: list[str]
+
+
+class Surgeon:
+    """Trace ``model``, find its unit groups, and operate on them in place.
+
+    The model keeps its class, methods, parameter objects and ``state_dict`` keys; the modules that
+    host units get a rewritten forward. Every group is checked once on the live model at analysis:
+    a clone must leave the host's outputs unchanged and a removal must equal masking the unit."""
+
+    def __init__(self, model: nn.Module, example_inputs: Any):
+        self.model = model
+        self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        self.groups: list[UnitGroup] = []
+        self.left_out: list[LeftOut] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._forwards: dict[str, GraphForward] = {}
+        self._inputs: dict[str, tuple[tuple, dict]] = {}
+        self._analyse()
+
+    # ------------------------------------------------------------------ public API
+
+    def group(self, name: str) -> UnitGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no group named {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep ``optimizer``'s per-parameter state in step with every remove and clone."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for g in self.groups:
+            for sl in g.slices:
+                state_tensors([optimizer], self._tensor(sl.name))
+        if all(o is not optimizer for o in self._optimizers):
+            self._optimizers.append(optimizer)
+
+    def remove(self, group: UnitGroup, index: int) -> None:
+        """Delete unit ``index``; the remaining units keep their relative order."""
+        g = self._own(group)
+        if not 0 <= index < g.count:
+            raise IndexError(f"{g.name}: unit {index} out of range for {g.count} units")
+        if g.count - 1 < g.min_count:
+            why = "; ".join(g.notes) if g.kind == "head" else "a layer keeps at least one channel"
+            raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s) ({why})")
+        self._edit(g, g.count - 1,
+                   lambda sl, t: remove_unit(t, sl, g.count, index),
+                   lambda sl, t: remove_unit(t, sl, g.count, index))
+
+    def clone(self, group: UnitGroup, parent: int, noise_std: float = 0.0,
+              generator: torch.Generator | None = None, relative: bool = False) -> int:
+        """Append a copy of unit ``parent``; its output weights are split W/2 + ε and W/2 − ε with
+        ε ~ N(0, σ²), σ = ``noise_std`` (times the std of the parent's output weights if ``relative``).
+        Returns the new unit's index."""
+        g = self._own(group)
+        if not 0 <= parent < g.count:
+            raise IndexError(f"{g.name}: parent {parent} out of range for {g.count} units")
+        noise = self._noise(g, parent, noise_std, generator, relative)
+        new = g.count
+        self._edit(g, g.count + 1,
+                   lambda sl, t: clone_unit(t, sl, g.count, parent, noise.get(sl.name)),
+                   lambda sl, t: clone_state(t, sl, g.count, parent))
+        return new
+
+    def tap(self, group: UnitGroup, fn: Callable[[torch.Tensor], None]) -> torch.utils.hooks.RemovableHandle:
+        """Call ``fn(a)`` in every forward with the activations that feed the group's output
+        projection, viewed as ``(*lead, count, per_unit)``. ``handle.remove()`` stops it."""
+        g = self._own(group)
+        if g.sink_module is None or not g.tap_inner:
+            raise ValueError(f"{g.name}: its output projection is not a module with a plain unit layout; cannot tap it")
+        sink = self.model.get_submodule(g.sink_module)
+
+        def hook(module: nn.Module, args: tuple) -> None:
+            fn(args[0].unflatten(-1, (g.count, g.tap_inner)))
+
+        return sink.register_forward_pre_hook(hook)
+
+    def explain(self) -> str:
+        """A table of the groups (count / max, exactness, sliced tensors, rewritten constants) and of
+        what was left out and why."""
+        lines = [f"fxsurgery: {len(self.groups)} unit groups in {type(self.model).__name__}"]
+        w = max([len(g.name) for g in self.groups] + [5])
+        lines.append(f"{'group':<{w}}  {'kind':<7}  {'module':<{w}}  {'units':>9}  exact")
+        for g in self.groups:
+            lines.append(f"{g.name:<{w}}  {g.kind:<7}  {g.module:<{w}}  {f'{g.count}/{g.max_count}':>9}  "
+                         f"{'yes' if g.exact else 'no'}")
+            lines.append("    slices: " + ", ".join(_describe(sl) for sl in g.slices))
+            if g.constants:
+                lines.append("    constants: " + ", ".join(c.describe() for c in _unique_constants(g.constants)))
+            for note in g.notes:
+                lines.append(f"    note: {note}")
+        if self.left_out:
+            lines.append("left out:")
+            for lo in self.left_out:
+                lines.append(f"  {lo.module or '(model)'}: " + "; ".join(lo.reasons))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ analysis
+
+    def _analyse(self) -> None:
+        regions, failures = self._regions()
+        found: list[str] = []  # modules that host a group
+        for prefix, gm, values in regions:
+            result = self._label(gm, values, prefix)
+            for spec in result.groups:
+                found.append(_join(prefix, common_module(spec.modules)))
+            for r in result.refusals:
+                self.left_out.append(LeftOut(_join(prefix, common_module(r.modules)), r.reasons))
+        hosts = sorted(set(found))
+        hosts = [h for h in hosts if not any(h.startswith(o + ".") or (o == "" and h) for o in hosts if o != h)]
+        if hosts:
+            self._inputs = capture_inputs(self.model, self.example_inputs, [h for h in hosts if h])
+            if "" in hosts:
+                self._inputs[""] = (self.example_inputs, {})
+        for host in hosts:
+            self._install(host)
+        if not self.groups:
+            if failures:
+                raise TraceError("; ".join(str(f) for f in failures))
+            why = "; ".join(f"{lo.module}: {', '.join(lo.reasons)}" for lo in self.left_out) or "no attention heads or FFN channels"
+            raise AnalysisError(f"no unit groups found in {type(self.model).__name__}: {why}")
+
+    def _regions(self) -> tuple[list[tuple[str, torch.fx.GraphModule, list]], list[TraceError]]:
+        """The whole model if it traces, else the largest submodules that do."""
+        try:
+            gm, values = trace(self.model, "", self.example_inputs, {}, self.model.training)
+            return [("", gm, values)], []
+        except TraceError as e:
+            failures = [e]
+        names = [n for n, _ in self.model.named_modules() if n]
+        calls = capture_inputs(self.model, self.example_inputs, names)
+        regions = []
+
+        def visit(prefix: str, module: nn.Module) -> None:
+            for child, sub in module.named_children():
+                q = _join(prefix, child)
+                if q not in calls:
+                    continue
+                try:
+                    gm, values = trace(sub, q, *calls[q], sub.training)
+                    regions.append((q, gm, values))
+                except TraceError as err:
+                    failures.append(err)
+                    visit(q, sub)
+
+        visit("", self.model)
+        return regions, failures
+
+    def _label(self, gm: torch.fx.GraphModule, values: list, where: str) -> Analysis:
+        lab = Labeller(gm, RULES)
+        try:
+            with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]):
+                lab.run(*values)
+        except Exception as e:
+            node = getattr(lab, "_current_node", None)
+            raise AnalysisError(f"analysis of {where or 'the model'} failed at node "
+                                f"{getattr(node, 'name', '?')}: {type(e).__name__}: {e}") from e
+        return analyse(lab)
+
+    def _install(self, host: str) -> None:
+        module = self.model.get_submodule(host) if host else self.model
+        args, kwargs = self._inputs[host]
+        graphs, results = {}, {}
+        for mode in (True, False):
+            gm, values = trace(module, host, args, kwargs, mode)
+            if mode is False and gm.code == graphs[True][0].code:
+                graphs[False], results[False] = graphs[True], results[True]
+                break
+            graphs[mode] = (gm, values)
+            with training_mode(module, mode):
+                results[mode] = self._label(gm, values, host)
+        fwd = GraphForward(module, {m: graphs[m][0].graph for m in (True, False)})
+        eval_specs = {s.sink: s for s in results[False].groups}
+        new_groups = []
+        for spec in results[True].groups:
+            other = eval_specs.get(spec.sink)
+            if other is None or other.count != spec.count:
+                self.left_out.append(LeftOut(_join(host, common_module(spec.modules)),
+                                             ["train and eval graphs disagree about this group"]))
+                continue
+            consts = spec.constants + ([] if other is spec else other.constants)
+            new_groups.append(self._make_group(host, spec, consts))
+        for r in results[True].refusals:
+            self.left_out.append(LeftOut(_join(host, common_module(r.modules)), r.reasons))
+        self._forwards[host] = fwd
+        fwd.install()
+        for g in new_groups:
+            failure = self._verify(g)
+            if failure:
+                self.left_out.append(LeftOut(g.module, [f"self-check failed: {failure}"]))
+            else:
+                self.groups.append(g)
+
+    def _make_group(self, host: str, spec: GroupSpec, consts: list[K.ConstantSpec]) -> UnitGroup:
+        module = _join(host, common_module(spec.modules))
+        base = f"{module or type(self.model).__name__}:{spec.kind}"
+        name = base
+        for k in itertools.count(1):
+            if all(g.name != name for g in self.groups):
+                break
+            name = f"{base}{k}"
+        slices = tuple(ParamSlice(_join(host, m.name), m.dim, m.outer, m.inner, m.output) for m in spec.members)
+        sink_node = spec.sink.rsplit(".", 1)[0]
+        sink_module = _join(host, sink_node) if isinstance(self._maybe_module(_join(host, sink_node)), nn.Linear) else None
+        return UnitGroup(name, spec.kind, module, spec.count, spec.count, spec.exact, slices, tuple(spec.notes),
+                         spec.min_count, host, sink_module, spec.tap_inner, consts)
+
+    def _maybe_module(self, name: str) -> nn.Module | None:
+        try:
+            return self.model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def _verify(self, g: UnitGroup) -> str | None:
+        """Clone and remove unit 0 on the live host in float64, compare, and restore everything."""
+        module = self.model.get_submodule(g.host) if g.host else self.model
+        args, kwargs = self._inputs[g.host]
+        saved = [(t, t.data) for t in module.parameters()]
+        buffers = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None]
+        count = g.count
+        to64 = lambda x: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
+        a64, k64 = pytree.tree_map(to64, (args, kwargs))
+
+        def run() -> list[torch.Tensor]:
+            with torch.no_grad():
+                return [t for t in pytree.tree_leaves(module(*a64, **k64)) if torch.is_tensor(t)]
+
+        def restore() -> None:
+            for t, data in saved:
+                t.data = data
+            for m, k, b in buffers:
+                m._buffers[k] = b
+            module.double()
+            g.count = count
+            self._apply_constants(g)
+
+        try:
+            with training_mode(module, False), forked_rng(pytree.tree_leaves((args, kwargs))):
+                module.double()
+                y0 = run()
+                if g.exact:
+                    self._edit(g, count + 1,
+                               lambda sl, t: clone_unit(t, sl, count, 0, self._noise(g, 0, 0.5, None, True).get(sl.name)),
+                               None)
+                    err = _max_rel_diff(y0, run())
+                    if err > 1e-8:
+                        return f"a clone changed the outputs by {err:.2e}"
+                    restore()
+                out = next(sl for sl in g.slices if sl.output)
+                w = self._tensor(out.name)
+                kept = w.data.clone()
+                out.unit(w.data, count, 0).zero_()
+                y_mask = run()
+                w.data = kept
+                self._edit(g, count - 1, lambda sl, t: remove_unit(t, sl, count, 0), None)
+                y_rm = run()
+                if g.exact and _max_rel_diff(y_mask, y_rm) > 1e-8:
+                    return f"a removal differs from masking by {_max_rel_diff(y_mask, y_rm):.2e}"
+                if [y.shape for y in y_rm] != [y.shape for y in y0]:
+                    return "a removal changed the output shapes"
+        except Exception as e:  # report the group, keep the model usable
+            return f"{type(e).__name__}: {e}"
+        finally:
+            for t, data in saved:
+                t.data = data
+            for m, k, b in buffers:
+                m._buffers[k] = b
+            if g.count != count:
+                g.count = count
+                self._apply_constants(g)
+        return None
+
+    # ------------------------------------------------------------------ editing
+
+    def _own(self, group: UnitGroup) -> UnitGroup:
+        if not any(group is g for g in self.groups):
+            raise ValueError(f"{getattr(group, 'name', group)!r} is not a group of this Surgeon")
+        return group
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:
+            return self.model.get_buffer(name)
+
+    def _noise(self, g: UnitGroup, parent: int, std: float, generator: torch.Generator | None,
+               relative: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        if std == 0:
+            return out
+        for sl in g.slices:
+            if not sl.output:
+                continue
+            w = sl.unit(self._tensor(sl.name).data, g.count, parent)
+            sigma = std * (float(w.float().std()) if relative and w.numel() > 1 else 1.0)
+            dev = generator.device if generator is not None else w.device
+            out[sl.name] = (torch.randn(w.shape, generator=generator, device=dev, dtype=torch.float32) * sigma).to(w)
+        return out
+
+    def _edit(self, g: UnitGroup, new_count: int, data_fn: Callable, state_fn: Callable | None) -> None:
+        """Compute every new tensor first, then swap them in: a failure leaves the model untouched."""
+        tensors = [(sl, self._tensor(sl.name)) for sl in g.slices]
+        optimizers = self._optimizers if state_fn is not None else []
+        states = [(sl, st, k) for sl, t in tensors for st, k in state_tensors(optimizers, t)]
+        new_data = [(t, data_fn(sl, t.data)) for sl, t in tensors]
+        new_state = [(st, k, state_fn(sl, st[k])) for sl, st, k in states]
+        for t, d in new_data:
+            t.data = d
+            if isinstance(t, nn.Parameter):
+                t.grad = None
+        for st, k, v in new_state:
+            st[k] = v
+        g.count = new_count
+        self._apply_constants(g)
+        self._sync_modules(g)
+
+    def _apply_constants(self, g: UnitGroup) -> None:
+        for c in g.constants:
+            K.set_path(c.node, c.path, c.per_unit * g.count)
+        self._forwards[g.host].recompile()
+
+    def _sync_modules(self, g: UnitGroup) -> None:
+        """Keep torch.nn modules' size attributes (used by their repr and forward) truthful."""
+        for sl in g.slices:
+            owner, _, pname = sl.name.rpartition(".")
+            mod = self._maybe_module(owner) if owner else self.model
+            if isinstance(mod, nn.Linear) and pname == "weight":
+                mod.out_features, mod.in_features = mod.weight.shape
+            elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) and pname == "weight":
+                mod.normalized_shape = tuple(mod.weight.shape[-len(mod.normalized_shape):])
+
+
+def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    if [x.shape for x in a] != [y.shape for y in b]:
+        return float("inf")
+    scale = max([1.0] + [float(x.abs().max()) for x in a if x.numel()])
+    return max([0.0] + [float((x - y).abs().max()) for x, y in zip(a, b) if x.numel()]) / scale
+
+
+def _describe(sl: ParamSlice) -> str:
+    lay = "·".join(([str(sl.outer)] if sl.outer > 1 else []) + ["n"] + ([str(sl.inner)] if sl.inner > 1 else []))
+    return f"{sl.name}[dim {sl.dim}: {lay}{' out' if sl.output else ''}]"
+
+
+def _unique_constants(consts: list[K.ConstantSpec]) -> list[K.ConstantSpec]:
+    seen, out = set(), []
+    for c in consts:
+        key = (c.node.name, c.path)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out

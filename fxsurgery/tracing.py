@@ -1,0 +1,137 @@
+"""torch.fx tracing of whole models and of the submodules that host units."""
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from .errors import TraceError
+from .graph_forward import GraphForward
+
+
+def tracer_options() -> tuple[tuple[type, ...], tuple[Any, ...]]:
+    """Leaf module types and autowrap functions that timm registers, when timm is installed."""
+    if importlib.util.find_spec("timm") is None:
+        return (), ()
+    layers = importlib.import_module("timm.layers")
+    return tuple(layers.get_notrace_modules()), tuple(layers.get_notrace_functions())
+
+
+class Tracer(torch.fx.Tracer):
+    """A symbolic tracer that keeps registered leaf modules opaque."""
+
+    def __init__(self) -> None:
+        leaves, functions = tracer_options()
+        super().__init__(autowrap_functions=tuple(f for f in functions if inspect.isfunction(f)))
+        self.leaf_types = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, qualname)
+
+
+@contextmanager
+def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
+    """Temporarily put ``module`` (recursively) in train or eval mode, then restore every flag."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(mode)
+    try:
+        yield
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+@contextmanager
+def forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Analysis runs forwards; the user's random streams must not notice."""
+    devices = sorted({t.device.index or 0 for t in tensors if torch.is_tensor(t) and t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) -> dict[str, tuple[tuple, dict]]:
+    """Run ``model`` once and record the (args, kwargs) of the first call of each named submodule."""
+    seen: dict[str, tuple[tuple, dict]] = {}
+    handles = []
+    for name in names:
+        mod = model.get_submodule(name)
+
+        def hook(m, args, kwargs, name=name):
+            seen.setdefault(name, (args, kwargs))
+
+        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad(), forked_rng(_tensors(example_inputs)):
+            model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t)]
+
+
+def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a call into traced tensor inputs and concrete values frozen at what the call passed
+    (defaults for omitted optional arguments)."""
+    sig = inspect.signature(type(module).forward)
+    bound = sig.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    traced, concrete = {}, {}
+    for name, value in list(bound.arguments.items())[1:]:
+        kind = sig.parameters[name].kind
+        if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            if value:
+                raise TraceError(f"{type(module).__name__}.forward takes *args/**kwargs; pass them by name")
+            continue
+        (traced if torch.is_tensor(value) else concrete)[name] = value
+    return traced, concrete
+
+
+def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool) -> tuple[torch.fx.GraphModule, list]:
+    """Trace ``module`` in the given mode; returns the graph module and the values of its placeholders."""
+    installed = GraphForward.of(module)
+    if installed is not None:  # already operated on: its current graph is the truth
+        graph = copy.deepcopy(installed.graphs[training])
+        return torch.fx.GraphModule(module, graph, type(module).__name__), _placeholder_values(graph, args, kwargs)
+    traced, concrete = bind_inputs(module, args, kwargs)
+    tracer = Tracer()
+    try:
+        with training_mode(module, training):
+            graph = tracer.trace(module, concrete_args=concrete or None)
+    except Exception as e:  # torch.fx raises many types; the user needs the module and the cause
+        label = name or "the model"
+        raise TraceError(f"cannot trace {label} ({type(module).__name__}): {type(e).__name__}: {e}") from e
+    values = []
+    everything = {**traced, **concrete}
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        base = node.target
+        if base not in everything and base.rsplit("_", 1)[0] in everything:
+            base = base.rsplit("_", 1)[0]
+            node.target = base  # keep the caller's keyword names working
+        values.append(everything.get(base))
+    gm = torch.fx.GraphModule(module, graph, type(module).__name__)
+    return gm, values
+
+
+def _placeholder_values(graph: torch.fx.Graph, args: tuple, kwargs: dict) -> list:
+    """Placeholder values of an installed graph for a recorded call."""
+    names = [n.target for n in graph.nodes if n.op == "placeholder"]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    out = []
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            out.append(values[node.target] if node.target in values else (node.args[0] if node.args else None))
+    return out

@@ -1,0 +1,173 @@
+"""Controller flow on a hand-written fake surgeon (no fx): events, cooldown, tap removal, state round trip."""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from barter.controller import Controller
+from barter.options import Options
+from barter.schedule import make_schedule
+
+
+class Block(nn.Module):
+    """Attention with `heads` heads of size 2 and an FFN with `hidden` channels, resizable by the fake."""
+
+    def __init__(self, heads=3, hidden=4, dim=6):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(dim, 3 * 2 * heads), nn.Linear(2 * heads, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.taps = {"head": [], "channel": []}
+
+    def forward(self, x):
+        B, N, _ = x.shape
+        H = self.proj.in_features // 2
+        q, k, v = self.qkv(x).reshape(B, N, 3, H, 2).permute(2, 0, 3, 1, 4)
+        a = ((q @ k.transpose(-1, -2)).softmax(-1) @ v).transpose(1, 2)  # B, N, H, 2
+        for fn in self.taps["head"]:
+            fn(a)
+        x = x + self.proj(a.reshape(B, N, 2 * H))
+        h = torch.relu(self.fc1(x)).unsqueeze(-1)
+        for fn in self.taps["channel"]:
+            fn(h)
+        return x + self.fc2(h.squeeze(-1))
+
+
+@dataclass
+class Group:
+    block: Block
+    kind: str
+    module: str
+    name: str
+    max_count: int
+    exact: bool = True
+
+    @property
+    def count(self):
+        return self.block.proj.in_features // 2 if self.kind == "head" else self.block.fc1.out_features
+
+
+class Handle:
+    def __init__(self, lst, fn):
+        self.lst, self.fn = lst, fn
+
+    def remove(self):
+        self.lst.remove(self.fn)
+
+
+def _rows(g, units):
+    """Input rows (qkv / fc1) and output columns (proj / fc2) of the given units."""
+    if g.kind == "channel":
+        return list(units), list(units)
+    H = g.count
+    return [s * H * 2 + u * 2 + j for s in range(3) for u in units for j in range(2)], \
+           [u * 2 + j for u in units for j in range(2)]
+
+
+class FakeSurgeon:
+    def __init__(self, model):
+        self.model = model
+        self.groups = []
+        for i, blk in enumerate(model):
+            self.groups += [Group(blk, "head", f"{i}.attn", f"{i}.attn:head", 3),
+                            Group(blk, "channel", f"{i}.mlp", f"{i}.mlp:channel", 4)]
+
+    def _mods(self, g):
+        return (g.block.qkv, g.block.proj) if g.kind == "head" else (g.block.fc1, g.block.fc2)
+
+    def _set(self, g, rows, cols, out_w):
+        lin_in, lin_out = self._mods(g)
+        lin_in.weight = nn.Parameter(lin_in.weight.data[rows].clone())
+        lin_in.bias = nn.Parameter(lin_in.bias.data[rows].clone())
+        lin_in.out_features, lin_out.in_features = len(rows), len(cols)
+        lin_out.weight = nn.Parameter(out_w)
+
+    def remove(self, g, index):
+        keep = [u for u in range(g.count) if u != index]
+        rows, cols = _rows(g, keep)
+        self._set(g, rows, cols, self._mods(g)[1].weight.data[:, cols].clone())
+
+    def clone(self, g, parent, noise_std=0.0, generator=None, relative=False):
+        units = list(range(g.count)) + [parent]
+        rows, cols = _rows(g, units)
+        w = self._mods(g)[1].weight.data[:, cols].clone()
+        pc = _rows(g, [parent])[1]
+        half = w[:, pc] / 2
+        eps = torch.randn(half.shape, generator=generator) * noise_std * (half.std() * 2 if relative else 1)
+        w[:, pc], w[:, -len(pc):] = half + eps, half - eps
+        self._set(g, rows, cols, w)
+        return g.count - 1
+
+    def tap(self, g, fn):
+        g.block.taps[g.kind].append(fn)
+        return Handle(g.block.taps[g.kind], fn)
+
+    def attach_optimizer(self, opt):
+        pass
+
+
+def make(method="barter", total=40, seed=0, counts=((2, 2), (1, 3), (2, 2))):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block(h, c) for h, c in counts])
+    s = FakeSurgeon(model)
+    layers = {k: [g for g in s.groups if g.kind == k] for k in ("head", "channel")}
+    sched = make_schedule(total, {"head": 2, "channel": 6})
+    ctl = Controller(s, layers, sched, method=method, auto=False, options=Options(),
+                     select_rng=torch.Generator().manual_seed(seed), noise_rng=torch.Generator().manual_seed(seed))
+    return ctl
+
+
+def run(ctl, steps, x=None):
+    opt = torch.optim.SGD(ctl.model.parameters(), lr=0.05)
+    x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0)) if x is None else x
+    diffs = []
+    for step in steps:
+        opt = torch.optim.SGD(ctl.model.parameters(), lr=0.05)  # params change identity in the fake
+        ctl.model(x + 0.1 * step).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        n = len(ctl.events)
+        with torch.no_grad():
+            before = ctl.model(x)
+        ctl.step()
+        if any(e["skipped"] is None for e in ctl.events[n:]):
+            with torch.no_grad():
+                diffs.append((ctl.model(x) - before).abs().max().item())
+    return diffs
+
+
+def test_events_budgets_and_taps():
+    ctl = make()
+    topo0 = ctl.topology()
+    run(ctl, range(1, 41))
+    assert len(ctl.events) == 8
+    assert sorted(e["step"] for e in ctl.events if e["kind"] == "channel") == ctl.schedule["channel"]
+    topo = ctl.topology()
+    for kind in ("head", "channel"):
+        assert sum(v.get(kind, 0) for v in topo.values()) == sum(v.get(kind, 0) for v in topo0.values())
+    assert all(not b.taps["head"] and not b.taps["channel"] for b in ctl.model)
+
+
+def test_cooldown_blocks_fresh_twins():
+    ctl = make()
+    run(ctl, range(1, 41))
+    executed = [e for e in ctl.events if e["skipped"] is None and e["kind"] == "channel"]
+    L = ctl._schedule.cooldown["channel"]
+    for i, e in enumerate(executed):
+        for later in executed[i + 1:]:
+            if later["step"] <= e["step"] + L and later["donor_layer"] == e["receiver_layer"]:
+                assert later["donor_index"] not in (e["parent_index"], e["new_index"])
+
+
+def test_state_round_trip_continues_identically():
+    ref = make(method="random_donor")
+    run(ref, range(1, 41))
+    a = make(method="random_donor")
+    run(a, range(1, 13))
+    sd, params = a.state_dict(), {k: v.clone() for k, v in a.model.state_dict().items()}
+    b = make(method="random_donor")
+    b.load_state_dict(sd)
+    b.model.load_state_dict(params)
+    run(b, range(13, 41))
+    assert b.events == ref.events
+    for p, q in zip(ref.model.parameters(), b.model.parameters()):
+        assert torch.equal(p, q)

@@ -1,0 +1,153 @@
+"""barter.wrap on a small timm ViT: schedule, exact transfers, budgets, hooks, determinism and resume."""
+import copy
+
+import pytest
+import torch
+
+import barter
+
+timm = pytest.importorskip("timm")
+T = 120
+
+
+def build(depth=4):
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=32, patch_size=8,
+                             depth=depth)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def train(ctl, opt, steps, manual=False, on_step=None):
+    for step in steps:
+        x, y = batch(step)
+        ctl.model.train()
+        loss = torch.nn.functional.cross_entropy(ctl.model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if on_step is not None:
+            on_step(step, loss)
+        elif manual:
+            ctl.step()
+
+
+def new(method="barter", seed=0, auto=True, total=T, **kw):
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    return barter.wrap(model, opt, total_steps=total, density=0.5, seed=seed, auto=auto, **kw), opt
+
+
+def total(topology, kind):
+    return sum(v.get(kind, 0) for v in topology.values())
+
+
+@pytest.fixture(scope="module")
+def manual_run():
+    """One manual (auto=False) run checking every transfer for exactness; returns (ctl, per-step records)."""
+    ctl, opt = new(auto=False)
+    xfix = torch.randn(4, 3, 32, 32)
+    records = {"diffs": [], "losses": [], "topo0": ctl.topology(), "scores_at_end": None}
+
+    def on_step(step, loss):
+        records["losses"].append(loss.item())
+        n = len(ctl.events)
+        ctl.model.eval()
+        with torch.no_grad():
+            before = ctl.model(xfix)
+        ctl.step()
+        if any(e["skipped"] is None for e in ctl.events[n:]):
+            with torch.no_grad():
+                after = ctl.model(xfix)
+            records["diffs"].append(((after - before).abs().max() / before.abs().max()).item())
+        if step == max(max(v) for v in ctl.schedule.values()):
+            records["scores_at_end"] = {k: ctl.scores(k) for k in ("head", "channel")}
+
+    train(ctl, opt, range(1, T + 1), on_step=on_step)
+    return ctl, records
+
+
+def test_compact_initialisation(manual_run):
+    ctl, rec = manual_run
+    for module, kinds in rec["topo0"].items():
+        assert kinds in ({"head": 2}, {"channel": 384}), (module, kinds)  # rnd(0.5*3)=2, rnd(0.5*768)=384
+    assert len(rec["topo0"]) == 8
+
+
+def test_attempts_follow_schedule(manual_run):
+    ctl, _ = manual_run
+    # H = 8 -> K_H = max(1, rnd(0.47)) = 1 at the midpoint 30; C = 1536 -> K_C = rnd(86.4) = 86 in 12..48
+    assert ctl.schedule["head"] == [30]
+    assert len(ctl.schedule["channel"]) == 86 and ctl.schedule["channel"][-1] == 48
+    assert [(e["step"], e["kind"]) for e in ctl.events if e["kind"] == "head"] == [(30, "head")]
+    assert sorted(e["step"] for e in ctl.events if e["kind"] == "channel") == ctl.schedule["channel"]
+
+
+def test_transfers_preserve_outputs_and_budgets(manual_run):
+    ctl, rec = manual_run
+    executed = [e for e in ctl.events if e["skipped"] is None]
+    assert executed and len(rec["diffs"]) > 0
+    assert max(rec["diffs"]) <= 1e-4
+    topo = ctl.topology()
+    assert topo != rec["topo0"]
+    for kind in ("head", "channel"):
+        assert total(topo, kind) == total(rec["topo0"], kind)
+    assert all(torch.isfinite(torch.tensor(rec["losses"])))
+    for e in executed:
+        assert e["donor_layer"] != e["receiver_layer"]
+
+
+def test_hooks_gone_after_window(manual_run):
+    ctl, rec = manual_run
+    for kind in ("head", "channel"):
+        now = ctl.scores(kind)
+        for name, (D, S) in rec["scores_at_end"][kind].items():
+            assert torch.equal(now[name][0], D) and torch.equal(now[name][1], S), name
+        assert all(D.abs().sum() > 0 for D, _ in now.values() if len(D))
+
+
+def test_same_seed_same_events_auto_equals_manual(manual_run):
+    ctl, _ = manual_run
+    auto, opt = new(auto=True)
+    train(auto, opt, range(1, 50))
+    assert auto.events == ctl.events
+    other, opt = new(auto=True, seed=1, method="random_pair")
+    train(other, opt, range(1, 50))
+    assert len(other.events) == len(ctl.events) and other.events != ctl.events
+
+
+def test_resume_is_bit_identical():
+    ref, opt = new(total=60)
+    train(ref, opt, range(1, 61))
+
+    run, opt = new(total=60)
+    train(run, opt, range(1, 16))  # window 6..24: stop mid-window
+    saved = copy.deepcopy((run.model.state_dict(), opt.state_dict(), run.state_dict()))
+
+    fresh, opt2 = new(total=60)
+    fresh.load_state_dict(saved[2])  # first: restores the topology so the tensors below fit
+    fresh.model.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    train(fresh, opt2, range(16, 61))
+    assert fresh.events == ref.events
+    assert any(e["step"] > 15 and e["skipped"] is None for e in ref.events)
+    for (n1, p1), (n2, p2) in zip(ref.model.named_parameters(), fresh.model.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+
+
+@pytest.mark.parametrize("kw,err", [
+    (dict(density=0.0), ValueError), (dict(density=1.5), ValueError),
+    (dict(method="nope"), ValueError), (dict(bogus=1), TypeError),
+])
+def test_bad_arguments(kw, err):
+    with pytest.raises(err):
+        barter.wrap(build(depth=2), total_steps=10, **kw)
+
+
+def test_static_never_transfers_and_has_no_schedule():
+    ctl, opt = new(method="static", total=20)
+    train(ctl, opt, range(1, 21))
+    assert ctl.schedule == {"head": [], "channel": []} and ctl.events == []

@@ -318,7 +318,8 @@ class Surgeon:
                     restore()
                 out = next(sl for sl in g.slices if sl.output)
                 w = self._tensor(out.name)
-                kept = w.data.clone()
+                kept = w.data
+                w.data = w.data.clone()
                 out.unit(w.data, count, 0).zero_()
                 y_mask = run()
                 w.data = kept

@@ -132,6 +132,16 @@ class Surgeon:
                    lambda sl, t: clone_state(t, sl, g.count, parent))
         return new
 
+    def unit_norms(self, group: UnitGroup) -> torch.Tensor:
+        """L2 norm of each unit's parameters (all its slices together), shape ``(count,)``."""
+        g = self._own(group)
+        total = None
+        for sl in g.slices:
+            v = sl.units(self._tensor(sl.name).detach(), g.count).float()
+            sq = v.square().sum(dim=[d for d in range(v.dim()) if d != sl.dim + 1])
+            total = sq if total is None else total + sq.to(total.device)
+        return total.sqrt()
+
     def tap(self, group: UnitGroup, fn: Callable[[torch.Tensor], None]) -> torch.utils.hooks.RemovableHandle:
         """Call ``fn(a)`` in every forward with the activations that feed the group's output
         projection, viewed as ``(*lead, count, per_unit)``. ``handle.remove()`` stops it."""
@@ -204,7 +214,8 @@ class Surgeon:
         def visit(prefix: str, module: nn.Module) -> None:
             for child, sub in module.named_children():
                 q = _join(prefix, child)
-                if q not in calls:
+                if q not in calls:  # containers such as ModuleList are never called themselves
+                    visit(q, sub)
                     continue
                 try:
                     gm, values = trace(sub, q, *calls[q], sub.training)

@@ -1,0 +1,145 @@
+"""Tiny hand-written transformers in the styles people write them, for fxsurgery's property tests.
+
+Every style choice is independent: projection layout, how q/k/v are split, the attention product,
+how heads are merged back, the FFN activation. ``HEAD_OUT``/``FFN_OUT`` name the output weights so a
+test can build the masked reference of a removal without knowing anything about fxsurgery.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Style:
+    heads: int = 2
+    head_dim: int = 4
+    mlp_hidden: int = 6
+    depth: int = 2
+    projection: str = "fused"  # fused | fused_chunk | fused_split | head_major | separate
+    product: str = "sdpa"  # sdpa | matmul | einsum
+    merge: str = "reshape_minus1"  # reshape_minus1 | flatten | reshape_c
+    activation: str = "gelu"  # gelu | relu | silu | tanh
+    qkv_bias: bool = True
+    attn_drop: float = 0.0
+    drop_path: float = 0.0
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, s: Style):
+        super().__init__()
+        self.s, self.h, self.hd = s, s.heads, s.head_dim
+        inner = s.heads * s.head_dim
+        if s.projection == "separate":
+            self.q = nn.Linear(dim, inner, bias=s.qkv_bias)
+            self.k = nn.Linear(dim, inner, bias=s.qkv_bias)
+            self.v = nn.Linear(dim, inner, bias=s.qkv_bias)
+        else:
+            self.qkv = nn.Linear(dim, 3 * inner, bias=s.qkv_bias)
+        self.drop = nn.Dropout(s.attn_drop)
+        self.proj = nn.Linear(inner, dim)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, N, C = x.shape
+        p = self.s.projection
+        if p == "separate":
+            return tuple(lin(x).view(B, N, self.h, self.hd).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        if p == "fused":
+            qkv = self.qkv(x).reshape(B, N, 3, self.h, self.hd).permute(2, 0, 3, 1, 4)
+            return qkv.unbind(0)
+        if p == "head_major":
+            qkv = self.qkv(x).reshape(B, N, self.h, 3, self.hd).permute(3, 0, 2, 1, 4)
+            return qkv[0], qkv[1], qkv[2]
+        if p == "fused_chunk":
+            parts = self.qkv(x).chunk(3, dim=-1)
+        else:
+            parts = torch.split(self.qkv(x), [self.h * self.hd] * 3, dim=-1)
+        return tuple(parts[i].reshape(B, N, self.h, self.hd).transpose(1, 2) for i in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = self.project(x)
+        if self.s.product == "sdpa":
+            o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.s.attn_drop if self.training else 0.0)
+        else:
+            if self.s.product == "matmul":
+                a = (q * self.hd ** -0.5) @ k.transpose(-2, -1)
+            else:
+                a = torch.einsum("bhid,bhjd->bhij", q, k) * self.hd ** -0.5
+            a = self.drop(a.softmax(dim=-1))
+            o = a @ v if self.s.product == "matmul" else torch.einsum("bhij,bhjd->bhid", a, v)
+        o = o.transpose(1, 2)
+        if self.s.merge == "flatten":
+            o = o.flatten(2)
+        elif self.s.merge == "reshape_c":
+            o = o.reshape(B, N, C)
+        else:
+            o = o.reshape(B, N, -1)
+        return self.proj(o)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, s: Style):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, s.mlp_hidden)
+        self.act = {"gelu": nn.GELU(), "relu": nn.ReLU(), "silu": nn.SiLU(), "tanh": nn.Tanh()}[s.activation]
+        self.fc2 = nn.Linear(s.mlp_hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    if p == 0.0 or not training:
+        return x
+    keep = x.new_empty(x.shape[0], 1, 1).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, s: Style):
+        super().__init__()
+        self.s = s
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn, self.mlp = Attention(dim, s), Mlp(dim, s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + drop_path(self.attn(self.norm1(x)), self.s.drop_path, self.training)
+        return x + drop_path(self.mlp(self.norm2(x)), self.s.drop_path, self.training)
+
+
+class TinyTransformer(nn.Module):
+    """Tokens in, class logits out: (B, N, in_dim) -> (B, classes)."""
+
+    def __init__(self, s: Style, in_dim: int = 5, classes: int = 3):
+        super().__init__()
+        dim = s.heads * s.head_dim if s.merge == "reshape_c" else 8
+        self.embed = nn.Linear(in_dim, dim)
+        self.blocks = nn.ModuleList(Block(dim, s) for _ in range(s.depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+        self.HEAD_OUT = [(f"blocks.{i}.attn.proj.weight", s.head_dim) for i in range(s.depth)]
+        self.FFN_OUT = [f"blocks.{i}.mlp.fc2.weight" for i in range(s.depth)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x).mean(1))
+
+
+def masked_copy(model: nn.Module, dead: dict[str, set[int]], width: dict[str, int]) -> nn.Module:
+    """Deep copy of ``model`` with the output-weight columns of the ``dead`` units zeroed."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, units in dead.items():
+            w = width[name]
+            for u in units:
+                params[name][:, u * w:(u + 1) * w] = 0
+    return ref

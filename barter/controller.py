@@ -36,6 +36,8 @@ class Controller:
         self._due = {kind: Counter(schedule.steps[kind]) for kind in KINDS}
         self.initial = {kind: [g.count for g in layers[kind]] for kind in KINDS}
         self.maximum = {kind: [g.max_count for g in layers[kind]] for kind in KINDS}
+        # the method's minimum, raised where fxsurgery cannot go lower (a model whose heads cannot reach 0)
+        self.minimum = {kind: [max(MIN_WIDTH[kind], g.min_count) for g in layers[kind]] for kind in KINDS}
         device = next(surgeon.model.parameters()).device
         self.tables = {kind: ScoreTable(self.initial[kind], options.beta, device) for kind in KINDS}
         self.select_rng = select_rng
@@ -85,7 +87,7 @@ class Controller:
     def _attempt(self, kind: str) -> None:
         table, groups = self.tables[kind], self.layers[kind]
         prop = propose(table.D, table.S, table.counts, self.initial[kind], self.maximum[kind],
-                       table.blocked(self.step_count), MIN_WIDTH[kind], self.method, self.select_rng)
+                       table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng)
         event = {"step": self.step_count, "kind": kind,
                  "donor_layer": None if prop.donor_layer is None else groups[prop.donor_layer].module,
                  "donor_index": prop.donor_index,

@@ -27,6 +27,8 @@ class Options:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown barter option(s) {unknown}; known: {sorted(known)}")
+        if "window" in options:
+            options["window"] = tuple(options["window"])  # type: ignore[arg-type]
         opts = cls(**options)  # type: ignore[arg-type]
         if not 0 <= opts.beta < 1:
             raise ValueError(f"beta must be in [0, 1), got {opts.beta}")

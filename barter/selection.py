@@ -40,18 +40,19 @@ def receiver_scores(S: Tensor, counts: Sequence[int], initial: Sequence[int], ma
     return out
 
 
-def donor_mask(counts: Sequence[int], receiver: int, blocked: Tensor, min_width: int) -> Tensor:
-    """Units outside the receiver, not in cooldown, whose layer keeps >= min_width units after removal."""
-    ok_layer = torch.tensor([n - 1 >= min_width and layer != receiver for layer, n in enumerate(counts)])
+def donor_mask(counts: Sequence[int], receiver: int, blocked: Tensor, min_width: Sequence[int]) -> Tensor:
+    """Units outside the receiver, not in cooldown, whose layer keeps >= its min_width units after removal."""
+    ok_layer = torch.tensor([n - 1 >= min_width[layer] and layer != receiver for layer, n in enumerate(counts)])
     return ok_layer.repeat_interleave(torch.tensor(list(counts), dtype=torch.long)) & ~blocked.cpu()
 
 
 def propose(D: Tensor, S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int],
-            blocked: Tensor, min_width: int, method: str, generator: torch.Generator) -> Proposal:
+            blocked: Tensor, min_width: Sequence[int], method: str, generator: torch.Generator) -> Proposal:
     """Select one transfer of a unit kind.
 
-    D, S: flat running scores; blocked: flat bool, True for units in cooldown; min_width: 1 for FFN channels,
-    0 for heads. The random variants draw from `generator` (receiver, then parent, then donor).
+    D, S: flat running scores; blocked: flat bool, True for units in cooldown; min_width: per layer, the
+    fewest units it may keep (1 for FFN channels, 0 for heads). The random variants draw from `generator`
+    (receiver, then parent, then donor).
     """
     if not (torch.isfinite(D).all() and torch.isfinite(S).all()):
         return Proposal(skipped="non-finite scores")

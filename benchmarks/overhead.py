@@ -54,39 +54,42 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
     x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
-    warm = 5
 
-    static, opt = setup("static", 100_000)
-    t_static = statistics.median(timed_steps(static, opt, x, y, warm + args.steps)[warm:])
-
-    # T large: the first proposal is thousands of steps away, so these are window-like steps with hooks on
-    inside, opt = setup("barter", 100_000)
-    t_inside = statistics.median(timed_steps(inside, opt, x, y, warm + args.steps)[warm:])
-
+    static = setup("static", 100_000)
+    # T large: the first proposal is thousands of steps away, so these are window steps with hooks on
+    inside = setup("barter", 100_000)
     # T small: every proposal falls in the first few steps; time the transfers, then the steps after them
-    short, opt = setup("barter", 20, auto=False)  # ctl.step by hand, to time it alone
-    end = max(max(v) for v in short.schedule.values())
+    after, opt = setup("barter", 20, auto=False)  # ctl.step by hand, to time it alone
     transfer_times = []
-    for _ in range(end):
-        torch.nn.functional.cross_entropy(short.model(x), y).backward()
+    for _ in range(max(max(v) for v in after.schedule.values())):
+        torch.nn.functional.cross_entropy(after.model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        n = len(short.events)
+        n = len(after.events)
         t0 = time.perf_counter()
-        short.step()
-        done = sum(e["skipped"] is None for e in short.events[n:])
+        after.step()
+        done = sum(e["skipped"] is None for e in after.events[n:])
         if done:
             transfer_times.append((time.perf_counter() - t0) / done)
-    t_after = statistics.median(timed_steps(short, opt, x, y, warm + args.steps)[warm:])
+
+    # interleave the three runs step by step so that drifting machine load hits them alike
+    runs = {"static": static, "inside": inside, "after": (after, opt)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for i in range(5 + args.steps):
+        for name, (ctl, o) in runs.items():
+            t = timed_steps(ctl, o, x, y, 1)[0]
+            if i >= 5:
+                times[name].append(t)
+    t_static, t_inside, t_after = (statistics.median(times[k]) for k in ("static", "inside", "after"))
     t_transfer = statistics.median(transfer_times)
 
     print(f"model: vit_tiny widths, img 32, patch 4, batch {args.batch}, density 0.5, "
-          f"{torch.get_num_threads()} threads, {args.steps} timed steps")
+          f"{torch.get_num_threads()} threads, {args.steps} timed steps each, interleaved")
     print(f"static          median step {t_static * 1e3:8.2f} ms")
     print(f"barter window   median step {t_inside * 1e3:8.2f} ms  ({t_inside / t_static:.3f}x static, target <= 1.10)")
     print(f"barter after    median step {t_after * 1e3:8.2f} ms  ({t_after / t_static:.3f}x static, target <= 1.02)")
     print(f"one transfer    median      {t_transfer * 1e3:8.2f} ms  ({t_transfer / t_static:.3f}x a step, target <= 1; "
-          f"{len(transfer_times)} transfer steps, {sum(e['skipped'] is None for e in short.events)} transfers)")
+          f"{sum(e['skipped'] is None for e in after.events)} transfers)")
 
 
 if __name__ == "__main__":

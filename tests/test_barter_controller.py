@@ -42,6 +42,10 @@ class Group:
     exact: bool = True
 
     @property
+    def min_count(self):
+        return 0 if self.kind == "head" else 1
+
+    @property
     def count(self):
         return self.block.proj.in_features // 2 if self.kind == "head" else self.block.fc1.out_features
 
@@ -171,3 +175,15 @@ def test_state_round_trip_continues_identically():
     assert b.events == ref.events
     for p, q in zip(ref.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_non_finite_scores_skip_the_proposal_and_training_goes_on():
+    ctl = make()
+    first = ctl.schedule["channel"][0]
+    run(ctl, range(1, first))
+    ctl.tables["channel"].ema[0, 3] = float("nan")
+    run(ctl, range(first, first + 1))
+    assert ctl.events[-1]["skipped"] == "non-finite scores" and ctl.events[-1]["kind"] == "channel"
+    run(ctl, range(first + 1, 41))
+    assert len(ctl.events) == 8
+    assert all(torch.isfinite(p).all() for p in ctl.model.parameters())

@@ -1,5 +1,6 @@
 """Scores: d, s and their EMAs equal an autograd reference (retain_grad on the activation)."""
 import torch
+from hypothesis import given, strategies as st
 from torch import nn
 
 from barter.scores import ScoreTable, unit_scores
@@ -107,3 +108,38 @@ def test_remove_and_clone_split_scores_and_set_cooldown():
     assert not table.blocked(8).any()
     D, S = table.layer(1)
     assert D.tolist() == [4, 5] and S.tolist() == [40, 50]
+
+
+@st.composite
+def edits(draw):
+    counts = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    ops = draw(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 10)), max_size=12))
+    return counts, ops
+
+
+@given(edits())
+def test_table_edits_match_a_list_model(case):
+    counts, ops = case
+    table = ScoreTable(counts, beta=0.9)
+    n = sum(counts)
+    table.ema = torch.stack((torch.arange(n, dtype=torch.float32), 100 + torch.arange(n, dtype=torch.float32)))
+    model = [[(float(k), 100.0 + k, -1) for k in range(sum(counts[:l]), sum(counts[:l + 1]))]
+             for l in range(len(counts))]
+    for step, (is_clone, layer, unit) in enumerate(ops):
+        layer %= len(counts)
+        units = model[layer]
+        if not units:
+            continue
+        i = unit % len(units)
+        if is_clone:
+            d, s, _ = units[i]
+            units[i] = (d / 2, s / 2, step)
+            units.append(units[i])
+            table.clone(layer, i, cool_until=step)
+        else:
+            units.pop(i)
+            table.remove(layer, i)
+    assert table.counts == [len(u) for u in model]
+    flat = [u for units in model for u in units]
+    assert table.D.tolist() == [u[0] for u in flat] and table.S.tolist() == [u[1] for u in flat]
+    assert table.cool_until.tolist() == [u[2] for u in flat]

@@ -11,7 +11,8 @@ def T(*xs):
 
 def pick(D, S, counts, initial, maximum, blocked=None, min_width=1, method="barter", seed=0):
     blocked = torch.zeros(len(D), dtype=torch.bool) if blocked is None else torch.tensor(blocked)
-    return propose(D, S, counts, initial, maximum, blocked, min_width, method, torch.Generator().manual_seed(seed))
+    return propose(D, S, counts, initial, maximum, blocked, [min_width] * len(counts), method,
+                   torch.Generator().manual_seed(seed))
 
 
 def test_width_correction_prefers_shrunk_layer():
@@ -127,7 +128,7 @@ def tables(draw):
 @given(tables())
 def test_selection_matches_brute_force(t):
     D, S, counts, initial, maximum, blocked, min_width = t
-    p = propose(D, S, counts, initial, maximum, blocked, min_width, "barter", torch.Generator())
+    p = propose(D, S, counts, initial, maximum, blocked, [min_width] * len(counts), "barter", torch.Generator())
     units = [(l, i) for l, n in enumerate(counts) for i in range(n)]
     flat = {u: k for k, u in enumerate(units)}
     R = {l: initial[l] / counts[l] * sum(float(S[flat[(l, i)]]) for i in range(counts[l])) / counts[l]
@@ -144,3 +145,11 @@ def test_selection_matches_brute_force(t):
         return
     assert p.skipped is None
     assert (p.donor_layer, p.donor_index) == min(donors, key=lambda u: (float(D[flat[u]]), u))
+
+
+def test_per_layer_minimum_width():
+    # layer 1 would reach 0 heads, but its minimum is 1 (a model whose heads cannot all go)
+    S, D = T(1, 1, 0.5, 0.5), T(5, 5, 0.0, 3)
+    p = propose(D, S, [2, 1, 1], [2, 1, 1], [4, 4, 4], torch.zeros(4, dtype=torch.bool), [0, 1, 0], "barter",
+                torch.Generator())
+    assert p.receiver == 0 and (p.donor_layer, p.donor_index) == (2, 0)

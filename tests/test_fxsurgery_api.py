@@ -1,0 +1,232 @@
+"""fxsurgery on timm ViTs and on bad input: the public API as users call it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn as nn
+
+from fxsurgery import AnalysisError, OptimizerStateError, Surgeon, TraceError
+
+from zoo import Style, TinyTransformer, masked_copy
+
+TIMM = ["vit_tiny_patch16_224", "deit_tiny_patch16_224"]
+
+
+def timm_model(name: str, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, pretrained=False, num_classes=5, img_size=32, patch_size=8, depth=2, **kw)
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_timm_groups_clone_and_masked_removal(name: str) -> None:
+    model = timm_model(name).double().eval()
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.double)
+    keys = list(model.state_dict())
+    s = Surgeon(model, (x,))
+    assert s.model is model and type(model) is type(original)
+    assert [g.name for g in s.groups] == ["blocks.0.attn:head", "blocks.0.mlp:channel",
+                                          "blocks.1.attn:head", "blocks.1.mlp:channel"]
+    assert all(g.exact for g in s.groups)
+    head = s.group("blocks.0.attn:head")
+    assert (head.count, head.max_count, head.module) == (3, 3, "blocks.0.attn")
+    with torch.no_grad():
+        y0 = model(x)
+    gen = torch.Generator().manual_seed(0)
+    for g in s.groups:
+        assert s.clone(g, 1, noise_std=0.05, generator=gen) == g.max_count
+    with torch.no_grad():
+        assert (model(x) - y0).abs().max() <= 1e-9
+    # removing the clones again leaves the parents with halved-plus-noise weights: compare masking
+    model2 = copy.deepcopy(original)
+    s2 = Surgeon(model2, (x,))
+    hd = model2.blocks[0].attn.head_dim
+    s2.remove(s2.group("blocks.0.attn:head"), 1)
+    s2.remove(s2.group("blocks.1.mlp:channel"), 7)
+    ref = masked_copy(original, {"blocks.0.attn.proj.weight": {1}, "blocks.1.mlp.fc2.weight": {7}},
+                      {"blocks.0.attn.proj.weight": hd, "blocks.1.mlp.fc2.weight": 1})
+    with torch.no_grad():
+        assert (model2(x) - ref(x)).abs().max() <= 1e-9
+    assert list(model2.state_dict()) == keys
+    assert model2.blocks[0].attn.proj.weight.shape[1] == 2 * hd
+    assert model2.blocks[0].attn.proj.in_features == 2 * hd
+    assert model2.forward_features(x).shape[-1] == original.embed_dim
+    model2.reset_classifier(3)
+    assert model2(x).shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_timm_zero_heads_trains_with_adam_state(name: str) -> None:
+    model = timm_model(name)
+    x = torch.randn(2, 3, 32, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    s = Surgeon(model, (x,))
+    s.attach_optimizer(opt)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    head = s.group("blocks.0.attn:head")
+    while head.count:
+        s.remove(head, 0)
+    assert model.blocks[0].attn.qkv.weight.shape[0] == 0
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    s.clone(s.group("blocks.1.attn:head"), 0, noise_std=0.01)
+    for p in model.parameters():
+        for v in opt.state[p].values():
+            if torch.is_tensor(v) and v.dim():
+                assert v.shape == p.shape
+
+
+def test_channel_group_keeps_one_channel() -> None:
+    model = TinyTransformer(Style(mlp_hidden=2, depth=1))
+    s = Surgeon(model, (torch.randn(2, 4, 5),))
+    ffn = next(g for g in s.groups if g.kind == "channel")
+    s.remove(ffn, 0)
+    with pytest.raises(ValueError, match="at least one channel"):
+        s.remove(ffn, 0)
+    with pytest.raises(IndexError):
+        s.remove(ffn, 3)
+    with pytest.raises(IndexError):
+        s.clone(ffn, 5)
+
+
+def test_train_and_eval_behave_like_the_original() -> None:
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=32, patch_size=8,
+                              depth=2, attn_drop_rate=0.3, drop_path_rate=0.3, proj_drop_rate=0.2)
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    s = Surgeon(model, (x,))
+    assert len(s.groups) == 4
+    for mode in ("train", "eval", "train"):
+        getattr(model, mode)()
+        getattr(original, mode)()
+        torch.manual_seed(123)
+        a = model(x)
+        torch.manual_seed(123)
+        b = original(x)
+        assert torch.equal(a, b), mode
+    model.eval()
+    assert torch.equal(model(x), model(x))  # no dropout left in eval mode
+
+
+def test_user_rng_untouched_by_analysis() -> None:
+    model = timm_model("vit_tiny_patch16_224", attn_drop_rate=0.5)
+    torch.manual_seed(7)
+    Surgeon(model, (torch.randn(2, 3, 32, 32),))
+    a = torch.rand(3)
+    torch.manual_seed(7)
+    torch.randn(2, 3, 32, 32)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_deepcopy_of_operated_model_is_independent() -> None:
+    model = timm_model("vit_tiny_patch16_224").eval()
+    x = torch.randn(2, 3, 32, 32)
+    s = Surgeon(model, (x,))
+    s.remove(s.groups[0], 0)
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin(x), model(x))
+    s.remove(s.groups[0], 0)
+    assert twin.blocks[0].attn.qkv.weight.shape[0] == 3 * 64 * 2
+    assert twin(x).shape == model(x).shape
+    again = Surgeon(twin, (x,))  # analysing an operated model reads its current graphs
+    assert again.group("blocks.0.attn:head").count == 2
+
+
+def test_explain_is_a_readable_table() -> None:
+    model = timm_model("vit_tiny_patch16_224")
+    s = Surgeon(model, (torch.randn(1, 3, 32, 32),))
+    text = s.explain()
+    assert "blocks.0.attn:head" in text and "3/3" in text and "768/768" in text
+    assert "blocks.0.attn.qkv.weight[dim 0: 3·n·64]" in text
+    assert "constants:" in text
+
+
+def test_tap_sees_unit_activations_and_gradients() -> None:
+    model = timm_model("vit_tiny_patch16_224")
+    x = torch.randn(2, 3, 32, 32)
+    s = Surgeon(model, (x,))
+    head, ffn = s.group("blocks.0.attn:head"), s.group("blocks.0.mlp:channel")
+    seen = {}
+    handles = [s.tap(g, lambda a, g=g: seen.setdefault(g.name, tuple(a.shape))) for g in (head, ffn)]
+    model(x)
+    assert seen == {head.name: (2, 17, 3, 64), ffn.name: (2, 17, 768, 1)}
+    for h in handles:
+        h.remove()
+    seen.clear()
+    model(x)
+    assert not seen
+
+
+def test_unit_norms_match_slices() -> None:
+    model = timm_model("vit_tiny_patch16_224")
+    s = Surgeon(model, (torch.randn(1, 3, 32, 32),))
+    ffn = s.group("blocks.0.mlp:channel")
+    m = model.blocks[0].mlp
+    ref = (m.fc1.weight.square().sum(1) + m.fc1.bias.square() + m.fc2.weight.square().sum(0)).sqrt()
+    assert torch.allclose(s.unit_norms(ffn), ref)
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_raises_trace_error_naming_the_module() -> None:
+    with pytest.raises(TraceError, match="Untraceable"):
+        Surgeon(Untraceable(), (torch.randn(2, 4),))
+
+
+def test_model_without_groups_raises() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(1, 3, 8, 8))
+    with pytest.raises(AnalysisError, match="no unit groups"):
+        Surgeon(model, (torch.randn(1, 3, 8, 8),))
+
+
+def test_optimizer_whose_state_cannot_be_mapped() -> None:
+    model = TinyTransformer(Style(depth=1))
+    x = torch.randn(2, 4, 5)
+    s = Surgeon(model, (x,))
+    opt = torch.optim.Adam(model.parameters())
+    model(x).sum().backward()
+    opt.step()
+    w = model.blocks[0].mlp.fc2.weight
+    opt.state[w]["factored"] = torch.zeros(3)
+    with pytest.raises(OptimizerStateError, match="factored"):
+        s.attach_optimizer(opt)
+    with pytest.raises(TypeError):
+        s.attach_optimizer(object())
+
+
+def test_failed_edit_loses_nothing() -> None:
+    model = TinyTransformer(Style(depth=1))
+    x = torch.randn(2, 4, 5)
+    s = Surgeon(model, (x,))
+    opt = torch.optim.Adam(model.parameters())
+    s.attach_optimizer(opt)
+    model(x).sum().backward()
+    opt.step()
+    w = model.blocks[0].mlp.fc2.weight
+    opt.state[w]["factored"] = torch.zeros(3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(OptimizerStateError):
+        s.remove(next(g for g in s.groups if g.kind == "channel"), 0)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

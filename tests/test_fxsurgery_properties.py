@@ -1,0 +1,151 @@
+"""Properties of fxsurgery on tiny transformers drawn by hypothesis: clones preserve outputs, removals
+equal masking, optimizer state follows every edit."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from fxsurgery import Surgeon
+
+from zoo import Style, TinyTransformer, masked_copy
+
+# Shrinking re-traces models hundreds of times; a failure prints its drawn example instead.
+SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+                phases=[Phase.explicit, Phase.generate])
+
+styles = st.builds(
+    Style,
+    heads=st.integers(2, 4),
+    head_dim=st.integers(2, 5),
+    mlp_hidden=st.integers(2, 7),
+    depth=st.integers(1, 3),
+    projection=st.sampled_from(["fused", "fused_chunk", "fused_split", "head_major", "separate"]),
+    product=st.sampled_from(["sdpa", "matmul", "einsum"]),
+    merge=st.sampled_from(["reshape_minus1", "flatten", "reshape_c"]),
+    activation=st.sampled_from(["gelu", "relu", "silu", "tanh"]),
+    qkv_bias=st.booleans(),
+)
+
+
+def build(style: Style, seed: int = 0) -> tuple[TinyTransformer, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = TinyTransformer(style).double()
+    return model, torch.randn(3, 6, 5, dtype=torch.double)
+
+
+def layer_groups(s: Surgeon) -> dict[str, object]:
+    """Output weight name -> group, found through the group's sliced tensors."""
+    out = {}
+    for g in s.groups:
+        for sl in g.slices:
+            if sl.output:
+                out[sl.name] = g
+    return out
+
+
+@settings(**SETTINGS)
+@given(style=styles, data=st.data())
+def test_clone_preserves_outputs(style: Style, data: st.DataObject) -> None:
+    model, x = build(style)
+    s = Surgeon(model, (x,))
+    assert len(s.groups) == 2 * style.depth
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 100)))
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        with torch.no_grad():
+            y0 = model(x)
+        for _ in range(3):
+            g = data.draw(st.sampled_from(s.groups))
+            parent = data.draw(st.integers(0, g.count - 1))
+            noise = data.draw(st.sampled_from([0.0, 0.01, 1.0]))
+            before = g.count
+            new = s.clone(g, parent, noise_std=noise, generator=gen)
+            assert new == before and g.count == before + 1
+            with torch.no_grad():
+                y1 = model(x)
+            assert (y1 - y0).abs().max().item() <= 1e-9 * max(1.0, y0.abs().max().item())
+
+
+@settings(**SETTINGS)
+@given(style=styles, data=st.data())
+def test_removals_equal_masking(style: Style, data: st.DataObject) -> None:
+    model, x = build(style)
+    model.eval()
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    groups = layer_groups(s)
+    width = {name: (style.head_dim if g.kind == "head" else 1) for name, g in groups.items()}
+    alive = {name: list(range(g.count)) for name, g in groups.items()}
+    for _ in range(data.draw(st.integers(1, 8))):
+        name = data.draw(st.sampled_from(sorted(groups)))
+        g = groups[name]
+        if g.count <= g.min_count:
+            continue
+        j = data.draw(st.integers(0, g.count - 1))
+        s.remove(g, j)
+        alive[name].pop(j)
+        dead = {n: set(range(groups[n].max_count)) - set(a) for n, a in alive.items()}
+        ref = masked_copy(original, dead, width)
+        with torch.no_grad():
+            assert (model(x) - ref(x)).abs().max().item() <= 1e-9
+
+
+def _dense_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v) and v.dim() > 0}
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+], ids=["adam-foreach", "adamw-single-amsgrad", "sgd-momentum"])
+@settings(**{**SETTINGS, "max_examples": 6})
+@given(style=styles, data=st.data())
+def test_optimizer_state_follows_edits(make_opt, style: Style, data: st.DataObject) -> None:
+    model, x = build(style)
+    model.float()
+    x = x.float()
+    opt = make_opt(model.parameters())
+    s = Surgeon(model, (x,))
+    s.attach_optimizer(opt)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    for _ in range(data.draw(st.integers(1, 5))):
+        g = data.draw(st.sampled_from(s.groups))
+        sl = next(sl for sl in g.slices if sl.output)
+        p = model.get_parameter(sl.name)
+        old = _dense_state(opt, p)
+        scalars = {k: v for k, v in opt.state[p].items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        n = g.count
+        if data.draw(st.booleans()) and g.count > g.min_count:
+            j = data.draw(st.integers(0, n - 1))
+            s.remove(g, j)
+            keep = [u for u in range(n) if u != j]
+            for k, v in old.items():
+                assert torch.equal(opt.state[p][k], sl.keep(v, n, torch.tensor(keep, dtype=torch.long)))
+        elif g.count:
+            parent = data.draw(st.integers(0, n - 1))
+            new = s.clone(g, parent, noise_std=0.01)
+            others = torch.tensor([u for u in range(n) if u != parent], dtype=torch.long)
+            for k, v in old.items():
+                st_now = opt.state[p][k]
+                assert sl.unit(st_now, n + 1, parent).abs().max() == 0
+                assert sl.unit(st_now, n + 1, new).abs().max() == 0
+                assert torch.equal(sl.keep(st_now, n + 1, others), sl.keep(v, n, others))
+        for k, v in scalars.items():
+            assert torch.equal(torch.as_tensor(opt.state[p][k]), torch.as_tensor(v))
+        for name, q in model.named_parameters():
+            for k, v in opt.state[q].items():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    assert v.shape == q.shape, f"{name}.{k}"
+    opt.zero_grad()
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)

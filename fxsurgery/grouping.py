@@ -181,12 +181,12 @@ class _Builder:
 
     def group(self, units: list[int]) -> GroupSpec | Refusal | None:
         ut = torch.tensor(units)
+        hard = sorted({r for k in units for r in self.hard.get(k, [])})
+        if hard:
+            return Refusal(self.modules_of(units), hard)
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
         mods = self.modules_of(units)
-        hard = sorted({r for k in units for r in self.hard.get(k, [])})
-        if hard:
-            return Refusal(mods, hard)
         sinks = [(w, node, self.cls(col)) for w, node, col in self.rec.sinks if torch.isin(self.cls(col), ut).any()]
         names = sorted({w for w, _, _ in sinks})
         if len(names) != 1:

@@ -79,10 +79,12 @@ class Records:
 class Labeller(torch.fx.Interpreter):
     """Interpreter whose one job is to compute a ``Label`` beside every value of the graph."""
 
-    def __init__(self, gm: torch.fx.GraphModule, rules: "RuleTable"):
+    def __init__(self, gm: torch.fx.GraphModule, rules: "RuleTable", rec: Records | None = None,
+                 seeds: dict[str, Any] | None = None):
         super().__init__(gm, garbage_collect_values=True)
         self.rules = rules
-        self.rec = Records()
+        self.rec = rec if rec is not None else Records()
+        self.seeds = seeds  # set when labelling the inside of an opaque function: its inputs' labels
         self.labels: dict[Node, Any] = {}
         self.shapes: dict[Node, Any] = {}
         self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
@@ -100,7 +102,13 @@ class Labeller(torch.fx.Interpreter):
         self._record_acts(n, label)
         return out
 
+    @property
+    def nested(self) -> bool:
+        return self.seeds is not None
+
     def _record_acts(self, n: Node, label: Any) -> None:
+        if self.nested:
+            return
         if isinstance(label, Label) and not label.param:
             self.rec.acts.append((n, None, label.ids))
         elif isinstance(label, tuple):

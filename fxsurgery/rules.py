@@ -6,6 +6,7 @@ and has no rule pins them: the analysis never guesses.
 """
 from __future__ import annotations
 
+import inspect
 import operator
 import string
 from typing import Any, Sequence
@@ -15,7 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ids as I
-from .labelling import Label, RuleTable, Step, always
+from .errors import TraceError
+from .labelling import Label, Labeller, RuleTable, Step, always
+from .tracing import trace_function
 
 RULES = RuleTable()
 NO_ID = I.NO_ID
@@ -95,14 +98,20 @@ def get_attr(s: Step) -> Label | None:
     return Label(ids, True)
 
 
-def output(s: Step) -> None:
+def output(s: Step) -> Any:
+    if s.lab.nested:  # the inside of an opaque function hands its labels back to the caller
+        return s.largs[0]
     _pin_all(s, "reaches the graph output", benign=True)
     return None
 
 
+def placeholder(s: Step) -> Any:
+    return s.lab.seeds.get(s.node.target) if s.lab.nested else None
+
+
 RULES.always["get_attr"] = get_attr
 RULES.always["output"] = output
-RULES.always["placeholder"] = lambda s: None
+RULES.always["placeholder"] = placeholder
 
 
 def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None, bias: Any) -> Label:
@@ -600,8 +609,26 @@ def size(s: Step) -> None:
     return None
 
 
+def inline(s: Step) -> Any:
+    """A Python function kept opaque in the graph (an autowrapped helper): label its inside."""
+    sig = inspect.signature(s.node.target)
+    values = sig.bind(*s.args, **s.kwargs).arguments
+    labels = sig.bind(*s.largs, **s.lkwargs).arguments
+    gm, inputs = trace_function(s.node.target, values)
+    seeds = {name: labels[name] for name, v in values.items() if torch.is_tensor(v)}
+    sub = Labeller(gm, RULES, s.rec, seeds)
+    sub.run(*inputs)
+    return sub.labels[next(n for n in gm.graph.nodes if n.op == "output")]
+
+
 def fallback(s: Step) -> None:
-    """No rule: ids that reach this op become unsliceable, unless the op returns no tensor."""
+    """No rule: look inside plain Python functions; otherwise ids that reach this op become
+    unsliceable, unless the op returns no tensor."""
+    if s.node.op == "call_function" and inspect.isfunction(s.node.target):
+        try:
+            return inline(s)
+        except TraceError:
+            pass
     if torch.is_tensor(s.out) or (isinstance(s.out, (tuple, list)) and any(torch.is_tensor(o) for o in s.out)):
         what = s.node.target if s.node.op != "call_module" else type(s.lab.module.get_submodule(s.node.target)).__name__
         _pin_all(s, f"no rule for {getattr(what, '__name__', what)}")

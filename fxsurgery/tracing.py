@@ -111,18 +111,34 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
     except Exception as e:  # torch.fx raises many types; the user needs the module and the cause
         label = name or "the model"
         raise TraceError(f"cannot trace {label} ({type(module).__name__}): {type(e).__name__}: {e}") from e
+    gm = torch.fx.GraphModule(module, graph, type(module).__name__)
+    return gm, _name_placeholders(graph, {**traced, **concrete})
+
+
+def trace_function(fn: Any, arguments: dict[str, Any]) -> tuple[torch.fx.GraphModule, list]:
+    """Trace a plain function with its tensor arguments symbolic and the rest frozen."""
+    concrete = {k: v for k, v in arguments.items() if not torch.is_tensor(v)}
+    tracer = Tracer()
+    try:
+        graph = tracer.trace(fn, concrete_args=concrete or None)
+    except Exception as e:
+        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}") from e
+    return torch.fx.GraphModule(tracer.root, graph), _name_placeholders(graph, arguments)
+
+
+def _name_placeholders(graph: torch.fx.Graph, arguments: dict[str, Any]) -> list:
+    """Values for the placeholders, renaming the ones fx suffixed for frozen arguments back to the
+    caller's keyword names."""
     values = []
-    everything = {**traced, **concrete}
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
         base = node.target
-        if base not in everything and base.rsplit("_", 1)[0] in everything:
+        if base not in arguments and base.rsplit("_", 1)[0] in arguments:
             base = base.rsplit("_", 1)[0]
-            node.target = base  # keep the caller's keyword names working
-        values.append(everything.get(base))
-    gm = torch.fx.GraphModule(module, graph, type(module).__name__)
-    return gm, values
+            node.target = base
+        values.append(arguments.get(base))
+    return values
 
 
 def _placeholder_values(graph: torch.fx.Graph, args: tuple, kwargs: dict) -> list:

@@ -230,3 +230,28 @@ def test_failed_edit_loses_nothing() -> None:
         s.remove(next(g for g in s.groups if g.kind == "channel"), 0)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("kw, head_exact, ffn_exact", [
+    (dict(), True, True),
+    (dict(qk_norm=True), True, True),
+    (dict(scale_attn_norm=True), False, True),  # a LayerNorm over all heads couples them
+    (dict(scale_mlp_norm=True), True, False),  # a LayerNorm over the FFN hidden width
+])
+def test_timm_manual_attention_and_norm_variants(kw: dict, head_exact: bool, ffn_exact: bool) -> None:
+    model = timm_model("vit_tiny_patch16_224", **kw).double().eval()
+    for blk in model.blocks:
+        blk.attn.fused_attn = False  # the matmul-softmax path, with timm's opaque mask helpers
+    x = torch.randn(2, 3, 32, 32, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    assert [(g.kind, g.exact) for g in s.groups[:2]] == [("head", head_exact), ("channel", ffn_exact)]
+    with torch.no_grad():
+        y0 = model(x)
+    for g in s.groups:
+        if g.exact:
+            s.clone(g, 0, noise_std=0.1)
+    with torch.no_grad():
+        assert (model(x) - y0).abs().max() <= 1e-9
+    for g in s.groups:
+        s.remove(g, 0)
+    assert model(x).shape == y0.shape

@@ -5,6 +5,7 @@ import warnings
 from typing import Any
 
 import torch
+from fxsurgery import Surgeon
 from torch import nn
 
 from .compact import compact
@@ -41,9 +42,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     noise_relative, init). An optimizer passed here (made before wrap) is attached before the model shrinks;
     one made later goes through `ctl.attach_optimizer`. With `auto`, transfers run from the optimizer's
     post-step hook; otherwise call `ctl.step()` right after every `optimizer.step()`.
+    To resume, wrap a freshly built model with the same arguments, then call `ctl.load_state_dict(sd)` before
+    `model.load_state_dict` and `optimizer.load_state_dict` (it restores the saved widths first).
     """
-    from fxsurgery import Surgeon
-
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     if not 0 < density <= 1:

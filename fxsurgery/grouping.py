@@ -50,33 +50,44 @@ class Refusal:
 class Analysis:
     groups: list[GroupSpec] = field(default_factory=list)
     refusals: list[Refusal] = field(default_factory=list)
+    located: list[list[str]] = field(default_factory=list)  # modules of each candidate group
 
 
 def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
-    """Class representative (smallest id) of every id, from the tie edges."""
+    """Class representative (smallest id) of every id: connected components of the tie edges."""
     rep = torch.arange(n)
     if not edges:
         return rep
     e = torch.unique(torch.cat(edges), dim=0)
+    e = e[e[:, 0] != e[:, 1]]
     g = nx.Graph()
     g.add_edges_from(e.tolist())
-    for comp in nx.connected_components(g):
-        c = torch.tensor(sorted(comp))
-        rep[c] = c[0]
+    nodes, comp = [], []
+    for k, members in enumerate(nx.connected_components(g)):
+        nodes.extend(members)
+        comp.extend([k] * len(members))
+    if not nodes:
+        return rep
+    nodes_t, comp_t = torch.tensor(nodes), torch.tensor(comp)
+    smallest = torch.full((int(comp_t.max()) + 1,), n).scatter_reduce(0, comp_t, nodes_t, "amin")
+    rep[nodes_t] = smallest[comp_t]
     return rep
 
 
-def resolve_tentative(rep: torch.Tensor, tentative: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A parameter element used only with one class joins it; one used across classes is shared."""
+def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
+    """A parameter element used with one class only joins it (a per-unit parameter); one used with
+    several classes is shared by them and stays out (e.g. a norm weight over the head dim)."""
     tent = [t for t in tentative if t.numel()]
     if not tent:
-        return []
+        return rep
     t = torch.cat(tent)
-    pc = torch.unique(torch.stack([t[:, 0], rep[t[:, 1]]], 1), dim=0)
+    pc = torch.unique(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1), dim=0)
+    pc = pc[pc[:, 0] != pc[:, 1]]
     ids, counts = torch.unique(pc[:, 0], return_counts=True)
-    single = ids[counts == 1]
-    keep = torch.isin(pc[:, 0], single)
-    return [pc[keep]]
+    single = pc[torch.isin(pc[:, 0], ids[counts == 1])]
+    remap = torch.arange(rep.numel())
+    remap[single[:, 0]] = single[:, 1]
+    return remap[rep]
 
 
 def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
@@ -108,8 +119,7 @@ class _Builder:
     def __init__(self, lab: Labeller):
         self.lab, self.rec = lab, lab.rec
         rec: Records = self.rec
-        rep = classes(rec.next_id, rec.edges)
-        self.rep = classes(rec.next_id, rec.edges + resolve_tentative(rep, rec.tentative))
+        self.rep = join_parameters(classes(rec.next_id, rec.edges), rec.tentative)
         n = rec.next_id
         is_space = torch.zeros(n, dtype=torch.bool)
         for start, stop, _ in rec.spaces:
@@ -141,27 +151,44 @@ class _Builder:
                 if k >= 0 and self.unit_class[k]:
                     self.mixed.setdefault(k, []).append(why)
 
+        self.acts = []  # (node, output index, classes, unit classes present)
+        for node, i, ids in rec.acts:
+            c = self.cls(ids)
+            present = torch.unique(c[c >= 0])
+            self.acts.append((node, i, c, present[self.unit_class[present]]))
+        self.acts_of: dict[int, list] = {}
+
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
 
     def groups(self) -> list[list[int]]:
         """Unit classes that share a tensor axis belong to one group."""
-        g = nx.Graph()
-        for _, _, ids in self.rec.acts:
-            c = torch.unique(self.cls(ids))
-            c = c[c >= 0]
-            c = c[self.unit_class[c]].tolist()
-            g.add_nodes_from(c)
-            g.add_edges_from(zip(c, c[1:]))
-        return [sorted(comp) for comp in nx.connected_components(g)]
+        g, seen = nx.Graph(), set()
+        for *_, present in self.acts:
+            key = tuple(present.tolist())
+            if key not in seen:
+                seen.add(key)
+                g.add_nodes_from(key)
+                g.add_edges_from(zip(key, key[1:]))
+        comps = [sorted(comp) for comp in nx.connected_components(g)]
+        group_of = torch.full((self.rec.next_id,), NO_ID)
+        for k, comp in enumerate(comps):
+            group_of[torch.tensor(comp)] = k
+        for act in self.acts:
+            if act[3].numel():
+                self.acts_of.setdefault(int(group_of[act[3][0]]), []).append(act)
+        return comps
 
-    def build(self) -> Analysis:
+    def build(self, locate: bool) -> Analysis:
         out = Analysis()
-        for units in self.groups():
+        for k, units in enumerate(self.groups()):
+            if locate:
+                self.locate(k, units, out)
+                continue
             try:
-                spec = self.group(units)
+                spec = self.group(k, units)
             except K.Unsupported as e:
-                out.refusals.append(Refusal(self.modules_of(units), [str(e)]))
+                out.refusals.append(Refusal(self.modules_of(k), [str(e)]))
                 continue
             if spec is None:
                 continue
@@ -171,22 +198,25 @@ class _Builder:
                 out.groups.append(spec)
         return out
 
-    def modules_of(self, units: list[int]) -> list[str]:
-        mods = []
-        for node, _, ids in self.rec.acts:
-            c = self.cls(ids)
-            if torch.isin(c, torch.tensor(units)).any():
-                mods.append(module_of(node))
-        return mods
-
-    def group(self, units: list[int]) -> GroupSpec | Refusal | None:
-        ut = torch.tensor(units)
-        hard = sorted({r for k in units for r in self.hard.get(k, [])})
+    def locate(self, k: int, units: list[int], out: Analysis) -> None:
+        """Only where a candidate group lives (to pick the modules to trace on their own)."""
+        hard = sorted({r for u in units for r in self.hard.get(u, [])})
         if hard:
-            return Refusal(self.modules_of(units), hard)
+            out.refusals.append(Refusal(self.modules_of(k), hard))
+        elif not self.benign[torch.tensor(units)].any():
+            out.located.append(self.modules_of(k))
+
+    def modules_of(self, k: int) -> list[str]:
+        return [module_of(node) for node, *_ in self.acts_of.get(k, [])]
+
+    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | None:
+        ut = torch.tensor(units)
+        hard = sorted({r for u in units for r in self.hard.get(u, [])})
+        if hard:
+            return Refusal(self.modules_of(k), hard)
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
-        mods = self.modules_of(units)
+        mods = self.modules_of(k)
         sinks = [(w, node, self.cls(col)) for w, node, col in self.rec.sinks if torch.isin(self.cls(col), ut).any()]
         names = sorted({w for w, _, _ in sinks})
         if len(names) != 1:
@@ -203,11 +233,11 @@ class _Builder:
         index[torch.tensor(order)] = torch.arange(n)
         members = [self.member(name, ids, index, n, sink) for name, ids in self.rec.members]
         members = list(dict.fromkeys(m for m in members if m is not None))
-        axes = self.unit_axes(index, n)
+        axes = self.unit_axes(k, index)
         consts, notes_zero = self.constants(axes, n)
         sink_member = next(m for m in members if m.output)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
-        mixed = sorted({r for k in units for r in self.mixed.get(k, [])})
+        mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
         kind = "head" if self.head[ut].any() else "channel"
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         return GroupSpec(kind, n, members, consts, not mixed, mixed + notes_zero, mods, sink, sink_node,
@@ -240,11 +270,10 @@ class _Builder:
         except AttributeError:
             return tuple(root.get_buffer(name).shape)
 
-    def unit_axes(self, index: torch.Tensor, n: int) -> dict[tuple, int]:
+    def unit_axes(self, k: int, index: torch.Tensor) -> dict[tuple, int]:
         """The unit axis of every activation that carries the group's units."""
         axes = {}
-        for node, i, ids in self.rec.acts:
-            c = self.cls(ids)
+        for node, i, c, _ in self.acts_of.get(k, []):
             u = torch.where(c >= 0, index[c.clamp(min=0)], c)
             if not (u >= 0).any():
                 continue
@@ -276,6 +305,7 @@ class _Builder:
         return consts, notes
 
 
-def analyse(lab: Labeller) -> Analysis:
-    """Group specs (and refusals) of a graph that ``lab`` has run."""
-    return _Builder(lab).build()
+def analyse(lab: Labeller, locate: bool = False) -> Analysis:
+    """Group specs and refusals of a graph that ``lab`` has run; with ``locate``, only where the
+    candidate groups are."""
+    return _Builder(lab).build(locate)

@@ -54,24 +54,22 @@ class Analysis:
 
 
 def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
-    """Class representative (smallest id) of every id: connected components of the tie edges."""
+    """Class representative (smallest id) of every id: connected components of the tie edges, by
+    vectorised min-label propagation with pointer jumping (a few passes over the edge list)."""
     rep = torch.arange(n)
     if not edges:
         return rep
     e = torch.unique(torch.cat(edges), dim=0)
-    e = e[e[:, 0] != e[:, 1]]
-    g = nx.Graph()
-    g.add_edges_from(e.tolist())
-    nodes, comp = [], []
-    for k, members in enumerate(nx.connected_components(g)):
-        nodes.extend(members)
-        comp.extend([k] * len(members))
-    if not nodes:
-        return rep
-    nodes_t, comp_t = torch.tensor(nodes), torch.tensor(comp)
-    smallest = torch.full((int(comp_t.max()) + 1,), n).scatter_reduce(0, comp_t, nodes_t, "amin")
-    rep[nodes_t] = smallest[comp_t]
-    return rep
+    a, b = e[:, 0], e[:, 1]
+    while True:
+        low = torch.minimum(rep[a], rep[b])
+        new = rep.scatter_reduce(0, a, low, "amin").scatter_reduce(0, b, low, "amin")
+        new = torch.minimum(new, new[new])
+        while not torch.equal(new, new[new]):
+            new = new[new]
+        if torch.equal(new, rep):
+            return rep
+        rep = new
 
 
 def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
@@ -131,7 +129,7 @@ class _Builder:
             c = self.cls(ids)
             self.head[c[c >= 0]] = True
         self.benign = torch.zeros(n, dtype=torch.bool)
-        self.hard: dict[int, list[str]] = {}
+        self.hard: list[tuple[torch.Tensor, str]] = []  # (unit classes, reason they cannot be sliced)
         for pin in rec.pins:
             c = self.cls(pin.ids)
             if pin.dim is not None and not I.varies(c, pin.dim):
@@ -140,9 +138,8 @@ class _Builder:
             c = c[self.unit_class[c]]
             if pin.benign:
                 self.benign[c] = True
-            else:
-                for k in c.tolist():
-                    self.hard.setdefault(k, []).append(pin.reason)
+            elif c.numel():
+                self.hard.append((c, pin.reason))
         self.mixed: dict[int, list[str]] = {}
         for p, why in rec.mixes:
             c = self.cls(p)
@@ -200,18 +197,22 @@ class _Builder:
 
     def locate(self, k: int, units: list[int], out: Analysis) -> None:
         """Only where a candidate group lives (to pick the modules to trace on their own)."""
-        hard = sorted({r for u in units for r in self.hard.get(u, [])})
+        hard = self.hard_reasons(units)
         if hard:
             out.refusals.append(Refusal(self.modules_of(k), hard))
         elif not self.benign[torch.tensor(units)].any():
             out.located.append(self.modules_of(k))
+
+    def hard_reasons(self, units: list[int]) -> list[str]:
+        ut = torch.tensor(units)
+        return sorted({why for c, why in self.hard if torch.isin(c, ut).any()})
 
     def modules_of(self, k: int) -> list[str]:
         return [module_of(node) for node, *_ in self.acts_of.get(k, [])]
 
     def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | None:
         ut = torch.tensor(units)
-        hard = sorted({r for u in units for r in self.hard.get(u, [])})
+        hard = self.hard_reasons(units)
         if hard:
             return Refusal(self.modules_of(k), hard)
         if self.benign[ut].any():

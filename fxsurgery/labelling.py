@@ -8,6 +8,7 @@ is the table in ``fxsurgery.rules``.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -76,21 +77,38 @@ class Records:
         self.pins.append(Pin(ids, reason, benign, dim))
 
 
+def to_meta(x: Any) -> Any:
+    return torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, x)
+
+
 class Labeller(torch.fx.Interpreter):
-    """Interpreter whose one job is to compute a ``Label`` beside every value of the graph."""
+    """Interpreter whose one job is to compute a ``Label`` beside every value of the graph.
+
+    With ``meta``, values that depend on the graph inputs are computed on the meta device (shapes
+    only, no arithmetic); values made from parameters and buffers alone (index tables, masks) are
+    computed for real, since rules read them."""
 
     def __init__(self, gm: torch.fx.GraphModule, rules: "RuleTable", rec: Records | None = None,
-                 seeds: dict[str, Any] | None = None):
+                 seeds: dict[str, Any] | None = None, meta: bool = True):
         super().__init__(gm, garbage_collect_values=True)
         self.rules = rules
         self.rec = rec if rec is not None else Records()
         self.seeds = seeds  # set when labelling the inside of an opaque function: its inputs' labels
+        self.meta = meta
+        self.dynamic: set[Node] = set()  # nodes whose values depend on the inputs
         self.labels: dict[Node, Any] = {}
         self.shapes: dict[Node, Any] = {}
         self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
 
     def run_node(self, n: Node) -> Any:
-        out = super().run_node(n)
+        if n.op == "placeholder" or any(a in self.dynamic for a in n.all_input_nodes):
+            self.dynamic.add(n)
+        if self.meta and n in self.dynamic:
+            with self._set_current_node(n):
+                args, kwargs = to_meta(self.fetch_args_kwargs_from_env(n))
+                out = getattr(self, n.op)(n.target, args, kwargs)
+        else:
+            out = super().run_node(n)
         if torch.is_tensor(out):
             self.shapes[n] = tuple(out.shape)
         elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out):
@@ -101,6 +119,17 @@ class Labeller(torch.fx.Interpreter):
         self.labels[n] = label
         self._record_acts(n, label)
         return out
+
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        out = super().placeholder(target, args, kwargs)
+        return to_meta(out) if self.meta else out
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if not self.meta or not any(torch.is_tensor(t) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            return super().call_module(target, args, kwargs)
+        mod = self.fetch_attr(target)
+        state = {k: v.to("meta") for k, v in itertools.chain(mod.named_parameters(), mod.named_buffers())}
+        return torch.func.functional_call(mod, state, args, kwargs)
 
     @property
     def nested(self) -> bool:

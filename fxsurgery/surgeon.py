@@ -1,6 +1,7 @@
 """The public entry point: find unit groups in a model and remove or clone units in place."""
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -17,7 +18,7 @@ from .grouping import Analysis, GroupSpec, Refusal, analyse
 from .labelling import Labeller
 from .rules import RULES
 from .slicing import ParamSlice, clone_state, clone_unit, remove_unit, state_tensors
-from .tracing import capture_inputs, forked_rng, trace, training_mode
+from .tracing import capture_inputs, forked_rng, materialize, trace, training_mode
 
 
 def common_module(paths: Sequence[str]) -> str:
@@ -63,6 +64,39 @@ class UnitGroup:
 
 
 @dataclass
+class HostAnalysis:
+    """The graphs and groups found for one host module; a copy serves any host built alike."""
+
+    graphs: dict[bool, torch.fx.Graph]
+    specs: list[tuple[GroupSpec, list[K.ConstantSpec]]]
+    refusals: list[Refusal]
+
+    def copy(self) -> "HostAnalysis":
+        """Fresh graphs, with every constant re-pointed to the same-named node of its graph's copy."""
+        copies = {id(g): copy.deepcopy(g) for g in self.graphs.values()}
+        by_name = {gid: {n.name: n for n in g.nodes} for gid, g in copies.items()}
+        specs = [(spec, [K.ConstantSpec(by_name[id(c.node.graph)][c.node.name], c.path, c.per_unit) for c in consts])
+                 for spec, consts in self.specs]
+        return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, specs, self.refusals)
+
+
+def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Everything tracing and analysis read: module types, plain attributes, parameter shapes,
+    integer buffer contents, and the call's input shapes and frozen values."""
+    parts = []
+    for name, m in module.named_modules():
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                             if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))))
+        params = tuple((k, tuple(p.shape), p.dtype) for k, p in m.named_parameters(recurse=False))
+        buffers = tuple((k, tuple(b.shape), b.dtype, None if b.is_floating_point() else hash(b.cpu().numpy().tobytes()))
+                        for k, b in m.named_buffers(recurse=False))
+        parts.append((name, type(m), attrs, params, buffers))
+    call = tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
+                 for t in pytree.tree_leaves((args, kwargs)))
+    return tuple(parts), call
+
+
+@dataclass
 class LeftOut:
     """A part of the model the analysis did not turn into a group, and why."""
 
@@ -86,6 +120,7 @@ class Surgeon:
         self._forwards: dict[str, GraphForward] = {}
         self._inputs: dict[str, tuple[tuple, dict]] = {}
         self._checked: dict[tuple, str | None] = {}
+        self._templates: dict[tuple, HostAnalysis] = {}
         self._analyse()
 
     # ------------------------------------------------------------------ public API
@@ -229,55 +264,61 @@ class Surgeon:
         return regions, failures
 
     def _label(self, gm: torch.fx.GraphModule, values: list, where: str, locate: bool = False) -> Analysis:
-        lab = Labeller(gm, RULES)
-        try:
-            with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]):
-                lab.run(*values)
-        except Exception as e:
-            node = getattr(lab, "_current_node", None)
-            raise AnalysisError(f"analysis of {where or 'the model'} failed at node "
-                                f"{getattr(node, 'name', '?')}: {type(e).__name__}: {e}") from e
+        """Label the graph on the meta device (shapes only); data-dependent code runs for real."""
+        for meta in (True, False):
+            lab = Labeller(gm, RULES, meta=meta)
+            try:
+                with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]):
+                    lab.run(*(values if meta else materialize(values)))
+                break
+            except Exception as e:
+                if not meta:
+                    raise AnalysisError(f"analysis of {where or 'the model'} failed: {type(e).__name__}: {e}") from e
         return analyse(lab, locate)
 
     def _install(self, host: str) -> None:
         module = self.model.get_submodule(host) if host else self.model
         args, kwargs = self._inputs[host]
+        key = fingerprint(module, args, kwargs)
+        if key not in self._templates:  # hosts built alike (every block of a ViT) are analysed once
+            self._templates[key] = self._analyse_host(module, host, args, kwargs)
+        found = self._templates[key].copy()
+        for r in found.refusals:
+            self.left_out.append(LeftOut(_join(host, common_module(r.modules)), r.reasons))
+        fwd = GraphForward(module, found.graphs)
+        self._forwards[host] = fwd
+        fwd.install()
+        for spec, consts in found.specs:
+            g = self._make_group(host, spec, consts)
+            # identical code, layout and inputs give identical self-check outcomes
+            check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
+            if check not in self._checked:
+                self._checked[check] = self._verify(g)
+            if self._checked[check]:
+                self.left_out.append(LeftOut(g.module, [f"self-check failed: {self._checked[check]}"]))
+            else:
+                self.groups.append(g)
+
+    def _analyse_host(self, module: nn.Module, host: str, args: tuple, kwargs: dict) -> "HostAnalysis":
+        """Trace the host in train and eval mode and find its groups in both graphs."""
         graphs, results = {}, {}
         for mode in (True, False):
             gm, values = trace(module, host, args, kwargs, mode)
-            if mode is False and gm.code == graphs[True][0].code:
+            if mode is False and gm.code == graphs[True].owning_module.code:
                 graphs[False], results[False] = graphs[True], results[True]
                 break
-            graphs[mode] = (gm, values)
+            graphs[mode] = gm.graph
             with training_mode(module, mode):
                 results[mode] = self._label(gm, values, host)
-        fwd = GraphForward(module, {m: graphs[m][0].graph for m in (True, False)})
         eval_specs = {s.sink: s for s in results[False].groups}
-        new_groups = []
+        specs, refusals = [], list(results[True].refusals)
         for spec in results[True].groups:
             other = eval_specs.get(spec.sink)
             if other is None or other.count != spec.count:
-                self.left_out.append(LeftOut(_join(host, common_module(spec.modules)),
-                                             ["train and eval graphs disagree about this group"]))
+                refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
                 continue
-            consts = spec.constants + ([] if other is spec else other.constants)
-            new_groups.append(self._make_group(host, spec, consts))
-        for r in results[True].refusals:
-            self.left_out.append(LeftOut(_join(host, common_module(r.modules)), r.reasons))
-        self._forwards[host] = fwd
-        fwd.install()
-        code = (type(module), graphs[True][0].code, graphs[False][0].code,
-                tuple(tuple(t.shape) for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)))
-        for g in new_groups:
-            # identical code, layout and input shapes give identical self-check outcomes
-            key = (code, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices), g.count)
-            if key not in self._checked:
-                self._checked[key] = self._verify(g)
-            failure = self._checked[key]
-            if failure:
-                self.left_out.append(LeftOut(g.module, [f"self-check failed: {failure}"]))
-            else:
-                self.groups.append(g)
+            specs.append((spec, spec.constants + ([] if other is spec else other.constants)))
+        return HostAnalysis(graphs, specs, refusals)
 
     def _make_group(self, host: str, spec: GroupSpec, consts: list[K.ConstantSpec]) -> UnitGroup:
         module = _join(host, common_module(spec.modules))
@@ -300,63 +341,52 @@ class Surgeon:
             return None
 
     def _verify(self, g: UnitGroup) -> str | None:
-        """Clone and remove unit 0 on the live host in float64, compare, and restore everything."""
+        """Clone and remove unit 0 on the live host, compare its outputs, and restore everything."""
         module = self.model.get_submodule(g.host) if g.host else self.model
-        args, kwargs = self._inputs[g.host]
-        saved = [(t, t.data) for t in module.parameters()]
-        buffers = [(m, k, b) for m in module.modules() for k, b in m._buffers.items() if b is not None]
+        args, kwargs = materialize(self._inputs[g.host])
+        saved = [(t, t.data) for t in itertools.chain(module.parameters(), module.buffers())]
         count = g.count
-        to64 = lambda x: x.double() if torch.is_tensor(x) and x.is_floating_point() else x
-        a64, k64 = pytree.tree_map(to64, (args, kwargs))
+        dtype = next(iter(saved))[1].dtype if saved else torch.float32
+        tol = {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
 
         def run() -> list[torch.Tensor]:
             with torch.no_grad():
-                return [t for t in pytree.tree_leaves(module(*a64, **k64)) if torch.is_tensor(t)]
+                return [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
 
         def restore() -> None:
             for t, data in saved:
                 t.data = data
-            for m, k, b in buffers:
-                m._buffers[k] = b
-            module.double()
             g.count = count
             self._apply_constants(g)
 
         try:
             with training_mode(module, False), forked_rng(pytree.tree_leaves((args, kwargs))):
-                module.double()
                 y0 = run()
                 if g.exact:
-                    self._edit(g, count + 1,
-                               lambda sl, t: clone_unit(t, sl, count, 0, self._noise(g, 0, 0.5, None, True).get(sl.name)),
-                               None)
+                    noise = self._noise(g, 0, 0.5, None, True)
+                    self._edit(g, count + 1, lambda sl, t: clone_unit(t, sl, count, 0, noise.get(sl.name)), None)
                     err = _max_rel_diff(y0, run())
-                    if err > 1e-8:
-                        return f"a clone changed the outputs by {err:.2e}"
                     restore()
+                    if err > tol:
+                        return f"a clone changed the outputs by {err:.2e}"
                 out = next(sl for sl in g.slices if sl.output)
                 w = self._tensor(out.name)
-                kept = w.data
                 w.data = w.data.clone()
                 out.unit(w.data, count, 0).zero_()
                 y_mask = run()
-                w.data = kept
+                restore()
                 self._edit(g, count - 1, lambda sl, t: remove_unit(t, sl, count, 0), None)
                 y_rm = run()
-                if g.exact and _max_rel_diff(y_mask, y_rm) > 1e-8:
-                    return f"a removal differs from masking by {_max_rel_diff(y_mask, y_rm):.2e}"
+                err = _max_rel_diff(y_mask, y_rm)
+                if g.exact and err > tol:
+                    return f"a removal differs from masking by {err:.2e}"
                 if [y.shape for y in y_rm] != [y.shape for y in y0]:
                     return "a removal changed the output shapes"
         except Exception as e:  # report the group, keep the model usable
             return f"{type(e).__name__}: {e}"
         finally:
-            for t, data in saved:
-                t.data = data
-            for m, k, b in buffers:
-                m._buffers[k] = b
-            if g.count != count:
-                g.count = count
-                self._apply_constants(g)
+            restore()
+            self._sync_modules(g)
         return None
 
     # ------------------------------------------------------------------ editing

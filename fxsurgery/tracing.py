@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import importlib.util
 import inspect
 from contextlib import contextmanager
@@ -56,8 +57,23 @@ def forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
         yield
 
 
+def materialize(obj: Any, seed: int = 0) -> Any:
+    """Real tensors for meta ones (random floats, zeros otherwise); real tensors pass as they are."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def real(t: Any) -> Any:
+        if not (torch.is_tensor(t) and t.is_meta):
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        return torch.zeros(t.shape, dtype=t.dtype)
+
+    return torch.utils._pytree.tree_map(real, obj)
+
+
 def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) -> dict[str, tuple[tuple, dict]]:
-    """Run ``model`` once and record the (args, kwargs) of the first call of each named submodule."""
+    """Run ``model`` once on the meta device (shapes only) and record the (args, kwargs) of the
+    first call of each named submodule; falls back to a real run for data-dependent models."""
     seen: dict[str, tuple[tuple, dict]] = {}
     handles = []
     for name in names:
@@ -67,9 +83,15 @@ def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) ->
             seen.setdefault(name, (args, kwargs))
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
+    state = {k: v.to("meta") for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
+    meta_inputs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example_inputs)
     try:
         with torch.no_grad(), forked_rng(_tensors(example_inputs)):
-            model(*example_inputs)
+            try:
+                torch.func.functional_call(model, state, meta_inputs)
+            except Exception:
+                seen.clear()
+                model(*example_inputs)
     finally:
         for h in handles:
             h.remove()

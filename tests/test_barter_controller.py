@@ -121,7 +121,6 @@ def make(method="barter", total=40, seed=0, counts=((2, 2), (1, 3), (2, 2))):
 
 
 def run(ctl, steps, x=None):
-    opt = torch.optim.SGD(ctl.model.parameters(), lr=0.05)
     x = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(0)) if x is None else x
     diffs = []
     for step in steps:

@@ -16,17 +16,16 @@ def build(depth=4):
                              depth=depth, mlp_ratio=1.0)
 
 
-def masked(model, events):
-    """A copy of `model` with each event's donor output slice zeroed (timm ViT names; head_dim 64)."""
-    ref = copy.deepcopy(model)
-    params = dict(ref.named_parameters())
+def mask_donors(model, events):
+    """Zero each event's donor output slice in `model` (timm ViT names; head_dim 64); returns `model`."""
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for e in events:
             if e["kind"] == "head":
                 params[f"{e['donor_layer']}.proj.weight"][:, 64 * e["donor_index"]:64 * (e["donor_index"] + 1)] = 0
             else:
                 params[f"{e['donor_layer']}.fc2.weight"][:, e["donor_index"]] = 0
-    return ref
+    return model
 
 
 def batch(step):
@@ -34,7 +33,7 @@ def batch(step):
     return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
 
 
-def train(ctl, opt, steps, manual=False, on_step=None):
+def train(ctl, opt, steps, on_step=None):
     for step in steps:
         x, y = batch(step)
         ctl.model.train()
@@ -44,8 +43,6 @@ def train(ctl, opt, steps, manual=False, on_step=None):
         opt.step()
         if on_step is not None:
             on_step(step, loss)
-        elif manual:
-            ctl.step()
 
 
 def new(method="barter", seed=0, auto=True, total=T, **kw):
@@ -82,7 +79,7 @@ def manual_run():
         if done:
             assert len({e["kind"] for e in done}) == len(done)  # one per kind and step: indices stay valid
             with torch.no_grad():
-                before = masked(snapshot, done)(xfix)
+                before = mask_donors(snapshot, done)(xfix)
                 after = ctl.model(xfix)
             records["diffs"].append(((after - before).abs().max() / before.abs().max()).item())
         if step == max(max(v) for v in ctl.schedule.values()):

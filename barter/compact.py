@@ -32,16 +32,12 @@ def kept_units(count: int, keep: int, how: str, generator: torch.Generator,
 
 def compact(surgeon, groups: Sequence, density: float, how: str, generator: torch.Generator,
             norms: Callable[[object], Tensor]) -> list[int]:
-    """Shrink every group in `groups` to its initial count in place; returns those counts.
-
-    Units are removed from the highest index down, so the kept units keep their relative order.
-    """
+    """Shrink every group in `groups` to its initial count in place (one batched edit per group, the
+    kept units in their original order); returns those counts."""
     counts = []
     for g in groups:
         keep = kept_units(g.count, initial_count(g.max_count, density), how, generator, lambda g=g: norms(g))
-        kept = set(keep)
-        for i in reversed(range(g.count)):
-            if i not in kept:
-                surgeon.remove(g, i)
+        if len(keep) < g.count:
+            surgeon.keep(g, keep)
         counts.append(g.count)
     return counts

@@ -59,7 +59,7 @@ def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
     rep = torch.arange(n)
     if not edges:
         return rep
-    e = torch.unique(torch.cat(edges), dim=0)
+    e = I.unique_pairs(torch.cat(edges))
     a, b = e[:, 0], e[:, 1]
     while True:
         low = torch.minimum(rep[a], rep[b])
@@ -79,7 +79,7 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     if not tent:
         return rep
     t = torch.cat(tent)
-    pc = torch.unique(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1), dim=0)
+    pc = I.unique_pairs(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1))
     pc = pc[pc[:, 0] != pc[:, 1]]
     ids, counts = torch.unique(pc[:, 0], return_counts=True)
     single = pc[torch.isin(pc[:, 0], ids[counts == 1])]
@@ -162,6 +162,8 @@ class _Builder:
         """Unit classes that share a tensor axis belong to one group."""
         g, seen = nx.Graph(), set()
         for *_, present in self.acts:
+            if present.numel() and self.benign[present].all():
+                continue  # only classes that are no unit axis (the residual stream): dropped anyway
             key = tuple(present.tolist())
             if key not in seen:
                 seen.add(key)

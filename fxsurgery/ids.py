@@ -81,12 +81,22 @@ def broadcast(*ids: torch.Tensor) -> list[torch.Tensor]:
     return list(torch.broadcast_tensors(*(align(t, ndim) for t in ids)))
 
 
+_SHIFT = 1 << 31  # ids (and NO_ID) shifted by one stay in [0, 2**31): a pair packs into one int64
+
+
+def unique_pairs(p: torch.Tensor) -> torch.Tensor:
+    """Distinct rows of an (k, 2) id tensor (one 1-D sort instead of a row sort)."""
+    if p.shape[0] < 2:
+        return p
+    packed = torch.unique((p[:, 0] + 1) * _SHIFT + (p[:, 1] + 1))
+    return torch.stack([packed // _SHIFT - 1, packed % _SHIFT - 1], dim=1)
+
+
 def pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distinct (a, b) id pairs at positions where both carry an id, as an (k, 2) tensor."""
     a, b = broadcast(a, b)
     keep = (a != NO_ID) & (b != NO_ID)
-    p = torch.stack([a[keep], b[keep]], dim=1)
-    return torch.unique(p, dim=0) if p.shape[0] > 1 else p
+    return unique_pairs(torch.stack([a[keep], b[keep]], dim=1))
 
 
 def fold(ids: torch.Tensor, dims: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

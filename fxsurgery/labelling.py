@@ -9,7 +9,6 @@ is the table in ``fxsurgery.rules``.
 from __future__ import annotations
 
 import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -17,7 +16,6 @@ import torch
 import torch.fx
 from torch.fx.node import Node, map_arg
 
-from . import ids as I
 
 
 @dataclass(frozen=True)
@@ -264,4 +262,3 @@ def always(fn: Rule) -> Rule:
     return fn
 
 
-GETITEM = operator.getitem

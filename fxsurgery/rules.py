@@ -81,7 +81,7 @@ def mix(s: Step, ids: torch.Tensor, dims: Sequence[int], what: str) -> None:
     if dims:
         rep = ids.amax(dim=dims, keepdim=True)
         a, b = I.broadcast(ids, rep)
-        p = torch.unique(torch.stack([a.flatten(), b.flatten()], 1), dim=0)
+        p = I.unique_pairs(torch.stack([a.flatten(), b.flatten()], 1))
         s.rec.mixes.append((p, f"{s.name}: {what}"))
 
 

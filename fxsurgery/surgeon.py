@@ -153,6 +153,19 @@ class Surgeon:
                    lambda sl, t: remove_unit(t, sl, g.count, index),
                    lambda sl, t: remove_unit(t, sl, g.count, index))
 
+    def keep(self, group: UnitGroup, indices: Sequence[int]) -> None:
+        """Keep only the units ``indices``, in that order, in one edit (a batched ``remove``)."""
+        g = self._own(group)
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        if idx.numel() and (idx.min() < 0 or idx.max() >= g.count):
+            raise IndexError(f"{g.name}: units {idx.tolist()} out of range for {g.count} units")
+        if torch.unique(idx).numel() != idx.numel():
+            raise ValueError(f"{g.name}: repeated units in {idx.tolist()}")
+        if idx.numel() < g.min_count:
+            raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s)")
+        count = g.count
+        self._edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx), lambda sl, t: sl.keep(t, count, idx))
+
     def clone(self, group: UnitGroup, parent: int, noise_std: float = 0.0,
               generator: torch.Generator | None = None, relative: bool = False) -> int:
         """Append a copy of unit ``parent``; its output weights are split W/2 + ε and W/2 − ε with
@@ -186,8 +199,10 @@ class Surgeon:
             raise ValueError(f"{g.name}: its output projection is not a module with a plain unit layout; cannot tap it")
         sink = self.model.get_submodule(g.sink_module)
 
-        def hook(module: nn.Module, args: tuple) -> None:
-            fn(args[0].unflatten(-1, (g.count, g.tap_inner)))
+        def hook(module: nn.Module, args: tuple) -> tuple:
+            a = args[0].unflatten(-1, (g.count, g.tap_inner))
+            fn(a)
+            return (a.flatten(-2), *args[1:])  # the projection reads the view, so gradients reach it
 
         return sink.register_forward_pre_hook(hook)
 
@@ -344,9 +359,9 @@ class Surgeon:
         """Clone and remove unit 0 on the live host, compare its outputs, and restore everything."""
         module = self.model.get_submodule(g.host) if g.host else self.model
         args, kwargs = materialize(self._inputs[g.host])
-        saved = [(t, t.data) for t in itertools.chain(module.parameters(), module.buffers())]
+        saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
         count = g.count
-        dtype = next(iter(saved))[1].dtype if saved else torch.float32
+        dtype = saved[0][1].dtype if saved else torch.float32
         tol = {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
 
         def run() -> list[torch.Tensor]:
@@ -354,8 +369,8 @@ class Surgeon:
                 return [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
 
         def restore() -> None:
-            for t, data in saved:
-                t.data = data
+            for t, data, grad in saved:
+                t.data, t.grad = data, grad
             g.count = count
             self._apply_constants(g)
 
@@ -424,9 +439,7 @@ class Surgeon:
         new_data = [(t, data_fn(sl, t.data)) for sl, t in tensors]
         new_state = [(st, k, state_fn(sl, st[k])) for sl, st, k in states]
         for t, d in new_data:
-            t.data = d
-            if isinstance(t, nn.Parameter):
-                t.grad = None
+            replace_data(t, d)
         for st, k, v in new_state:
             st[k] = v
         g.count = new_count
@@ -447,6 +460,17 @@ class Surgeon:
                 mod.out_features, mod.in_features = mod.weight.shape
             elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) and pname == "weight":
                 mod.normalized_shape = tuple(mod.weight.shape[-len(mod.normalized_shape):])
+
+
+def replace_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Swap in resized data, keeping the tensor object (optimizers and EMA copies point at it).
+
+    autograd caches a parameter's gradient accumulator with the old shape and only drops it when
+    dtype or device change, so pass through another dtype first; the stale ``.grad`` goes too."""
+    if isinstance(t, nn.Parameter):
+        t.grad = None
+        t.data = torch.empty(0, dtype=torch.float16 if data.dtype != torch.float16 else torch.float32, device=data.device)
+    t.data = data
 
 
 def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

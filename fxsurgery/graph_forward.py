@@ -38,6 +38,9 @@ class GraphForward:
 
     def recompile(self) -> None:
         """Regenerate the code after graph constants changed."""
+        info = getattr(self.graphs[True]._codegen, "pytree_info", None)
+        if info is not None:  # code that flattens structured arguments reads the specs from self
+            self.module.__dict__["_in_spec"], self.module.__dict__["_out_spec"] = info.in_spec, info.out_spec
         compiled: dict[int, Callable[..., Any]] = {}
         for mode, g in self.graphs.items():
             if id(g) not in compiled:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import ids as I
 from .errors import TraceError
 from .labelling import Label, Labeller, RuleTable, Step, always
-from .tracing import trace_function
+from .tracing import pytree_info, trace_function
 
 RULES = RuleTable()
 NO_ID = I.NO_ID
@@ -362,6 +362,26 @@ def cat(s: Step) -> Label | None:
     return Label(out, all(p[1] for p in labelled))
 
 
+@RULES.function(F.pad)
+def pad(s: Step) -> Label:
+    """Padding adds positions that carry no unit coordinate."""
+    x, xl = _first(s)
+    widths = s.arg(1, "pad")[0]
+    dims = [x.dim() - 1 - k // 2 for k in range(len(widths))]
+    ids = I.expand_dims(I.align(xl.ids, x.dim()), x.shape, dims)
+    return Label(I.compact(F.pad(ids, tuple(widths), value=NO_ID)), xl.param)
+
+
+@RULES.function(torch.roll, torch.flip)
+@RULES.method("roll", "flip")
+def reorder(s: Step) -> Any:
+    """Shifts and flips move positions: run them on ids expanded along the dims they touch."""
+    x, xl = _first(s)
+    ids = I.expand_dims(I.align(xl.ids, x.dim()), x.shape, range(x.dim()))
+    fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
+    return Label(I.compact(fn(*s.args[1:], **s.kwargs)), xl.param)
+
+
 # ---------------------------------------------------------------- contractions
 
 def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: list[str], out_sub: str) -> Label | None:
@@ -618,7 +638,9 @@ def inline(s: Step) -> Any:
     seeds = {name: labels[name] for name, v in values.items() if torch.is_tensor(v)}
     sub = Labeller(gm, RULES, s.rec, seeds)
     sub.run(*inputs)
-    return sub.labels[next(n for n in gm.graph.nodes if n.op == "output")]
+    out = sub.labels[next(n for n in gm.graph.nodes if n.op == "output")]
+    info = pytree_info(gm.graph)
+    return torch.utils._pytree.tree_unflatten(list(out), info.out_spec) if info is not None else out
 
 
 def fallback(s: Step) -> None:

@@ -252,12 +252,26 @@ class Surgeon:
             raise AnalysisError(f"no unit groups found in {type(self.model).__name__}: {why}")
 
     def _regions(self) -> tuple[list[tuple[str, torch.fx.GraphModule, list]], list[TraceError]]:
-        """The whole model if it traces, else the largest submodules that do."""
+        """The whole model if it traces (plus the modules it keeps as opaque fx leaves), else the
+        largest submodules that do."""
         try:
             gm, values = trace(self.model, "", self.example_inputs, {}, self.model.training)
-            return [("", gm, values)], []
         except TraceError as e:
-            failures = [e]
+            return self._submodule_regions([e])
+        leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"
+                  and not type(gm.get_submodule(n.target)).__module__.startswith("torch.")]
+        regions, failures = [("", gm, values)], []
+        calls = capture_inputs(self.model, self.example_inputs, leaves) if leaves else {}
+        for name in leaves:
+            if name in calls:
+                try:
+                    regions.append((name, *trace(self.model.get_submodule(name), name, *calls[name],
+                                                 self.model.training)))
+                except TraceError as err:
+                    self.left_out.append(LeftOut(name, [f"kept opaque by the tracer and not traceable: {err}"]))
+        return regions, failures
+
+    def _submodule_regions(self, failures: list[TraceError]) -> tuple[list, list[TraceError]]:
         names = [n for n, _ in self.model.named_modules() if n]
         calls = capture_inputs(self.model, self.example_inputs, names)
         regions = []

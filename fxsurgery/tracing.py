@@ -133,33 +133,58 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
     except Exception as e:  # torch.fx raises many types; the user needs the module and the cause
         label = name or "the model"
         raise TraceError(f"cannot trace {label} ({type(module).__name__}): {type(e).__name__}: {e}") from e
-    gm = torch.fx.GraphModule(module, graph, type(module).__name__)
-    return gm, _name_placeholders(graph, {**traced, **concrete})
+    values = _name_placeholders(graph, {**traced, **concrete})
+    return torch.fx.GraphModule(module, graph, type(module).__name__), values
+
+
+_function_graphs: dict[tuple, torch.fx.GraphModule] = {}
 
 
 def trace_function(fn: Any, arguments: dict[str, Any]) -> tuple[torch.fx.GraphModule, list]:
-    """Trace a plain function with its tensor arguments symbolic and the rest frozen."""
+    """Trace a plain function with its tensor arguments symbolic and the rest frozen (cached per
+    function, frozen values and tensor shapes: helpers are called once per block)."""
     concrete = {k: v for k, v in arguments.items() if not torch.is_tensor(v)}
-    tracer = Tracer()
-    try:
-        graph = tracer.trace(fn, concrete_args=concrete or None)
-    except Exception as e:
-        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}") from e
-    return torch.fx.GraphModule(tracer.root, graph), _name_placeholders(graph, arguments)
+    key = (fn, repr(sorted(concrete.items())),
+           tuple((k, tuple(v.shape), v.dtype) for k, v in arguments.items() if torch.is_tensor(v)))
+    if key not in _function_graphs:
+        tracer = Tracer()
+        try:
+            graph = tracer.trace(fn, concrete_args=concrete or None)
+        except Exception as e:
+            raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}") from e
+        _name_placeholders(graph, arguments)
+        _function_graphs[key] = torch.fx.GraphModule(tracer.root, graph)
+    gm = _function_graphs[key]
+    return gm, _name_placeholders(gm.graph, arguments)
+
+
+def pytree_info(graph: torch.fx.Graph) -> Any:
+    """fx's input/output specs when the graph flattens structured arguments (else None)."""
+    return getattr(graph._codegen, "pytree_info", None)
 
 
 def _name_placeholders(graph: torch.fx.Graph, arguments: dict[str, Any]) -> list:
-    """Values for the placeholders, renaming the ones fx suffixed for frozen arguments back to the
-    caller's keyword names."""
+    """Values for the placeholders. fx names a frozen argument's placeholders ``{name}_{k}``, one per
+    leaf of its value; a single one is renamed back to the caller's keyword name."""
     values = []
+    flattening = pytree_info(graph) is not None
     for node in graph.nodes:
         if node.op != "placeholder":
             continue
-        base = node.target
-        if base not in arguments and base.rsplit("_", 1)[0] in arguments:
-            base = base.rsplit("_", 1)[0]
+        if flattening:
+            node.args = ()  # fx emits defaults inside its flattening unpack, which does not compile
+        name = node.target
+        if name in arguments:
+            values.append(arguments[name])
+            continue
+        base, _, k = name.rpartition("_")
+        if base not in arguments or not k.isdigit():
+            values.append(node.args[0] if node.args else None)
+            continue
+        leaves = torch.utils._pytree.tree_leaves(arguments[base])
+        if len(leaves) <= 1 and not flattening:
             node.target = base
-        values.append(arguments.get(base))
+        values.append(leaves[int(k) - 1] if leaves else arguments[base])
     return values
 
 
@@ -168,8 +193,5 @@ def _placeholder_values(graph: torch.fx.Graph, args: tuple, kwargs: dict) -> lis
     names = [n.target for n in graph.nodes if n.op == "placeholder"]
     values = dict(zip(names, args))
     values.update(kwargs)
-    out = []
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            out.append(values[node.target] if node.target in values else (node.args[0] if node.args else None))
-    return out
+    return [values[n.target] if n.target in values else (n.args[0] if n.args else None)
+            for n in graph.nodes if n.op == "placeholder"]

@@ -77,6 +77,15 @@ class Site:
     count: int
     size_reads: set
     values: dict  # concrete non-tensor values of nodes (sizes read at run time)
+    axes: dict  # (node, output index) -> unit axis, for every value that carries the units
+
+    def follows_units(self, shape: Node) -> bool:
+        """``shape`` is the full size of a tensor whose unit axis sits where the output's does, so
+        it follows the count by itself (e.g. ``x.reshape(y.shape)``)."""
+        n = shape
+        is_read = (n.op == "call_function" and n.target is getattr and n.args[1] == "shape") or \
+                  (n.op == "call_method" and n.target == "size" and len(n.args) == 1)
+        return is_read and isinstance(n.args[0], Node) and self.axes.get((n.args[0], None)) == self.out_dim
 
     def constant(self, path: Path, size: int) -> ConstantSpec:
         """The argument at ``path`` spans ``size`` elements of the unit axis."""
@@ -106,8 +115,10 @@ def shape_paths(node: Node, first: int) -> list[Path]:
 def view(site: Site) -> list[ConstantSpec]:
     if site.out_dim is None:
         return []
-    first = 1
-    paths = shape_paths(site.node, first)
+    paths = shape_paths(site.node, 1)
+    shape = site.node.args[1] if len(site.node.args) == 2 else None
+    if not paths and isinstance(shape, Node) and site.follows_units(shape):
+        return []
     if len(paths) != len(site.out_shape):
         raise Unsupported(f"{site.node.name}: shape built at run time; cannot rewrite the unit axis")
     return [site.constant(paths[site.out_dim], site.out_shape[site.out_dim])]

@@ -298,7 +298,7 @@ class _Builder:
             if in_dim is None and out_dim is None:
                 continue
             site = K.Site(node, in_dim, out_dim, lab.shapes.get(src), lab.shapes.get(node), n,
-                          lab.rec.size_reads, lab.values)
+                          lab.rec.size_reads, lab.values, axes)
             found = K.find(site)
             consts += found
             if node.op == "call_method" and node.target in ("view", "reshape") and out_dim is not None:

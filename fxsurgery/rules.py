@@ -218,8 +218,10 @@ def elementwise_module(s: Step) -> Label | None:
 
 @RULES.function(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten)
 @RULES.method("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as")
-def reshape(s: Step) -> Label:
+def reshape(s: Step) -> Label | None:
     x, xl = _first(s)
+    if xl is None:  # only the shape source (view_as / reshape_as) carries ids
+        return None
     ids = I.align(xl.ids, x.dim())
     return Label(I.compact(I.reshape(ids, x.shape, s.out.shape)), xl.param)
 
@@ -584,6 +586,28 @@ def layer_norm_module(s: Step) -> Label:
             s.rec.member(name, ids)
             affine.append((p, Label(ids, True)))
     return _normalise(s, x, xl, dims, "normalisation", affine)
+
+
+@RULES.module(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+def batch_norm_module(s: Step) -> Label | None:
+    """Statistics are per channel (dim 1): channels stay separate, and the affine weights and running
+    statistics are per-channel members."""
+    x, xl = _first(s)
+    if xl is None:
+        return None
+    mod = s.lab.module.get_submodule(s.node.target)
+    ids = I.align(xl.ids, x.dim())
+    mix(s, ids, [d for d in range(x.dim()) if d != 1], "batch normalisation")
+    operands = [(x, Label(ids))]
+    for pname in ("weight", "bias", "running_mean", "running_var"):
+        p = getattr(mod, pname, None)
+        if torch.is_tensor(p) and p.is_floating_point():
+            name = f"{s.node.target}.{pname}"
+            pid = s.rec.fresh(tuple(p.shape))
+            s.rec.params[name] = (int(pid.min()), int(pid.max()) + 1)
+            s.rec.member(name, pid)
+            operands.append((p.reshape(-1, *([1] * (x.dim() - 2))), Label(pid.reshape(-1, *([1] * (x.dim() - 2))), True)))
+    return elementwise_labels(s, operands, x.dim())
 
 
 @RULES.function(F.normalize)

@@ -1,0 +1,153 @@
+"""Conformance of `barter.wrap` on a model: the checks behind `tests/test_conformance.py` and
+`benchmarks/conformance.py`.
+
+For one model: analysis finds groups (and says what it leaves out); every exact group's clone leaves
+the outputs unchanged and its removal equals masking the unit's output slice (float64); train() and
+eval() behave like the original; and a short training run with transfers executes and stays finite.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from fxsurgery import Surgeon
+
+from .wrap import wrap
+
+LIST = Path(__file__).resolve().parents[1] / "tests" / "timm_models.json"  # the project's copy of the list
+
+
+@dataclass
+class Conformance:
+    """What the checks found for one model."""
+
+    model: str
+    heads: int = 0
+    channels: int = 0
+    exact: int = 0
+    left_out: list[str] = field(default_factory=list)
+    clone_ok: bool = False
+    remove_ok: bool = False
+    modes_ok: bool = False
+    train_ok: bool = False
+    transfers: int = 0
+    analyse_s: float = 0.0
+    error: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and self.clone_ok and self.remove_ok and self.modes_ok and self.train_ok and self.heads > 0
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return bool((a - b).abs().max() <= tol * max(1.0, float(b.abs().max())))
+
+
+def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
+    """In float64: cloning unit 0 of every exact group leaves the outputs unchanged; removing it
+    (on a fresh copy) equals the original with that unit's output slice zeroed."""
+    model = copy.deepcopy(model).double().eval()
+    x = x.double()
+    original = copy.deepcopy(model)
+    t = time.perf_counter()
+    s = Surgeon(model, (x,))
+    result.analyse_s = time.perf_counter() - t
+    result.heads = sum(g.kind == "head" for g in s.groups)
+    result.channels = sum(g.kind == "channel" for g in s.groups)
+    result.exact = sum(g.exact for g in s.groups)
+    result.left_out = [f"{lo.module}: {'; '.join(lo.reasons)}" for lo in s.left_out]
+    fresh = copy.deepcopy(original)
+    with torch.no_grad():
+        y0 = model(x)
+        gen = torch.Generator().manual_seed(0)
+        for g in s.groups:
+            if g.exact:
+                s.clone(g, 0, noise_std=0.1, generator=gen, relative=True)
+        result.clone_ok = _close(model(x), y0, 1e-9)
+        s2 = Surgeon(fresh, (x,))
+        masked = copy.deepcopy(original)
+        params = dict(masked.named_parameters())
+        for g in s2.groups:
+            if g.exact:
+                out = next(sl for sl in g.slices if sl.output)
+                out.unit(params[out.name].data, g.count, 0).zero_()
+                s2.remove(g, 0)
+        result.remove_ok = _close(fresh(x), masked(x), 1e-9)
+
+
+def check_modes(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
+    """Train mode (same seed) and eval mode match the original after analysis."""
+    model = copy.deepcopy(model)
+    original = copy.deepcopy(model)
+    Surgeon(model, (x,))
+    ok = True
+    with torch.no_grad():
+        for mode in ("train", "eval"):
+            getattr(model, mode)()
+            getattr(original, mode)()
+            torch.manual_seed(1)
+            a = model(x)
+            torch.manual_seed(1)
+            ok &= torch.equal(a, original(x))
+    result.modes_ok = ok
+
+
+def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps: int = 12) -> None:
+    """A short BARTER run whose window holds several transfers: every loss finite."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = wrap(model, opt, total_steps=steps, density=0.5, example_inputs=(x,), window=(0.1, 0.9))
+    y = torch.randint(0, 2, (x.shape[0],))
+    ok = True
+    for _ in range(steps):
+        opt.zero_grad()
+        out = model(x)
+        logits = out[0] if isinstance(out, tuple) else out
+        loss = nn.functional.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        ok &= bool(torch.isfinite(loss))
+    result.transfers = sum(e["skipped"] is None for e in ctl.events)
+    result.train_ok = ok and result.transfers > 0
+
+
+def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor) -> Conformance:
+    """All checks for one model; an exception is recorded, not raised."""
+    result = Conformance(name)
+    try:
+        torch.manual_seed(0)
+        model = build()
+        check_surgery(model, x, result)
+        check_modes(model, x, result)
+        check_training(model, x, result)
+    except Exception as e:  # the table must go on; the error is the finding
+        result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return result
+
+
+def timm_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
+    """The conformance list as (name, builder, input); ``depth`` shrinks models that take it."""
+    import timm
+
+    import models  # noqa: F401  (registers the project's models with timm)
+
+    cases = []
+    for entry in json.loads(path.read_text()):
+        kw = dict(entry["kwargs"])
+
+        def build(name: str = entry["model"], kw: dict = kw) -> nn.Module:
+            try:
+                return timm.create_model(name, pretrained=False, num_classes=2, **{"depth": depth, **kw} if depth else kw)
+            except TypeError:
+                return timm.create_model(name, pretrained=False, num_classes=2, **kw)
+
+        size = kw.get("img_size", 224)
+        cases.append((entry["model"], build, torch.randn(2, 3, size, size)))
+    return cases

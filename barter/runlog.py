@@ -1,0 +1,137 @@
+"""A run's directory: config.json, metrics.jsonl, events.jsonl, topology.json, checkpoints and widths.png.
+
+Checkpoints are `torch.save` dictionaries written atomically (temporary file, then rename) and read back with
+`weights_only=True`; anything unreadable or incomplete raises `CheckpointError` with the path and the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "model", "optimizer", "rng", "flops")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, lacks what training needs, or was made by another configuration."""
+
+
+class RunDir:
+    """The files of one run under `path` (created on demand)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @property
+    def last(self) -> Path:
+        return self.path / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.path / "best.pt"
+
+    def write_json(self, name: str, data: Any) -> None:
+        _atomic(self.path / name, lambda f: f.write_text(json.dumps(data, indent=2) + "\n"))
+
+    def read_json(self, name: str) -> Any:
+        return json.loads((self.path / name).read_text())
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        """One line of metrics.jsonl (one per epoch)."""
+        with (self.path / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+    def truncate_metrics(self, epoch: float) -> None:
+        """Keep only the lines up to `epoch` (a resumed run rewrites what followed its checkpoint)."""
+        kept = [r for r in self.metrics() if r["epoch"] <= epoch]
+        _atomic(self.path / "metrics.jsonl", lambda f: f.write_text("".join(json.dumps(r) + "\n" for r in kept)))
+
+    def write_events(self, events: Iterable[dict[str, Any]]) -> None:
+        """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""
+        _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
+
+    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
+        _atomic(path, lambda f: torch.save(state, f))
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a checkpoint written by `RunDir.save_checkpoint` (tensors, numbers, strings and containers only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises many types for a truncated or foreign file
+        raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {e})") from e
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(f"{path} is not a barter training checkpoint (missing: {', '.join(missing)})")
+    return state
+
+
+def find_checkpoint(source: str | os.PathLike[str], kind: str = "last") -> Path:
+    """`source` itself if it is a file, else `<source>/<kind>.pt` (a run directory)."""
+    source = Path(source)
+    return source if source.is_file() else source / f"{kind}.pt"
+
+
+def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
+                  ) -> dict[str, dict[str, list[tuple[int, int]]]]:
+    """{kind: {module: [(step, width), ...]}} from the final topology and the executed transfers.
+
+    Replaying the transfers backwards from the final widths gives the initial ones; each executed transfer
+    then moves one unit of its kind from the donor layer to the receiver layer at its step.
+    """
+    done = [e for e in events if e["skipped"] is None]
+    width = {(module, kind): n for module, kinds in final.items() for kind, n in kinds.items()}
+    for e in done:
+        width[(e["donor_layer"], e["kind"])] += 1
+        width[(e["receiver_layer"], e["kind"])] -= 1
+    history: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    for (module, kind), n in width.items():
+        history.setdefault(kind, {})[module] = [(0, n)]
+    for e in done:
+        for module, change in ((e["donor_layer"], -1), (e["receiver_layer"], 1)):
+            series = history[e["kind"]][module]
+            series.append((e["step"], series[-1][1] + change))
+    return history
+
+
+def plot_widths(path: Path, final: dict[str, dict[str, int]], events: list[dict[str, Any]],
+                steps_per_epoch: int, last_step: int) -> None:
+    """widths.png: per-layer heads and FFN channels against epochs (one panel per unit kind)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = width_history(final, events)
+    kinds = [k for k in ("head", "channel") if k in history]
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(8, 3.2 * len(kinds)), squeeze=False, sharex=True)
+    for ax, kind in zip(axes[:, 0], kinds):
+        for module, series in history[kind].items():
+            steps, widths = zip(*(series + [(last_step, series[-1][1])]))
+            ax.plot([s / steps_per_epoch for s in steps], widths, drawstyle="steps-post", label=module)
+        ax.set_ylabel("heads" if kind == "head" else "FFN channels")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=3, loc="best")
+    axes[-1, 0].set_xlabel("epoch")
+    fig.tight_layout()
+    _atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
+    plt.close(fig)
+
+
+def _atomic(path: Path, write) -> None:
+    """Write through `write(tmp_path)` and rename over `path`, so a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)

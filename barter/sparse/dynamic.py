@@ -1,0 +1,141 @@
+"""Masked dynamic sparse training (RigL, SET) of a chosen set of weights, driven by optimizer hooks.
+
+Protocol: `build_sparse` registers a pre-step hook on the optimizer; the trainer calls `sp.step()` right after
+every `optimizer.step()`.
+
+* Ordinary step: the pre-step hook multiplies the sparse weights' gradients by their masks (the optimizer sees
+  the gradient of the masked weight, as in the official implementations, so inactive moments stay zero);
+  `sp.step()` then multiplies the weights by their masks.
+* Mask-update step (t % update_interval == 0 and t < end_step, t the 1-based step): the mask update replaces
+  the optimizer step. The pre-step hook keeps the dense gradients of the sparse weights (RigL's growth score)
+  and sets every gradient of the optimizer to None, so `optimizer.step()` changes no weight, moment or step
+  counter (torch optimizers skip parameters without a gradient); `sp.step()` then drops and grows. Anything
+  the trainer does to the weights outside `optimizer.step()` (explicit weight decay, say) should be skipped
+  when `sp.is_update_step(sp.step_count + 1)` is true before the step.
+
+Gradient clipping before `optimizer.step()` sees the dense gradients.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .update import cosine_drop_fraction, drop_and_grow
+
+METHODS = ("rigl", "set")
+
+
+class DynamicSparse:
+    """Masks of the sparse weights, the update schedule, and the drop/grow rule of `method` ("rigl" or "set").
+
+    `masks[name]` is a float tensor (1 active, 0 inactive) shaped like the weight; `counts[name]` its active
+    count, constant through training.
+    """
+
+    def __init__(self, weights: dict[str, nn.Parameter], counts: dict[str, int], optimizer: torch.optim.Optimizer,
+                 *, method: str, total_steps: int, update_interval: int, end_fraction: float, drop_fraction: float,
+                 generator: torch.Generator) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+        self.method = method
+        self.weights = weights
+        self.counts = counts
+        self.optimizer = optimizer
+        self.update_interval = update_interval
+        self.end_step = int(end_fraction * total_steps)
+        self.alpha = drop_fraction
+        self.generator = generator
+        self.step_count = 0
+        self.masks = {name: self._random_mask(w, counts[name]) for name, w in weights.items()}
+        self._pending = False
+        self._grow_scores: dict[str, Tensor] | None = None
+        self.apply_masks()
+        optimizer.register_step_pre_hook(self._before_step)
+
+    def _random_mask(self, weight: Tensor, count: int) -> Tensor:
+        """A uniformly random mask with exactly `count` active positions."""
+        keep = torch.rand(weight.numel(), generator=self.generator).topk(count, sorted=False).indices
+        mask = torch.zeros(weight.numel(), dtype=weight.dtype)
+        mask[keep] = 1
+        return mask.view_as(weight).to(weight.device)
+
+    def is_update_step(self, step: int) -> bool:
+        """Whether 1-based optimizer step `step` is a mask update (every update_interval steps before end_step)."""
+        return step % self.update_interval == 0 and step < self.end_step
+
+    def drop_fraction(self, step: int) -> float:
+        """The fraction of each layer's active weights dropped at update step `step` (cosine decay)."""
+        return cosine_drop_fraction(step, self.alpha, self.end_step)
+
+    @property
+    def density(self) -> float:
+        """Active fraction of the sparse weights."""
+        return sum(self.counts.values()) / sum(w.numel() for w in self.weights.values())
+
+    @torch.no_grad()
+    def apply_masks(self) -> None:
+        """Zero the inactive weights."""
+        torch._foreach_mul_(list(self.weights.values()), list(self.masks.values()))
+
+    @torch.no_grad()
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._pending:
+            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
+        self._pending = True
+        if self.is_update_step(self.step_count + 1):
+            self._grow_scores = self._scores()
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        else:
+            pairs = [(w.grad, self.masks[n]) for n, w in self.weights.items() if w.grad is not None]
+            if pairs:
+                torch._foreach_mul_(*map(list, zip(*pairs)))
+
+    def _scores(self) -> dict[str, Tensor]:
+        """Growth scores: |dense gradient| (RigL) or uniform random numbers (SET)."""
+        if self.method == "set":
+            return {n: torch.rand(w.shape, generator=self.generator).to(w.device) for n, w in self.weights.items()}
+        missing = [n for n, w in self.weights.items() if w.grad is None]
+        if missing:
+            raise RuntimeError(f"RigL grows by gradient, but these weights have none at an update step: {missing}")
+        return {n: w.grad.abs() for n, w in self.weights.items()}
+
+    def step(self) -> None:
+        """Count the optimizer step just taken; on an update step drop and grow; then zero inactive weights."""
+        if not self._pending:
+            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
+        self._pending = False
+        self.step_count += 1
+        if self._grow_scores is not None:
+            self._update(self._grow_scores, self.drop_fraction(self.step_count))
+            self._grow_scores = None
+        self.apply_masks()
+
+    @torch.no_grad()
+    def _update(self, scores: dict[str, Tensor], fraction: float) -> None:
+        """Drop and grow in every layer; new connections get zero weights and zero optimizer moments."""
+        for name, w in self.weights.items():
+            mask, new = drop_and_grow(w, self.masks[name].bool(), scores[name], fraction)
+            self.masks[name] = mask.to(w.dtype)
+            w.masked_fill_(new, 0)
+            for value in self.optimizer.state.get(w, {}).values():
+                if isinstance(value, Tensor) and value.shape == w.shape:  # exp_avg(_sq), momentum_buffer, ...
+                    value.masked_fill_(new, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Method, step count, boolean masks and RNG state."""
+        return {"method": self.method, "step": self.step_count, "rng": self.generator.get_state(),
+                "masks": {n: m.bool().cpu() for n, m in self.masks.items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore a saved state into a `build_sparse` of a freshly built model with the same arguments."""
+        if sd["method"] != self.method or set(sd["masks"]) != set(self.masks):
+            raise ValueError("state_dict comes from another method or another set of sparse weights")
+        for name, w in self.weights.items():
+            self.masks[name] = sd["masks"][name].to(device=w.device, dtype=w.dtype)
+        self.step_count = sd["step"]
+        self.generator.set_state(sd["rng"])
+        self.apply_masks()

@@ -1,0 +1,38 @@
+"""`barter.wrap` on the timm conformance list: one row per model, ending `conformance: <passed>/<total>`.
+
+Columns: heads / channels groups found, exact groups, clone ok (float64, 1e-9), remove ok (equals
+masking), train()/eval() like the original, a short training run with transfers, analysis seconds.
+Models that take `depth` are built with depth 2 (override with --depth 0 for the listed sizes).
+"""
+from __future__ import annotations
+
+import argparse
+
+from barter.conformance import check, timm_cases
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("models", nargs="*", help="only these models")
+    p.add_argument("--depth", type=int, default=2)
+    p.add_argument("--why", action="store_true", help="print what each model leaves out")
+    args = p.parse_args()
+    cases = [c for c in timm_cases(depth=args.depth or None) if not args.models or c[0] in args.models]
+    print(f"{'model':<34} {'heads':>5} {'chan':>5} {'exact':>5} {'clone':>5} {'remove':>6} {'modes':>5} "
+          f"{'train':>5} {'xfers':>5} {'analyse':>8}  note")
+    passed = 0
+    for name, build, x in cases:
+        r = check(name, build, x)
+        passed += r.passed
+        yes = lambda b: "ok" if b else "FAIL"
+        note = r.error or (f"{len(r.left_out)} left out" if r.left_out else "")
+        print(f"{name:<34} {r.heads:>5} {r.channels:>5} {r.exact:>5} {yes(r.clone_ok):>5} {yes(r.remove_ok):>6} "
+              f"{yes(r.modes_ok):>5} {yes(r.train_ok):>5} {r.transfers:>5} {r.analyse_s:>7.1f}s  {note}", flush=True)
+        if args.why:
+            for lo in r.left_out[:6]:
+                print(f"    left out: {lo[:160]}")
+    print(f"conformance: {passed}/{len(cases)}")
+
+
+if __name__ == "__main__":
+    main()

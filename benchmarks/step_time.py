@@ -1,0 +1,211 @@
+"""Training-step time and peak memory of Dense, Static, BARTER, RigL and SET on CCT-7/3x1 and the paper's ViT.
+
+For each model and density rho in {0.1, 0.3, 0.5, 0.7}, one run times the median training step (forward, loss,
+backward, AdamW step, method step) of every configuration, interleaved step by step after warm-up so that
+drifting machine load hits them alike. BARTER runs with a long horizon, so its activation x gradient score taps
+are on (the steps of its transfer window); RigL/SET medians are ordinary steps (a mask update replaces one
+optimizer step in 100).
+
+Peak memory: on CUDA, torch.cuda.max_memory_allocated during warm-up and one step of the configuration alone,
+minus what was allocated before it was built (model, optimizer state, masks, activations, workspace). On CPU,
+each configuration runs alone in a subprocess and the number is the growth of the process's peak RSS
+(ru_maxrss) from just before the model is built to after warm-up and one step: it includes allocator slack
+and is only comparable between rows of the same run.
+
+    .venv/bin/python benchmarks/step_time.py [--quick] [--device cuda] [--batch 128] [--steps 10]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import timm
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import barter
+import models  # noqa: F401  (registers the models)
+from barter.sparse import build_sparse
+
+MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
+METHODS = ("dense", "static", "barter", "rigl", "set")
+DENSITIES = (0.1, 0.3, 0.5, 0.7)
+HORIZON = 1_000_000  # total steps given to every method: BARTER's taps stay on, no RigL/SET update is timed
+
+
+@dataclass
+class Run:
+    """One configuration ready to train: its model, optimizer and what follows `optimizer.step()`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    after_step: Callable[[], None]
+
+
+def build(arch: str, method: str, density: float, device: str) -> Run:
+    """A fresh `arch` trained by `method` at `density` (dense ignores it); BARTER's own hook follows the step."""
+    torch.manual_seed(0)
+    model = timm.create_model(arch).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    if method in ("rigl", "set"):
+        sp = build_sparse(model, opt, method=method, density=density, total_steps=HORIZON)
+        return Run(model, opt, sp.step)
+    if method in ("static", "barter"):
+        barter.wrap(model, opt, total_steps=HORIZON, density=density, method=method)
+    return Run(model, opt, lambda: None)
+
+
+def batch(arch: str, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    c, h, w = timm.models.get_pretrained_cfg(arch).input_size
+    classes = timm.models.get_pretrained_cfg(arch).num_classes
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(size, c, h, w, generator=g).to(device),
+            torch.randint(0, classes, (size,), generator=g).to(device))
+
+
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
+    torch.nn.functional.cross_entropy(run.model(x), y).backward()
+    run.optimizer.step()
+    run.after_step()
+    run.optimizer.zero_grad()
+
+
+def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Seconds of one training step: CUDA events on a GPU, wall time on CPU."""
+    if x.is_cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        train_step(run, x, y)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    train_step(run, x, y)
+    return time.perf_counter() - t0
+
+
+def peak_memory_cuda(arch: str, method: str, density: float, x: torch.Tensor, y: torch.Tensor, warmup: int) -> float:
+    """MiB allocated at peak by this configuration alone (see the module docstring)."""
+    gc.collect()  # earlier runs' model/optimizer/hook cycles
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run = build(arch, method, density, "cuda")
+    for _ in range(warmup + 1):
+        train_step(run, x, y)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del run
+    return peak / 2**20
+
+
+def peak_rss_child(arch: str, method: str, density: float, batch_size: int, warmup: int) -> None:
+    """Subprocess body: print the growth of peak RSS (MiB) over building and training this configuration."""
+    x, y = batch(arch, batch_size, "cpu")
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run = build(arch, method, density, "cpu")
+    for _ in range(warmup + 1):
+        train_step(run, x, y)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)  # ru_maxrss is in KiB on Linux
+
+
+def peak_memory_cpu(arch: str, method: str, density: float, batch_size: int, warmup: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child", arch, method, str(density), "--batch",
+                          str(batch_size), "--warmup", str(warmup)], check=True, capture_output=True, text=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def configs(densities: tuple[float, ...]) -> list[tuple[str, float]]:
+    """(method, density) pairs; Dense once (its density is 1)."""
+    return [("dense", 1.0)] + [(m, d) for d in densities for m in METHODS[1:]]
+
+
+def measure(arch: str, densities: tuple[float, ...], args: argparse.Namespace) -> dict[tuple[str, float], dict]:
+    """{(method, density): {"time": median seconds, "mem": MiB or None}} for one model."""
+    x, y = batch(arch, args.batch, args.device)
+    results = {c: {"time": math.nan, "mem": None} for c in configs(densities)}
+    if args.memory:
+        for (method, d), r in results.items():
+            r["mem"] = (
+                peak_memory_cuda(arch, method, d, x, y, args.warmup) if args.device == "cuda"
+                else peak_memory_cpu(arch, method, d, args.batch, args.warmup))
+    runs = {c: build(arch, *c, args.device) for c in results}
+    times: dict[tuple[str, float], list[float]] = {c: [] for c in runs}
+    for i in range(args.warmup + args.steps):
+        for c, run in runs.items():
+            t = timed_step(run, x, y)
+            if i >= args.warmup:
+                times[c].append(t)
+    for c in runs:
+        results[c]["time"] = statistics.median(times[c])
+    return results
+
+
+def _mib(result: dict) -> str:
+    return "-" if result["mem"] is None else f"{result['mem']:.1f}"
+
+
+def report(name: str, results: dict[tuple[str, float], dict], densities: tuple[float, ...]) -> dict[float, float]:
+    """Print one model's table and ratios; return BARTER/RigL step-time ratio per density."""
+    dense = results["dense", 1.0]
+    print(f"\n{name}")
+    print(f"{'density':>7} {'method':>7} {'step ms':>9} {'x dense':>8} {'peak MiB':>9}")
+    print(f"{1.0:7.1f} {'dense':>7} {dense['time'] * 1e3:9.1f} {1.0:8.3f} {_mib(dense):>9}")
+    ratios = {}
+    for d in densities:
+        for m in METHODS[1:]:
+            r = results[m, d]
+            print(f"{d:7.1f} {m:>7} {r['time'] * 1e3:9.1f} {r['time'] / dense['time']:8.3f} {_mib(r):>9}")
+    print(f"{'density':>7} {'BARTER/RigL time':>17} {'BARTER/Static time':>19} {'BARTER/RigL mem':>16} "
+          f"{'BARTER/Static mem':>18}")
+    for d in densities:
+        b, rigl, static = results["barter", d], results["rigl", d], results["static", d]
+        ratios[d] = b["time"] / rigl["time"]
+        mems = ("-", "-") if b["mem"] is None else (f"{b['mem'] / rigl['mem']:.3f}", f"{b['mem'] / static['mem']:.3f}")
+        print(f"{d:7.1f} {ratios[d]:17.3f} {b['time'] / static['time']:19.3f} {mems[0]:>16} {mems[1]:>18}")
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="density 0.5 only, few steps, no CPU memory runs")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--batch", type=int, help="default 128 (the paper's); 16 with --quick on CPU")
+    ap.add_argument("--steps", type=int, help="timed steps per configuration (default 10, --quick 3)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--no-memory", dest="memory", action="store_false")
+    ap.add_argument("--child", nargs=3, metavar=("ARCH", "METHOD", "DENSITY"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        arch, method, d = args.child
+        return peak_rss_child(arch, method, float(d), args.batch, args.warmup)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: no CUDA device available")
+        torch.backends.cuda.matmul.allow_tf32 = False  # the paper trains in FP32 without TF32
+        torch.backends.cudnn.allow_tf32 = False
+    cpu_quick = args.quick and args.device == "cpu"
+    args.batch = args.batch or (16 if cpu_quick else 128)
+    args.steps = args.steps or (3 if args.quick else 10)
+    args.memory = args.memory and not cpu_quick
+    densities = (0.5,) if args.quick else DENSITIES
+    print(f"device {args.device}, batch {args.batch}, {args.warmup} warm-up + {args.steps} timed steps, interleaved; "
+          f"{torch.get_num_threads()} CPU threads; memory: "
+          + ("off" if not args.memory else "CUDA max allocated" if args.device == "cuda" else "peak RSS growth"))
+    ratios = {name: report(name, measure(arch, densities, args), densities) for name, arch in MODELS.items()}
+    at_half = [r[0.5] for r in ratios.values() if 0.5 in r]
+    print("\n" + ", ".join(f"{name}: {r[0.5]:.3f}" for name, r in ratios.items()) + " (BARTER/RigL at 0.5)")
+    print(f"BARTER/RigL step-time ratio at density 0.5: {math.prod(at_half) ** (1 / len(at_half)):.3f}")
+
+
+if __name__ == "__main__":
+    main()

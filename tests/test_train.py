@@ -1,0 +1,233 @@
+"""Training pipeline on tiny models and fake data: every method, outputs, FLOP budget, matched-compute
+continuation, resume equality, recipe pieces and bad inputs."""
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+import barter.train as train_module
+from barter.data import DatasetNotFoundError
+from barter.presets import PRESETS, preset
+from barter.recipe import WarmupCosine, build_optimizer
+from barter.runlog import CheckpointError, load_checkpoint, width_history
+from barter.train import ConfigError, TrainConfig, epoch_batches, macro_f1, steps_per_epoch, train
+
+MODELS = {
+    "cct": dict(model="cct_2_3x1_32_tiny", img_size=16),
+    "vit": dict(model="vit_paper_p8_64_tiny", img_size=16, model_kwargs={"patch_size": 4}),
+}
+WRAPPED = ("static", "barter", "random_receiver", "random_donor", "random_pair")
+HAS_SPARSE = importlib.util.find_spec("barter.sparse") is not None
+
+
+def config(tmp_path, arch="cct", **kw) -> TrainConfig:
+    """Two epochs of 4 steps (64 fake images, batch 16), 16 test images, no progress output."""
+    base = dict(dataset="fake", fake_size=64, batch_size=16, epochs=2, lr=2e-3, warmup_epochs=0.5,
+                device="cpu", out_dir=str(tmp_path), progress=False, density=0.5,
+                barter_options={"window": (0.1, 0.9)})
+    return TrainConfig(**{**base, **MODELS[arch], **kw})
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("method", ["dense", *WRAPPED, *(("rigl", "set") if HAS_SPARSE else ())])
+def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
+    result = train(config(tmp_path, arch, method=method, name="run"))
+    run = tmp_path / "run"
+    assert result.run_dir == run and result.epochs == 2 and result.steps == 8
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert {"loss", "acc", "macro_f1", "lr", "flops", "wall_s"} <= set(m) and math.isfinite(m["loss"])
+    assert 0 < metrics[0]["flops"] < metrics[1]["flops"] == result.flops
+    assert json.loads((run / "config.json").read_text())["method"] == method
+    last = load_checkpoint(run / "last.pt")
+    assert (run / "best.pt").is_file() and last["finished"] and last["step"] == 8
+    if method in WRAPPED:
+        assert last["controller"]["step"] == 8  # one controller step per optimizer step
+        events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        assert events == last["controller"]["events"]
+        assert (len(events) > 0) == (method != "static") and result.transfers <= len(events)
+        assert json.loads((run / "topology.json").read_text())
+        assert (run / "widths.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert not (run / "events.jsonl").exists()
+
+
+def test_transfers_change_shapes_and_flops_are_recounted(tmp_path):
+    result = train(config(tmp_path, method="barter", name="run", density=0.3))
+    assert result.transfers > 0
+    events = load_checkpoint(tmp_path / "run" / "last.pt")["controller"]["events"]
+    topology = json.loads((tmp_path / "run" / "topology.json").read_text())
+    history = width_history(topology, events)
+    for kind, layers in history.items():  # transfers move units between layers, the total stays
+        assert len({sum(series[0][1] for series in layers.values()),
+                    sum(series[-1][1] for series in layers.values())}) == 1
+
+
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
+    """Crash in the second epoch's evaluation, resume from the epoch-1 checkpoint: same weights and events."""
+    whole = train(config(tmp_path, method="barter", name="whole"))
+    real_evaluate, calls = train_module.evaluate, []
+
+    def crash_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", crash_on_second)
+    cut = config(tmp_path, method="barter", name="cut")
+    with pytest.raises(KeyboardInterrupt):
+        train(cut)
+    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    assert load_checkpoint(tmp_path / "cut" / "last.pt")["epoch"] == 1
+    resumed = train(cut, resume=True)
+    a, b = load_checkpoint(whole.run_dir / "last.pt"), load_checkpoint(resumed.run_dir / "last.pt")
+    assert a["controller"]["events"] == b["controller"]["events"]
+    assert any(e["step"] > 4 and e["skipped"] is None for e in a["controller"]["events"])  # after the cut
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["flops"] == b["flops"]
+    lines = (resumed.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+
+
+def test_flop_budget_stops_mid_epoch_within_budget(tmp_path):
+    full = train(config(tmp_path, method="static", name="full"))
+    budget = full.flops * 0.7
+    part = train(config(tmp_path, method="static", name="part", flop_budget=budget))
+    assert 1 < part.epochs < 2 and part.flops <= budget
+    assert part.steps == math.floor(budget / (full.flops / full.steps))
+
+
+def test_matched_compute_continuation(tmp_path):
+    base = config(tmp_path, method="barter", name="base")
+    first = train(base)
+    start = load_checkpoint(first.run_dir / "last.pt")
+    budget = first.flops * 2
+    cont = train(replace(base, name="cont", continue_from=str(first.run_dir), flop_budget=budget))
+    end = load_checkpoint(cont.run_dir / "last.pt")
+    assert end["controller"]["events"] == start["controller"]["events"]  # topology fixed
+    assert end["controller"]["topology"] == start["controller"]["topology"]
+    assert cont.flops <= budget and cont.flops > budget - first.flops / first.steps
+    assert end["schedule"]["start"] == start["step"] and end["step"] > start["step"]
+    assert all(float(s["step"]) == end["step"] for s in end["optimizer"]["state"].values())  # counters kept
+    assert end["epoch"] > start["epoch"]
+
+
+def test_continuation_needs_a_budget_beyond_the_source(tmp_path):
+    first = train(config(tmp_path, method="barter", name="base"))
+    with pytest.raises(ConfigError, match="flop_budget"):
+        train(config(tmp_path, method="barter", name="c1", continue_from=str(first.run_dir)))
+    with pytest.raises(ConfigError, match="leaves no step"):
+        train(config(tmp_path, method="barter", name="c2", continue_from=str(first.run_dir),
+                     flop_budget=first.flops))
+
+
+def test_checkpoint_errors(tmp_path):
+    cfg = config(tmp_path, method="static", name="run", epochs=1)
+    train(cfg)
+    with pytest.raises(CheckpointError, match="lr"):
+        train(replace(cfg, lr=0.5), resume=True)
+    (tmp_path / "run" / "last.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        train(cfg, resume=True)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        train(replace(cfg, name="missing"), resume=True)
+    with pytest.raises(ConfigError, match="exists"):
+        train(cfg)
+
+
+def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
+    source = train(config(tmp_path, "vit", method="dense", name="src", epochs=1))
+    dense = load_checkpoint(source.run_dir / "best.pt")["model"]
+    tuned = config(tmp_path, "vit", method="dense", name="ft", epochs=1, lr=1e-12, min_lr=0, weight_decay=0,
+                   init_from=str(source.run_dir))
+    data = train_module.build_data(tuned)
+    session = train_module.build_session(tuned, data, torch.device("cpu"), 4, pretrained=True)
+    state = session.model.state_dict()
+    assert torch.equal(state["blocks.0.attn.qkv.weight"], dense["blocks.0.attn.qkv.weight"])
+    assert not torch.equal(state["head.weight"], dense["head.weight"])
+    sparse = replace(tuned, method="barter", barter_options={"init": "magnitude"})
+    session = train_module.build_session(sparse, data, torch.device("cpu"), 4, pretrained=True)
+    kept = session.model.state_dict()["blocks.0.mlp.fc1.weight"]
+    rows = {tuple(r.tolist()) for r in dense["blocks.0.mlp.fc1.weight"]}
+    assert kept.shape[0] < len(rows) and all(tuple(r.tolist()) in rows for r in kept)
+    compact = train(config(tmp_path, "vit", method="static", name="compact", epochs=1))
+    with pytest.raises(CheckpointError, match="dense"):
+        train(replace(tuned, name="ft2", init_from=str(compact.run_dir)))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(density=0.0), "density"), (dict(density=1.5), "density"), (dict(method="magic"), "method"),
+    (dict(epochs=0), "epochs"), (dict(model="no_such_model"), "model"),
+])
+def test_bad_config_values(tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        train(config(tmp_path, **kw))
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_missing_data_dir(tmp_path):
+    with pytest.raises(DatasetNotFoundError, match="CIFAR-100 not found"):
+        train(replace(preset("cct_cifar100"), data_dir=str(tmp_path / "nowhere"), out_dir=str(tmp_path / "runs")))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("imagenet_giant")
+    assert all(isinstance(preset(name), TrainConfig) for name in PRESETS)
+
+
+def test_rigl_without_sparse_module_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "barter.sparse", None)  # import fails as if the file were absent
+    with pytest.raises(ConfigError, match="rigl/set need barter.sparse"):
+        train(config(tmp_path, method="rigl"))
+
+
+@pytest.mark.parametrize("decay", ["before", "after"])
+def test_decoupled_weight_decay_order(decay):
+    """After: Adam's update, then p *= 1 - lr*wd. Before: p *= 1 - lr*wd, then Adam's update (AdamW)."""
+    lr, wd = 0.1, 0.5
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = build_optimizer([p], lr=lr, weight_decay=wd, decay=decay)
+    p.grad = torch.tensor([0.5, 0.25])
+    opt.step()
+    adam_update = lr * torch.sign(torch.tensor([0.5, 0.25]))  # Adam's first step is lr * sign(g) (up to eps)
+    start = torch.tensor([1.0, -2.0])
+    expected = (start - adam_update) * (1 - lr * wd) if decay == "after" else start * (1 - lr * wd) - adam_update
+    torch.testing.assert_close(p.detach(), expected)
+
+
+def test_warmup_cosine():
+    s = WarmupCosine(base_lr=1.0, min_lr=0.1, warmup_steps=4, total_steps=14, start=100)
+    assert [s.lr(100 + k) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    lrs = [s.lr(100 + k) for k in range(4, 15)]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-1] == pytest.approx(0.1)
+    assert s.lr(100 + 9) == pytest.approx(0.55)
+
+
+def test_macro_f1_by_hand():
+    target = torch.tensor([0, 0, 1, 1, 2])
+    pred = torch.tensor([0, 1, 1, 1, 0])
+    # class 0: tp 1, fp 1, fn 1 -> 0.5; class 1: tp 2, fp 1, fn 0 -> 0.8; class 2: tp 0 -> 0; class 3 absent
+    assert macro_f1(pred, target, 4) == pytest.approx((0.5 + 0.8 + 0.0) / 3)
+
+
+def test_epoch_batches_are_seeded_per_epoch():
+    cfg = TrainConfig(batch_size=16, passes=3, drop_last=True)
+    one = epoch_batches(50, cfg, False, torch.Generator().manual_seed(7))
+    assert one == epoch_batches(50, cfg, False, torch.Generator().manual_seed(7))
+    assert len(one) == steps_per_epoch(50, cfg, False) == 150 // 16 and all(len(b) == 16 for b in one)
+    flat = torch.tensor(one).flatten()
+    assert torch.bincount(flat).max() <= 3
+    single = TrainConfig(batch_size=16)
+    assert [len(b) for b in epoch_batches(50, single, True, torch.Generator())] == [16, 16, 16, 2]
+    mixed = epoch_batches(51, single, True, torch.Generator())  # an odd last batch cannot be mixed
+    assert [len(b) for b in mixed] == [16, 16, 16] and steps_per_epoch(51, single, True) == 3

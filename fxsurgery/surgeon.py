@@ -70,6 +70,7 @@ class HostAnalysis:
     graphs: dict[bool, torch.fx.Graph]
     specs: list[tuple[GroupSpec, list[K.ConstantSpec]]]
     refusals: list[Refusal]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # constants tracing created
 
     def copy(self) -> "HostAnalysis":
         """Fresh graphs, with every constant re-pointed to the same-named node of its graph's copy."""
@@ -77,7 +78,7 @@ class HostAnalysis:
         by_name = {gid: {n.name: n for n in g.nodes} for gid, g in copies.items()}
         specs = [(spec, [K.ConstantSpec(by_name[id(c.node.graph)][c.node.name], c.path, c.per_unit) for c in consts])
                  for spec, consts in self.specs]
-        return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, specs, self.refusals)
+        return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, specs, self.refusals, self.tensors)
 
 
 def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -314,6 +315,7 @@ class Surgeon:
         found = self._templates[key].copy()
         for r in found.refusals:
             self.left_out.append(LeftOut(_join(host, common_module(r.modules)), r.reasons))
+        module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         fwd = GraphForward(module, found.graphs)
         self._forwards[host] = fwd
         fwd.install()
@@ -330,9 +332,11 @@ class Surgeon:
 
     def _analyse_host(self, module: nn.Module, host: str, args: tuple, kwargs: dict) -> "HostAnalysis":
         """Trace the host in train and eval mode and find its groups in both graphs."""
-        graphs, results = {}, {}
+        graphs, results, tensors = {}, {}, {}
         for mode in (True, False):
             gm, values = trace(module, host, args, kwargs, mode)
+            tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
+                            if n.op == "get_attr" and n.target.startswith("_tensor_constant")})
             if mode is False and gm.code == graphs[True].owning_module.code:
                 graphs[False], results[False] = graphs[True], results[True]
                 break
@@ -347,7 +351,7 @@ class Surgeon:
                 refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
                 continue
             specs.append((spec, spec.constants + ([] if other is spec else other.constants)))
-        return HostAnalysis(graphs, specs, refusals)
+        return HostAnalysis(graphs, specs, refusals, tensors)
 
     def _make_group(self, host: str, spec: GroupSpec, consts: list[K.ConstantSpec]) -> UnitGroup:
         module = _join(host, common_module(spec.modules))

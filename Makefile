@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m fxsurgery vit_tiny_patch16_224
+	$(VENV)/bin/barter train
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -1,9 +1,9 @@
 """Conformance of `barter.wrap` on a model: the checks behind `tests/test_conformance.py` and
 `benchmarks/conformance.py`.
 
-For one model: analysis finds groups (and says what it leaves out); every exact group's clone leaves
-the outputs unchanged and its removal equals masking the unit's output slice (float64); train() and
-eval() behave like the original; and a short training run with transfers executes and stays finite.
+For one model: analysis finds groups (or says what it leaves out and why); every exact group's clone
+leaves the outputs unchanged and its removal equals masking the unit's output slice (float64); train()
+(same seed) and eval() behave like the original; and a short training run with transfers stays finite.
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ class Conformance:
 
     @property
     def passed(self) -> bool:
-        return not self.error and self.clone_ok and self.remove_ok and self.modes_ok and self.train_ok and self.heads > 0
+        """Every check holds, and attention was either found or reported as left out."""
+        found = self.heads > 0 or bool(self.left_out)
+        return not self.error and found and self.clone_ok and self.remove_ok and self.modes_ok and self.train_ok
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -65,6 +67,14 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
     result.left_out = [f"{lo.module}: {'; '.join(lo.reasons)}" for lo in s.left_out]
     fresh = copy.deepcopy(original)
     with torch.no_grad():
+        result.modes_ok = True
+        for mode in ("train", "eval"):  # same seed, same dropout and drop-path draws
+            getattr(model, mode)()
+            getattr(original, mode)()
+            torch.manual_seed(1)
+            a = model(x)
+            torch.manual_seed(1)
+            result.modes_ok &= torch.equal(a, original(x))
         y0 = model(x)
         gen = torch.Generator().manual_seed(0)
         for g in s.groups:
@@ -82,24 +92,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
         result.remove_ok = _close(fresh(x), masked(x), 1e-9)
 
 
-def check_modes(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
-    """Train mode (same seed) and eval mode match the original after analysis."""
-    model = copy.deepcopy(model)
-    original = copy.deepcopy(model)
-    Surgeon(model, (x,))
-    ok = True
-    with torch.no_grad():
-        for mode in ("train", "eval"):
-            getattr(model, mode)()
-            getattr(original, mode)()
-            torch.manual_seed(1)
-            a = model(x)
-            torch.manual_seed(1)
-            ok &= torch.equal(a, original(x))
-    result.modes_ok = ok
-
-
-def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps: int = 12) -> None:
+def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps: int = 6) -> None:
     """A short BARTER run whose window holds several transfers: every loss finite."""
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -125,7 +118,6 @@ def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor) -> Conform
         torch.manual_seed(0)
         model = build()
         check_surgery(model, x, result)
-        check_modes(model, x, result)
         check_training(model, x, result)
     except Exception as e:  # the table must go on; the error is the finding
         result.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -143,10 +135,12 @@ def timm_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Call
         kw = dict(entry["kwargs"])
 
         def build(name: str = entry["model"], kw: dict = kw) -> nn.Module:
-            try:
-                return timm.create_model(name, pretrained=False, num_classes=2, **{"depth": depth, **kw} if depth else kw)
-            except TypeError:
-                return timm.create_model(name, pretrained=False, num_classes=2, **kw)
+            if depth:
+                try:
+                    return timm.create_model(name, pretrained=False, num_classes=2, **{"depth": depth, **kw})
+                except (TypeError, ValueError):  # depth given per stage, or not at all
+                    pass
+            return timm.create_model(name, pretrained=False, num_classes=2, **kw)
 
         size = kw.get("img_size", 224)
         cases.append((entry["model"], build, torch.randn(2, 3, size, size)))

@@ -112,6 +112,7 @@ def plot_widths(path: Path, final: dict[str, dict[str, int]], events: list[dict[
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     history = width_history(final, events)
     kinds = [k for k in ("head", "channel") if k in history]
@@ -121,6 +122,7 @@ def plot_widths(path: Path, final: dict[str, dict[str, int]], events: list[dict[
             steps, widths = zip(*(series + [(last_step, series[-1][1])]))
             ax.plot([s / steps_per_epoch for s in steps], widths, drawstyle="steps-post", label=module)
         ax.set_ylabel("heads" if kind == "head" else "FFN channels")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6, ncol=3, loc="best")
     axes[-1, 0].set_xlabel("epoch")

@@ -125,7 +125,7 @@ class TrainConfig:
         return json.loads(json.dumps(asdict(self)))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
@@ -235,8 +235,8 @@ def resolve_device(name: str) -> torch.device:
 
 def build_data(config: TrainConfig) -> Data:
     """The data sets of `config`; a validation split (fixed, independent of the seed) when `val_size` > 0."""
-    args = dict(img_size=config.img_size, in_chans=config.in_chans, normalize_as=config.normalize_as,
-                fake_size=config.fake_size)
+    args = {"img_size": config.img_size, "in_chans": config.in_chans, "normalize_as": config.normalize_as,
+            "fake_size": config.fake_size}
     sets = build_datasets(config.dataset, config.data_dir, recipe=config.recipe, **args)
     train_set, val_set = sets.train, None
     if config.val_size:
@@ -437,7 +437,7 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
             images, targets = data.mixup(images, labels)
         lr = session.schedule.apply(optimizer, session.step)
         optimizer.zero_grad(set_to_none=True)
-        outputs, loss = meter.step(model, images, lambda out: criterion(out, targets))
+        outputs, loss = meter.step(model, images, lambda out, t=targets: criterion(out, t))
         optimizer.step()  # the controller's transfers run from its post-step hook
         if session.sparse is not None:
             session.sparse.step()

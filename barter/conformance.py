@@ -65,7 +65,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
     result.channels = sum(g.kind == "channel" for g in s.groups)
     result.exact = sum(g.exact for g in s.groups)
     result.left_out = [f"{lo.module}: {'; '.join(lo.reasons)}" for lo in s.left_out]
-    fresh = copy.deepcopy(original)
+    fresh, masked = copy.deepcopy(original), copy.deepcopy(original)  # before train mode moves BN statistics
     with torch.no_grad():
         result.modes_ok = True
         for mode in ("train", "eval"):  # same seed, same dropout and drop-path draws
@@ -82,7 +82,6 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
                 s.clone(g, 0, noise_std=0.1, generator=gen, relative=True)
         result.clone_ok = _close(model(x), y0, 1e-9)
         s2 = Surgeon(fresh, (x,))
-        masked = copy.deepcopy(original)
         params = dict(masked.named_parameters())
         for g in s2.groups:
             if g.exact:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention, DropPath, Mlp, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from torch import nn
+
+from .build import build
 
 __all__ = ["CCT", "ConvTokenizer", "CCTBlock"]
 
@@ -155,14 +157,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create_cct(variant: str, pretrained: bool = False, **kwargs: Any) -> CCT:
-    """Build through timm so ``pretrained_cfg`` is attached; its input_size and num_classes follow the kwargs."""
-    if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are published for this project's models")
-    overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
-    overlay.setdefault("input_size", (kwargs.get("in_chans", 3), kwargs["img_size"], kwargs["img_size"]))
-    if "num_classes" in kwargs:
-        overlay.setdefault("num_classes", kwargs["num_classes"])
-    return build_model_with_cfg(CCT, variant, pretrained, pretrained_cfg_overlay=overlay, **kwargs)
+    return build(CCT, variant, pretrained, **kwargs)
 
 
 @register_model

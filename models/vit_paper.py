@@ -8,8 +8,10 @@ Small-Size Datasets", whose attention has no qkv bias); pass ``qkv_bias=True`` f
 
 from typing import Any
 
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+from timm.models import generate_default_cfgs, register_model
+from timm.models.vision_transformer import VisionTransformer
+
+from .build import build
 
 TINY_IMAGENET_MEAN = (0.4802, 0.4481, 0.3975)
 TINY_IMAGENET_STD = (0.2302, 0.2265, 0.2262)
@@ -30,17 +32,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """Build through timm so ``pretrained_cfg`` is attached; its input_size and num_classes follow the kwargs."""
-    if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are published for this project's models")
-    overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
-    overlay.setdefault("input_size", (kwargs.get("in_chans", 3), kwargs["img_size"], kwargs["img_size"]))
-    if "num_classes" in kwargs:
-        overlay.setdefault("num_classes", kwargs["num_classes"])
-    return build_model_with_cfg(
-        VisionTransformer, variant, pretrained, pretrained_cfg_overlay=overlay,
-        pretrained_filter_fn=checkpoint_filter_fn, **kwargs,
-    )
+    return build(VisionTransformer, variant, pretrained, **kwargs)
 
 
 def _defaults(**arch: Any) -> dict[str, Any]:

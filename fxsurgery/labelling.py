@@ -48,7 +48,6 @@ class Records:
     pins: list[Pin] = field(default_factory=list)
     contracted: list[torch.Tensor] = field(default_factory=list)  # ids contracted against activations
     spaces: list[tuple[int, int, str]] = field(default_factory=list)  # (start, stop, producer node)
-    params: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> fresh id range
     members: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (name, ids broadcast to shape)
     sinks: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)  # (param, node, col ids)
     acts: list[tuple[Node, int | None, torch.Tensor]] = field(default_factory=list)

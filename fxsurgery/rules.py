@@ -91,10 +91,13 @@ def get_attr(s: Step) -> Label | None:
     """Parameters and float buffers get one fresh id per element; integer buffers are indices."""
     if not torch.is_tensor(s.out) or not s.out.is_floating_point():
         return None
-    ids = s.rec.fresh(tuple(s.out.shape))
-    start = int(ids.min()) if ids.numel() else s.rec.next_id
-    s.rec.params[s.node.target] = (start, start + ids.numel())
-    s.rec.member(s.node.target, ids)
+    return param_label(s, s.node.target, s.out)
+
+
+def param_label(s: Step, name: str, p: torch.Tensor) -> Label:
+    """Fresh ids, one per element, for a parameter or buffer; it is a member candidate."""
+    ids = s.rec.fresh(tuple(p.shape))
+    s.rec.member(name, ids)
     return Label(ids, True)
 
 
@@ -580,11 +583,7 @@ def layer_norm_module(s: Step) -> Label:
     for pname in ("weight", "bias"):
         p = getattr(mod, pname, None)
         if p is not None:
-            name = f"{s.node.target}.{pname}"
-            ids = s.rec.fresh(tuple(p.shape))
-            s.rec.params[name] = (int(ids.min()), int(ids.max()) + 1)
-            s.rec.member(name, ids)
-            affine.append((p, Label(ids, True)))
+            affine.append((p, param_label(s, f"{s.node.target}.{pname}", p)))
     return _normalise(s, x, xl, dims, "normalisation", affine)
 
 
@@ -602,11 +601,9 @@ def batch_norm_module(s: Step) -> Label | None:
     for pname in ("weight", "bias", "running_mean", "running_var"):
         p = getattr(mod, pname, None)
         if torch.is_tensor(p) and p.is_floating_point():
-            name = f"{s.node.target}.{pname}"
-            pid = s.rec.fresh(tuple(p.shape))
-            s.rec.params[name] = (int(pid.min()), int(pid.max()) + 1)
-            s.rec.member(name, pid)
-            operands.append((p.reshape(-1, *([1] * (x.dim() - 2))), Label(pid.reshape(-1, *([1] * (x.dim() - 2))), True)))
+            per_channel = (-1, *([1] * (x.dim() - 2)))
+            pid = param_label(s, f"{s.node.target}.{pname}", p).ids
+            operands.append((p.reshape(per_channel), Label(pid.reshape(per_channel), True)))
     return elementwise_labels(s, operands, x.dim())
 
 

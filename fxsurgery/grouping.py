@@ -148,11 +148,11 @@ class _Builder:
                 if k >= 0 and self.unit_class[k]:
                     self.mixed.setdefault(k, []).append(why)
 
-        self.acts = []  # (node, output index, classes, unit classes present)
-        for node, i, ids in rec.acts:
+        self.acts = []  # (node, output index, classes, unit classes present, from parameters only)
+        for node, i, ids, param in rec.acts:
             c = self.cls(ids)
             present = torch.unique(c[c >= 0])
-            self.acts.append((node, i, c, present[self.unit_class[present]]))
+            self.acts.append((node, i, c, present[self.unit_class[present]], param))
         self.acts_of: dict[int, list] = {}
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
@@ -161,7 +161,9 @@ class _Builder:
     def groups(self) -> list[list[int]]:
         """Unit classes that share a tensor axis belong to one group."""
         g, seen = nx.Graph(), set()
-        for *_, present in self.acts:
+        for *_, present, param in self.acts:
+            if param:
+                continue  # parameters join units, they do not define which units share an axis
             if present.numel() and self.benign[present].all():
                 continue  # only classes that are no unit axis (the residual stream): dropped anyway
             key = tuple(present.tolist())
@@ -210,7 +212,7 @@ class _Builder:
         return sorted({why for c, why in self.hard if torch.isin(c, ut).any()})
 
     def modules_of(self, k: int) -> list[str]:
-        return [module_of(node) for node, *_ in self.acts_of.get(k, [])]
+        return [module_of(act[0]) for act in self.acts_of.get(k, []) if not act[4]]
 
     def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | None:
         ut = torch.tensor(units)
@@ -274,16 +276,19 @@ class _Builder:
             return tuple(root.get_buffer(name).shape)
 
     def unit_axes(self, k: int, index: torch.Tensor) -> dict[tuple, int]:
-        """The unit axis of every activation that carries the group's units."""
+        """The unit axis of every value that carries the group's units (parameter-derived values too:
+        a per-head scale reshaped to (1, H, 1, 1) holds a constant)."""
         axes = {}
-        for node, i, c, _ in self.acts_of.get(k, []):
+        for node, i, c, _, param in self.acts_of.get(k, []):
             u = torch.where(c >= 0, index[c.clamp(min=0)], c)
             if not (u >= 0).any():
                 continue
             dims = [d for d in range(u.dim()) if I.varies(u, d)]
+            if param and len(dims) != 1:
+                continue
             if len(dims) != 1:
                 raise K.Unsupported(f"{node.name}: carries the units along {len(dims)} axes")
-            if (u < 0).any():
+            if (u < 0).any() and not param:
                 raise K.Unsupported(f"{node.name}: mixes units with other coordinates on the unit axis")
             axes[(node, i)] = dims[0]
         return axes

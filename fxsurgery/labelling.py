@@ -50,7 +50,7 @@ class Records:
     spaces: list[tuple[int, int, str]] = field(default_factory=list)  # (start, stop, producer node)
     members: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (name, ids broadcast to shape)
     sinks: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)  # (param, node, col ids)
-    acts: list[tuple[Node, int | None, torch.Tensor]] = field(default_factory=list)
+    acts: list[tuple[Node, int | None, torch.Tensor, bool]] = field(default_factory=list)  # every labelled value
     size_reads: set[Node] = field(default_factory=set)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -133,14 +133,14 @@ class Labeller(torch.fx.Interpreter):
         return self.seeds is not None
 
     def _record_acts(self, n: Node, label: Any) -> None:
-        if self.nested:
+        if self.nested or n.op == "get_attr":  # raw parameters are members, not values with constants
             return
-        if isinstance(label, Label) and not label.param:
-            self.rec.acts.append((n, None, label.ids))
+        if isinstance(label, Label):
+            self.rec.acts.append((n, None, label.ids, label.param))
         elif isinstance(label, tuple):
             for i, lab in enumerate(label):
-                if isinstance(lab, Label) and not lab.param:
-                    self.rec.acts.append((n, i, lab.ids))
+                if isinstance(lab, Label):
+                    self.rec.acts.append((n, i, lab.ids, lab.param))
 
 
 class Step:

@@ -15,7 +15,6 @@ GAPS = {
     "levit_conv_128s": "projections are 1x1 convolutions: no rule yet for convolution producers",
     "volo_d1_224": "outlook attention unfolds the value tensor (nn.Unfold has no rule yet)",
     "mvitv2_tiny": "pooled attention: strided convolutions over the head dim have no rule yet",
-    "swinv2_cr_tiny_224": "scaled cosine attention with a per-head logit scale is not found yet",
 }
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from fxsurgery import AnalysisError, OptimizerStateError, Surgeon, TraceError
 
-from zoo import Style, TinyTransformer, masked_copy
+from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 TIMM = ["vit_tiny_patch16_224", "deit_tiny_patch16_224"]
 
@@ -65,10 +65,7 @@ def test_timm_zero_heads_trains_with_adam_state(name: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     s = Surgeon(model, (x,))
     s.attach_optimizer(opt)
-    for _ in range(2):
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+    train_steps(model, opt, x)
     head = s.group("blocks.0.attn:head")
     while head.count:
         s.remove(head, 0)

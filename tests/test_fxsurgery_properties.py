@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from fxsurgery import Surgeon
 
-from zoo import Style, TinyTransformer, masked_copy
+from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 # Shrinking re-traces models hundreds of times; a failure prints its drawn example instead.
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
@@ -112,10 +112,7 @@ def test_optimizer_state_follows_edits(make_opt, style: Style, data: st.DataObje
     opt = make_opt(model.parameters())
     s = Surgeon(model, (x,))
     s.attach_optimizer(opt)
-    for _ in range(2):
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+    train_steps(model, opt, x)
     for _ in range(data.draw(st.integers(1, 5))):
         g = data.draw(st.sampled_from(s.groups))
         sl = next(sl for sl in g.slices if sl.output)

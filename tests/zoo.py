@@ -143,3 +143,13 @@ def masked_copy(model: nn.Module, dead: dict[str, set[int]], width: dict[str, in
             for u in units:
                 params[name][:, u * w:(u + 1) * w] = 0
     return ref
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int = 2) -> torch.Tensor:
+    """A few optimizer steps on a toy loss, so optimizer state exists; returns the last loss."""
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+    return loss

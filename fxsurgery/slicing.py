@@ -59,11 +59,6 @@ def state_tensors(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> l
     return out
 
 
-def remove_unit(t: torch.Tensor, sl: ParamSlice, count: int, i: int) -> torch.Tensor:
-    keep = torch.tensor([k for k in range(count) if k != i], dtype=torch.long)
-    return sl.keep(t, count, keep)
-
-
 def clone_unit(t: torch.Tensor, sl: ParamSlice, count: int, parent: int, noise: torch.Tensor | None) -> torch.Tensor:
     """Copy the parent's slice as a new last unit; on output slices split it W/2 + ε and W/2 − ε."""
     v = sl.units(t, count)

@@ -17,7 +17,7 @@ from .graph_forward import GraphForward
 from .grouping import Analysis, GroupSpec, Refusal, analyse
 from .labelling import Labeller
 from .rules import RULES
-from .slicing import ParamSlice, clone_state, clone_unit, remove_unit, state_tensors
+from .slicing import ParamSlice, clone_state, clone_unit, state_tensors
 from .tracing import capture_inputs, forked_rng, materialize, trace, training_mode
 
 
@@ -147,12 +147,7 @@ class Surgeon:
         g = self._own(group)
         if not 0 <= index < g.count:
             raise IndexError(f"{g.name}: unit {index} out of range for {g.count} units")
-        if g.count - 1 < g.min_count:
-            why = "; ".join(g.notes) if g.kind == "head" else "a layer keeps at least one channel"
-            raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s) ({why})")
-        self._edit(g, g.count - 1,
-                   lambda sl, t: remove_unit(t, sl, g.count, index),
-                   lambda sl, t: remove_unit(t, sl, g.count, index))
+        self._keep(g, torch.tensor([k for k in range(g.count) if k != index], dtype=torch.long))
 
     def keep(self, group: UnitGroup, indices: Sequence[int]) -> None:
         """Keep only the units ``indices``, in that order, in one edit (a batched ``remove``)."""
@@ -162,8 +157,13 @@ class Surgeon:
             raise IndexError(f"{g.name}: units {idx.tolist()} out of range for {g.count} units")
         if torch.unique(idx).numel() != idx.numel():
             raise ValueError(f"{g.name}: repeated units in {idx.tolist()}")
+        self._keep(g, idx)
+
+    def _keep(self, g: UnitGroup, idx: torch.Tensor) -> None:
+        """The one edit behind ``remove`` and ``keep``: parameters and optimizer state alike."""
         if idx.numel() < g.min_count:
-            raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s)")
+            why = "; ".join(g.notes) if g.kind == "head" else "a layer keeps at least one channel"
+            raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s) ({why})")
         count = g.count
         self._edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx), lambda sl, t: sl.keep(t, count, idx))
 
@@ -408,7 +408,8 @@ class Surgeon:
                 out.unit(w.data, count, 0).zero_()
                 y_mask = run()
                 restore()
-                self._edit(g, count - 1, lambda sl, t: remove_unit(t, sl, count, 0), None)
+                rest = torch.arange(1, count)
+                self._edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
                 y_rm = run()
                 err = _max_rel_diff(y_mask, y_rm)
                 if g.exact and err > tol:

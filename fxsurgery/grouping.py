@@ -35,6 +35,7 @@ class GroupSpec:
     sink: str
     sink_node: str
     tap_inner: int
+    tap_dim: int  # the sink input's feature dim: -1 for a Linear, 1 for a pointwise convolution
     min_count: int
 
 
@@ -222,12 +223,13 @@ class _Builder:
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
         mods = self.modules_of(k)
-        sinks = [(w, node, self.cls(col)) for w, node, col in self.rec.sinks if torch.isin(self.cls(col), ut).any()]
-        names = sorted({w for w, _, _ in sinks})
+        sinks = [(w, node, self.cls(col), dim) for w, node, col, dim in self.rec.sinks
+                 if torch.isin(self.cls(col), ut).any()]
+        names = sorted({w for w, *_ in sinks})
         if len(names) != 1:
             why = "no linear map reads these units" if not names else f"read by several linear maps: {', '.join(names)}"
             return Refusal(mods, [why])
-        sink, sink_node, col = sinks[0]
+        sink, sink_node, col, sink_dim = sinks[0]
         order = list(dict.fromkeys(c for c in col.tolist() if c >= 0))
         n = len(units)
         if sorted(order) != units:
@@ -244,9 +246,10 @@ class _Builder:
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
         kind = "head" if self.head[ut].any() else "channel"
+        notes_zero += sorted({why for ids, why in self.rec.nonempty if torch.isin(self.cls(ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         return GroupSpec(kind, n, members, consts, not mixed, mixed + notes_zero, mods, sink, sink_node,
-                         sink_member.inner if sink_member.outer == 1 else 0, min_count)
+                         sink_member.inner if sink_member.outer == 1 else 0, sink_dim, min_count)
 
     def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: str) -> ParamSlice | None:
         c = self.cls(ids)

@@ -49,7 +49,8 @@ class Records:
     contracted: list[torch.Tensor] = field(default_factory=list)  # ids contracted against activations
     spaces: list[tuple[int, int, str]] = field(default_factory=list)  # (start, stop, producer node)
     members: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (name, ids broadcast to shape)
-    sinks: list[tuple[str, str, torch.Tensor]] = field(default_factory=list)  # (param, node, col ids)
+    sinks: list[tuple[str, str, torch.Tensor, int]] = field(default_factory=list)  # (param, node, col ids, feature dim)
+    nonempty: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # ids an op cannot have zero of
     acts: list[tuple[Node, int | None, torch.Tensor, bool]] = field(default_factory=list)  # every labelled value
     size_reads: set[Node] = field(default_factory=set)
 

@@ -117,25 +117,30 @@ RULES.always["output"] = output
 RULES.always["placeholder"] = placeholder
 
 
-def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None, bias: Any) -> Label:
-    """``y = x Wᵀ + b``: x's last-dim coordinates are consumed (W's columns are the sink); y's
-    last dim is a new space of coordinates, W's rows and b's entries belong to them."""
+def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None, bias: Any,
+                  dim: int = -1) -> Label:
+    """``y = x Wᵀ + b`` over feature dim ``dim`` (last for a Linear, 1 for a pointwise convolution):
+    x's feature coordinates are consumed (W's columns are the sink); y's feature dim is a new space
+    of coordinates, W's rows and b's entries belong to them."""
+    w_rank = 2 if weight is None else s.lab.module.get_parameter(weight).dim()
+    kernel = (1,) * (w_rank - 2)
     if xl is not None:
         xi = I.align(xl.ids, x.dim())
         if xl.param or weight is None:
             s.rec.pin(xl.ids, f"{s.name}: linear map of a parameter or by a computed weight")
         else:
-            lead = list(range(x.dim() - 1))
+            lead = [d for d in range(x.dim()) if d != dim % x.dim()]
             col, tie = I.fold(xi, lead)
             s.rec.tie(tie)
-            col = col.reshape(1, -1)
+            col = col.reshape(1, -1, *kernel)
             s.rec.member(weight, col)
-            s.rec.sinks.append((weight, s.name, col.flatten()))
-    n_out = s.out.shape[-1]
+            s.rec.sinks.append((weight, s.name, col.flatten(), dim))
+    d_out = dim % s.out.dim()
+    n_out = s.out.shape[d_out]
     space = s.rec.fresh((n_out,))
     s.rec.spaces.append((int(space[0]) if n_out else s.rec.next_id, s.rec.next_id, s.name))
     if weight is not None:
-        s.rec.member(weight, space.reshape(n_out, 1))
+        s.rec.member(weight, space.reshape(n_out, 1, *kernel))
     bias_val, bias_lab, bias_name = bias
     if bias_name is not None:
         s.rec.member(bias_name, space)
@@ -143,7 +148,7 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
         s.rec.tentative.append(I.pairs(bias_lab.ids, space))
     elif torch.is_tensor(bias_val):
         _defer_pins(s, space, tuple(bias_val.shape), "a computed bias")
-    return Label(I.align(space, s.out.dim()))
+    return Label(I.align(space.reshape(n_out, *(1,) * (s.out.dim() - d_out - 1)), s.out.dim()))
 
 
 @RULES.module(nn.Linear)
@@ -165,6 +170,45 @@ def linear_function(s: Step) -> Label:
     raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")
     bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
     return linear_labels(s, x, xl, weight, (bval, blab, bname))
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@RULES.module(*_CONVS)
+@always
+def conv_module(s: Step) -> Label | None:
+    """A pointwise convolution is a Linear over channels (dim 1); a depthwise one keeps channels
+    apart; any other convolution mixes channels with space and has no rule."""
+    x, xl = _first(s)
+    mod = s.lab.module.get_submodule(s.node.target)
+    weight = f"{s.node.target}.weight"
+    bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
+    if mod.groups == 1 and all(k == 1 for k in mod.kernel_size):
+        out = linear_labels(s, x, xl, weight, bias, dim=1)
+    elif xl is None:
+        return None
+    elif mod.groups == mod.in_channels == mod.out_channels:
+        out = depthwise_labels(s, x, xl, [(weight, mod.weight), (bias[2], mod.bias)])
+    else:
+        return fallback(s)
+    for lab in (xl, out):
+        if lab is not None:
+            s.rec.nonempty.append((lab.ids, f"{s.name}: a convolution cannot have zero channels"))
+    return out
+
+
+def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str | None, Any]]) -> Label:
+    """Channel c of the output reads channel c of the input only: channel ids pass through (space
+    is tied within a channel), and every element of the per-channel ``params`` joins its channel."""
+    lead = [d for d in range(x.dim()) if d != 1]
+    ch, tie = I.fold(I.align(xl.ids, x.dim()), lead)
+    s.rec.tie(tie)
+    for name, p in params:
+        if name is not None:
+            per_channel = ch.reshape(-1, *(1,) * (p.dim() - 1))
+            s.rec.tentative.append(I.pairs(param_label(s, name, p).ids, per_channel))
+    return Label(ch)
 
 
 # ---------------------------------------------------------------- elementwise

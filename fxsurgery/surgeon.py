@@ -57,6 +57,7 @@ class UnitGroup:
     host: str = ""
     sink_module: str | None = None
     tap_inner: int = 0
+    tap_dim: int = -1
     constants: list[K.ConstantSpec] = field(default_factory=list, repr=False)
 
     def __repr__(self) -> str:
@@ -201,9 +202,9 @@ class Surgeon:
         sink = self.model.get_submodule(g.sink_module)
 
         def hook(module: nn.Module, args: tuple) -> tuple:
-            a = args[0].unflatten(-1, (g.count, g.tap_inner))
+            a = args[0].movedim(g.tap_dim, -1).unflatten(-1, (g.count, g.tap_inner))
             fn(a)
-            return (a.flatten(-2), *args[1:])  # the projection reads the view, so gradients reach it
+            return (a.flatten(-2).movedim(-1, g.tap_dim), *args[1:])  # the projection reads the view: gradients reach it
 
         return sink.register_forward_pre_hook(hook)
 
@@ -363,9 +364,10 @@ class Surgeon:
             name = f"{base}{k}"
         slices = tuple(ParamSlice(_join(host, m.name), m.dim, m.outer, m.inner, m.output) for m in spec.members)
         sink_node = spec.sink.rsplit(".", 1)[0]
-        sink_module = _join(host, sink_node) if isinstance(self._maybe_module(_join(host, sink_node)), nn.Linear) else None
+        projection = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+        sink_module = _join(host, sink_node) if isinstance(self._maybe_module(_join(host, sink_node)), projection) else None
         return UnitGroup(name, spec.kind, module, spec.count, spec.count, spec.exact, slices, tuple(spec.notes),
-                         spec.min_count, host, sink_module, spec.tap_inner, consts)
+                         spec.min_count, host, sink_module, spec.tap_inner, spec.tap_dim, consts)
 
     def _maybe_module(self, name: str) -> nn.Module | None:
         try:
@@ -391,6 +393,7 @@ class Surgeon:
                 t.data, t.grad = data, grad
             g.count = count
             self._apply_constants(g)
+            self._sync_modules(g)
 
         try:
             with training_mode(module, False), forked_rng(pytree.tree_leaves((args, kwargs))):
@@ -420,7 +423,6 @@ class Surgeon:
             return f"{type(e).__name__}: {e}"
         finally:
             restore()
-            self._sync_modules(g)
         return None
 
     # ------------------------------------------------------------------ editing
@@ -475,10 +477,40 @@ class Surgeon:
         for sl in g.slices:
             owner, _, pname = sl.name.rpartition(".")
             mod = self._maybe_module(owner) if owner else self.model
-            if isinstance(mod, nn.Linear) and pname == "weight":
-                mod.out_features, mod.in_features = mod.weight.shape
-            elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)) and pname == "weight":
-                mod.normalized_shape = tuple(mod.weight.shape[-len(mod.normalized_shape):])
+            sync = next((fn for types, fn in _SIZE_SYNC if isinstance(mod, types)), None)
+            if sync is not None:
+                sync(mod, pname)
+
+
+def _sync_linear(mod: nn.Linear, pname: str) -> None:
+    if pname == "weight":
+        mod.out_features, mod.in_features = mod.weight.shape
+
+
+def _sync_norm(mod: nn.LayerNorm | nn.RMSNorm, pname: str) -> None:
+    if pname == "weight":
+        mod.normalized_shape = tuple(mod.weight.shape[-len(mod.normalized_shape):])
+
+
+def _sync_batch_norm(mod: nn.modules.batchnorm._NormBase, pname: str) -> None:
+    mod.num_features = getattr(mod, pname).shape[0]
+
+
+def _sync_conv(mod: nn.modules.conv._ConvNd, pname: str) -> None:
+    """A depthwise convolution (one group per channel) stays depthwise; others keep their groups."""
+    if pname == "weight":
+        out, per_group = mod.weight.shape[:2]
+        if mod.groups == mod.in_channels == mod.out_channels:
+            mod.groups = out
+        mod.out_channels, mod.in_channels = out, per_group * mod.groups
+
+
+_SIZE_SYNC: list[tuple[type | tuple[type, ...], Callable[[nn.Module, str], None]]] = [
+    (nn.Linear, _sync_linear),
+    ((nn.LayerNorm, nn.RMSNorm), _sync_norm),
+    (nn.modules.batchnorm._NormBase, _sync_batch_norm),
+    (nn.modules.conv._ConvNd, _sync_conv),
+]
 
 
 def replace_data(t: torch.Tensor, data: torch.Tensor) -> None:

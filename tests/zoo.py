@@ -131,6 +131,58 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x).mean(1))
 
 
+class ConvAttention(nn.Module):
+    """Attention on a (B, C, H, W) map with pointwise-convolution projections and BatchNorm on q/k/v."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.h, self.hd = heads, head_dim
+        self.qkv = nn.Conv2d(dim, 3 * heads * head_dim, 1, bias=False)
+        self.bn = nn.BatchNorm2d(3 * heads * head_dim)
+        self.proj = nn.Conv2d(heads * head_dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        q, k, v = self.bn(self.qkv(x)).view(B, self.h, 3 * self.hd, H * W).split(self.hd, dim=2)
+        a = (q.transpose(-2, -1) @ k * self.hd ** -0.5).softmax(dim=-1)
+        return self.proj((v @ a.transpose(-2, -1)).view(B, -1, H, W))
+
+
+class ConvMlp(nn.Module):
+    """Pointwise fc1, a depthwise 3x3 convolution over the hidden channels, activation, pointwise fc2."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Conv2d(dim, hidden, 1)
+        self.dw = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Conv2d(hidden, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.dw(self.fc1(x))))
+
+
+class ConvTransformer(nn.Module):
+    """Channels-first transformer: (B, in_chans, H, W) -> (B, classes); blocks read and write a map."""
+
+    def __init__(self, heads: int = 3, head_dim: int = 4, hidden: int = 5, depth: int = 2, dim: int = 8,
+                 in_chans: int = 3, classes: int = 3):
+        super().__init__()
+        self.embed = nn.Conv2d(in_chans, dim, 2, stride=2)
+        self.attns = nn.ModuleList(ConvAttention(dim, heads, head_dim) for _ in range(depth))
+        self.mlps = nn.ModuleList(ConvMlp(dim, hidden) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+        self.HEAD_OUT = [(f"attns.{i}.proj.weight", head_dim) for i in range(depth)]
+        self.FFN_OUT = [f"mlps.{i}.fc2.weight" for i in range(depth)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for attn, mlp in zip(self.attns, self.mlps):
+            x = x + attn(x)
+            x = x + mlp(x)
+        return self.head(x.mean((2, 3)))
+
+
 def masked_copy(model: nn.Module, dead: dict[str, set[int]], width: dict[str, int]) -> nn.Module:
     """Deep copy of ``model`` with the output-weight columns of the ``dead`` units zeroed."""
     import copy

@@ -1,0 +1,78 @@
+"""fxsurgery on channels-first transformers: pointwise convolutions as projections, BatchNorm on
+their outputs, a depthwise convolution between the FFN's fc1 and fc2."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxsurgery import Surgeon
+
+from test_fxsurgery_properties import SETTINGS, layer_groups
+from zoo import ConvTransformer, masked_copy
+
+shapes = st.fixed_dictionaries({"heads": st.integers(2, 4), "head_dim": st.integers(2, 4),
+                                "hidden": st.integers(2, 6), "depth": st.integers(1, 2)})
+
+
+def build(kw: dict, seed: int = 0) -> tuple[ConvTransformer, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = ConvTransformer(**kw).double()
+    with torch.no_grad():  # non-trivial BatchNorm statistics, so eval mode uses them
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2)
+    return model, torch.randn(2, 3, 8, 8, dtype=torch.double)
+
+
+@settings(**SETTINGS)
+@given(kw=shapes, data=st.data())
+def test_groups_clone_and_remove(kw: dict, data: st.DataObject) -> None:
+    model, x = build(kw)
+    original = copy.deepcopy(model).eval()
+    s = Surgeon(model, (x,))
+    groups = layer_groups(s)
+    assert sorted(groups) == sorted([n for n, _ in model.HEAD_OUT] + model.FFN_OUT)
+    assert all(g.exact for g in s.groups)
+    for name, _ in model.HEAD_OUT:
+        assert groups[name].kind == "head" and groups[name].count == kw["heads"]
+    for name in model.FFN_OUT:
+        assert groups[name].kind == "channel" and groups[name].count == kw["hidden"]
+    model.eval()
+    width = {name: (kw["head_dim"] if g.kind == "head" else 1) for name, g in groups.items()}
+    alive = {name: list(range(g.count)) for name, g in groups.items()}
+    for _ in range(data.draw(st.integers(1, 5))):
+        name = data.draw(st.sampled_from(sorted(groups)))
+        g = groups[name]
+        if g.count <= g.min_count:
+            continue
+        j = data.draw(st.integers(0, g.count - 1))
+        s.remove(g, j)
+        alive[name].pop(j)
+    dead = {n: set(range(groups[n].max_count)) - set(a) for n, a in alive.items()}
+    with torch.no_grad():
+        y0 = model(x)
+        assert (y0 - masked_copy(original, dead, width)(x)).abs().max().item() <= 1e-9
+        for g in s.groups:
+            if g.count:
+                s.clone(g, data.draw(st.integers(0, g.count - 1)), noise_std=0.1)
+        assert (model(x) - y0).abs().max().item() <= 1e-9
+
+
+def test_train_mode_matches_and_taps_see_channels_first_units() -> None:
+    kw = {"heads": 3, "head_dim": 2, "hidden": 4, "depth": 1}
+    model, x = build(kw)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    with torch.no_grad():
+        assert torch.equal(model.train()(x), original.train()(x))  # BatchNorm on batch statistics
+    seen = {}
+    for g in s.groups:
+        s.tap(g, lambda a, g=g: seen.setdefault(g.name, a))
+    model(x).sum().backward()
+    shapes = {g.kind: tuple(seen[g.name].shape) for g in s.groups}
+    assert shapes == {"head": (2, 4, 4, 3, 2), "channel": (2, 4, 4, 4, 1)}
+    assert all(p.grad is not None for p in model.parameters())

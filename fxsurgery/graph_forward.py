@@ -34,10 +34,10 @@ class GraphForward:
         self.module = module
         self.graphs = graphs
         self.fns: dict[bool, Callable[..., Any]] = {}
-        self.recompile()
+        self.compile()
 
-    def recompile(self) -> None:
-        """Regenerate the code after graph constants changed."""
+    def compile(self) -> None:
+        """Generate the code of both graphs (count-dependent constants are host attributes, read at run time)."""
         info = getattr(self.graphs[True]._codegen, "pytree_info", None)
         if info is not None:  # code that flattens structured arguments reads the specs from self
             self.module.__dict__["_in_spec"], self.module.__dict__["_out_spec"] = info.in_spec, info.out_spec
@@ -55,7 +55,7 @@ class GraphForward:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.module, self.graphs, self.fns = state["module"], state["graphs"], {}
-        self.recompile()
+        self.compile()
 
     @staticmethod
     def of(module: nn.Module) -> "GraphForward | None":

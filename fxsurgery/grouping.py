@@ -202,10 +202,16 @@ class _Builder:
 
     def locate(self, k: int, units: list[int], out: Analysis) -> None:
         """Only where a candidate group lives (to pick the modules to trace on their own)."""
+        ut = torch.tensor(units)
+        if self.benign[ut].any():
+            return
         hard = self.hard_reasons(units)
+        sinks = self.sinks_of(ut)
+        if not hard and isinstance(sinks, str):
+            hard = [sinks]
         if hard:
             out.refusals.append(Refusal(self.modules_of(k), hard))
-        elif not self.benign[torch.tensor(units)].any():
+        else:
             out.located.append(self.modules_of(k))
 
     def hard_reasons(self, units: list[int]) -> list[str]:
@@ -223,12 +229,9 @@ class _Builder:
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
         mods = self.modules_of(k)
-        sinks = [(w, node, self.cls(col), dim) for w, node, col, dim in self.rec.sinks
-                 if torch.isin(self.cls(col), ut).any()]
-        names = sorted({w for w, *_ in sinks})
-        if len(names) != 1:
-            why = "no linear map reads these units" if not names else f"read by several linear maps: {', '.join(names)}"
-            return Refusal(mods, [why])
+        sinks = self.sinks_of(ut)
+        if isinstance(sinks, str):
+            return Refusal(mods, [sinks])
         sink, sink_node, col, sink_dim = sinks[0]
         order = list(dict.fromkeys(c for c in col.tolist() if c >= 0))
         n = len(units)
@@ -250,6 +253,16 @@ class _Builder:
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         return GroupSpec(kind, n, members, consts, not mixed, mixed + notes_zero, mods, sink, sink_node,
                          sink_member.inner if sink_member.outer == 1 else 0, sink_dim, min_count)
+
+    def sinks_of(self, ut: torch.Tensor) -> list[tuple[str, str, torch.Tensor, int]] | str:
+        """The reads of units ``ut`` by the one linear map (output projection) that reads them, or
+        why there is no such single map."""
+        sinks = [(w, node, self.cls(col), dim) for w, node, col, dim in self.rec.sinks
+                 if torch.isin(self.cls(col), ut).any()]
+        names = sorted({w for w, *_ in sinks})
+        if len(names) != 1:
+            return "no linear map reads these units" if not names else f"read by several linear maps: {', '.join(names)}"
+        return sinks
 
     def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: str) -> ParamSlice | None:
         c = self.cls(ids)

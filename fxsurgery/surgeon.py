@@ -123,6 +123,7 @@ class Surgeon:
         self._inputs: dict[str, tuple[tuple, dict]] = {}
         self._checked: dict[tuple, str | None] = {}
         self._templates: dict[tuple, HostAnalysis] = {}
+        self._slots: dict[str, list[tuple[str, int]]] = {}  # group name -> (host attribute, per-unit value)
         self._analyse()
 
     # ------------------------------------------------------------------ public API
@@ -317,11 +318,13 @@ class Surgeon:
         for r in found.refusals:
             self.left_out.append(LeftOut(_join(host, common_module(r.modules)), r.reasons))
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
+        slots = [_bind_constants(module, consts, spec.count) for spec, consts in found.specs]
         fwd = GraphForward(module, found.graphs)
         self._forwards[host] = fwd
         fwd.install()
-        for spec, consts in found.specs:
+        for (spec, consts), group_slots in zip(found.specs, slots):
             g = self._make_group(host, spec, consts)
+            self._slots[g.name] = group_slots
             # identical code, layout and inputs give identical self-check outcomes
             check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
             if check not in self._checked:
@@ -468,9 +471,9 @@ class Surgeon:
         self._sync_modules(g)
 
     def _apply_constants(self, g: UnitGroup) -> None:
-        for c in g.constants:
-            K.set_path(c.node, c.path, c.per_unit * g.count)
-        self._forwards[g.host].recompile()
+        host = self.model.get_submodule(g.host) if g.host else self.model
+        for attr, per_unit in self._slots[g.name]:
+            host.__dict__[attr] = per_unit * g.count
 
     def _sync_modules(self, g: UnitGroup) -> None:
         """Keep torch.nn modules' size attributes (used by their repr and forward) truthful."""
@@ -511,6 +514,23 @@ _SIZE_SYNC: list[tuple[type | tuple[type, ...], Callable[[nn.Module, str], None]
     (nn.modules.batchnorm._NormBase, _sync_batch_norm),
     (nn.modules.conv._ConvNd, _sync_conv),
 ]
+
+
+def _bind_constants(module: nn.Module, consts: list[K.ConstantSpec], count: int) -> list[tuple[str, int]]:
+    """Make each count-dependent argument (a literal, or a size read that follows the units) a read of
+    a plain attribute of the host, so an edit sets attributes instead of regenerating the host's code."""
+    slots, seen = [], set()
+    for c in consts:
+        if (c.node, c.path) in seen:
+            continue
+        seen.add((c.node, c.path))
+        attr = f"_fxsurgery_constant{sum(k.startswith('_fxsurgery_constant') for k in module.__dict__)}"
+        module.__dict__[attr] = c.per_unit * count
+        with c.node.graph.inserting_before(c.node):
+            read = c.node.graph.create_node("get_attr", attr, name=attr)
+        K.set_path(c.node, c.path, read)
+        slots.append((attr, c.per_unit))
+    return slots
 
 
 def replace_data(t: torch.Tensor, data: torch.Tensor) -> None:

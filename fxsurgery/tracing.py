@@ -123,7 +123,7 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
     """Trace ``module`` in the given mode; returns the graph module and the values of its placeholders."""
     installed = GraphForward.of(module)
     if installed is not None:  # already operated on: its current graph is the truth
-        graph = copy.deepcopy(installed.graphs[training])
+        graph = _with_literal_counts(copy.deepcopy(installed.graphs[training]), module)
         return torch.fx.GraphModule(module, graph, type(module).__name__), _placeholder_values(graph, args, kwargs)
     traced, concrete = bind_inputs(module, args, kwargs)
     tracer = Tracer()
@@ -135,6 +135,18 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
         raise TraceError(f"cannot trace {label} ({type(module).__name__}): {type(e).__name__}: {e}") from e
     values = _name_placeholders(graph, {**traced, **concrete})
     return torch.fx.GraphModule(module, graph, type(module).__name__), values
+
+
+def _with_literal_counts(graph: torch.fx.Graph, module: nn.Module) -> torch.fx.Graph:
+    """Put the current values of an operated graph's count attributes (plain ints on the host) back as
+    literals, as tracing would have baked them."""
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and type(value := getattr(module, node.target, None)) is int:
+            for user in list(node.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
+            graph.erase_node(node)
+    return graph
 
 
 _function_graphs: dict[tuple, torch.fx.GraphModule] = {}

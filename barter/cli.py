@@ -3,6 +3,7 @@
 `--resume runs/NAME` continues an interrupted run from its last checkpoint with the run's own config.json;
 `--continue-from runs/NAME --flop-budget B` continues a finished run's endpoint up to B cumulative training
 FLOPs (matched compute). B is a number or the directory of the baseline run whose cumulative FLOPs to match.
+Under `torchrun --nproc_per_node=N -m barter train ...` the N processes train one run with DistributedDataParallel.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .data import DatasetNotFoundError
+from .distributed import is_main
 from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
 from .runlog import CheckpointError, RunDir
 from .train import METHODS, ConfigError, TrainConfig, train
@@ -32,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         result = train(config, resume=resume)
     except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
         parser.exit(2, f"barter {args.command}: error: {e}\n")
-    print(f"{result.run_dir}: test acc {result.acc:.4f}, macro-F1 {result.macro_f1:.4f} after {result.epochs:g} "
-          f"epochs ({result.steps} steps); best (epoch {result.best_epoch:g}) {result.best_acc:.4f}; "
-          f"F_total {result.flops:.4g} FLOPs; {result.transfers} transfers; {result.wall_s:.0f}s")
+    if is_main():
+        print(f"{result.run_dir}: test acc {result.acc:.4f}, macro-F1 {result.macro_f1:.4f} after {result.epochs:g} "
+              f"epochs ({result.steps} steps); best (epoch {result.best_epoch:g}) {result.best_acc:.4f}; "
+              f"F_total {result.flops:.4g} FLOPs; {result.transfers} transfers; {result.wall_s:.0f}s")
     return 0
 
 

@@ -23,6 +23,8 @@ class Controller:
 
     `layers[kind]` are the exact unit groups of that kind in model order; a layer index in selection is a
     position in that list. With `auto`, `step` runs from a post-step hook of the attached optimizer.
+    `edits` counts the surgeries on the model (each resizes tensors and renews their gradient accumulators),
+    so a DistributedDataParallel wrapper knows when to rebuild (`barter.DistributedModel`).
     """
 
     def __init__(self, surgeon, layers: dict[str, list], schedule: Schedule, *, method: str, auto: bool,
@@ -43,6 +45,7 @@ class Controller:
         self.select_rng = select_rng
         self.noise_rng = noise_rng
         self.step_count = 0
+        self.edits = 0
         self.events: list[dict[str, Any]] = []
         self._taps: dict[str, list] = {kind: [] for kind in KINDS}
         self._optimizer: torch.optim.Optimizer | None = None
@@ -100,6 +103,7 @@ class Controller:
                                                     noise_std=self.options.noise_std, generator=self.noise_rng,
                                                     relative=self.options.noise_relative)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
+            self.edits += 1
         self.events.append(event)
 
     def _drop_finished_taps(self) -> None:
@@ -149,8 +153,10 @@ class Controller:
             target = sd["topology"][g.name]
             while g.count < target:
                 self.surgeon.clone(g, 0)
+                self.edits += 1
             while g.count > target:
                 self.surgeon.remove(g, g.count - 1)
+                self.edits += 1
         for kind, table in self.tables.items():
             table.load_state_dict(sd["tables"][kind])
         self.select_rng.set_state(sd["rng"]["select"])

@@ -65,6 +65,12 @@ class StepFlops:
     def total(self) -> int:
         return self.forward + self.backward
 
+    def scaled(self, batch_size: int) -> "StepFlops":
+        """The same step on ``batch_size`` images (the counted FLOPs are linear in the batch size): a
+        data-parallel step's FLOPs from those of one process's share."""
+        return StepFlops(self.forward * batch_size // self.batch_size, self.backward * batch_size // self.batch_size,
+                         batch_size)
+
     @property
     def forward_macs_per_image(self) -> float:
         """M_fwd: forward multiply-adds per image."""
@@ -112,13 +118,19 @@ class FlopMeter:
 
     def step(
         self, model: nn.Module, inputs: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
+        global_batch: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training step's forward, loss and backward (no optimizer step); returns (outputs, loss)."""
+        """One training step's forward, loss and backward (no optimizer step); returns (outputs, loss).
+
+        With ``global_batch``, ``inputs`` are one process's share of a data-parallel step on that many images,
+        and the step counts the FLOPs of all of them."""
         signature = step_signature(model, inputs)
         cached = self._cache.get(signature)
         outputs, loss, counted = run_step(model, inputs, loss_fn, count=cached is None)
         flops = cached or counted
         self._cache[signature] = flops
+        if global_batch is not None:
+            flops = flops.scaled(global_batch)
         self.last = flops
         self.total_flops += flops.total
         self.steps += 1

@@ -1,19 +1,26 @@
 """A run's directory: config.json, metrics.jsonl, events.jsonl, topology.json, checkpoints and widths.png.
 
-Checkpoints are `torch.save` dictionaries written atomically (temporary file, then rename) and read back with
-`weights_only=True`; anything unreadable or incomplete raises `CheckpointError` with the path and the reason.
+The checkpoints `best/` and `last/` are `barter.export` directories (`barter.load(run / "best")` gives the trained
+compact model) with the trainer state beside the weights in `trainer.pt`, a `torch.save` dictionary read back
+with `weights_only=True`. Each is written atomically (a temporary directory, then renames); anything
+unreadable or incomplete raises `CheckpointError` with the path and the reason.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "model", "optimizer", "rng", "flops")
+from .export import read_export, replace_directory, write_export
+
+CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "flops")
+TRAINER_STATE = "trainer.pt"
 
 
 class CheckpointError(ValueError):
@@ -28,11 +35,11 @@ class RunDir:
 
     @property
     def last(self) -> Path:
-        return self.path / "last.pt"
+        return self.path / "last"
 
     @property
     def best(self) -> Path:
-        return self.path / "best.pt"
+        return self.path / "best"
 
     def write_json(self, name: str, data: Any) -> None:
         _atomic(self.path / name, lambda f: f.write_text(json.dumps(data, indent=2) + "\n"))
@@ -58,29 +65,42 @@ class RunDir:
         """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""
         _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
 
-    def save_checkpoint(self, path: Path, state: dict[str, Any]) -> None:
-        _atomic(path, lambda f: torch.save(state, f))
+    def save_checkpoint(self, path: Path, model: nn.Module, state: dict[str, Any], **export_options: Any) -> None:
+        """Make `path` an export of `model` (`export_options`: those of `barter.export`) with the trainer `state`
+        beside its weights."""
+
+        def fill(directory: Path) -> None:
+            write_export(model, directory, **export_options)
+            torch.save(state, directory / TRAINER_STATE)
+
+        replace_directory(path, fill)
+
+    def copy_checkpoint(self, source: Path, target: Path) -> None:
+        """Make `target` a copy of the checkpoint `source` (atomically, as `save_checkpoint` writes)."""
+        replace_directory(target, lambda directory: shutil.copytree(source, directory, dirs_exist_ok=True))
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint written by `RunDir.save_checkpoint` (tensors, numbers, strings and containers only)."""
+    """Read a checkpoint written by `RunDir.save_checkpoint`: the trainer state, with the weights (checksum
+    verified) under "model"."""
     path = Path(path)
-    if not path.is_file():
+    if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(f"no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
+        _, weights = read_export(path)
     except Exception as e:  # torch.load raises many types for a truncated or foreign file
         raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {e})") from e
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path} is not a barter training checkpoint (missing: {', '.join(missing)})")
-    return state
+    return {**state, "model": weights}
 
 
 def find_checkpoint(source: str | os.PathLike[str], kind: str = "last") -> Path:
-    """`source` itself if it is a file, else `<source>/<kind>.pt` (a run directory)."""
+    """`source` itself if it is a checkpoint directory, else `<source>/<kind>` (a run directory)."""
     source = Path(source)
-    return source if source.is_file() else source / f"{kind}.pt"
+    return source if (source / TRAINER_STATE).is_file() else source / kind
 
 
 def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]

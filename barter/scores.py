@@ -3,8 +3,15 @@
 `unit_scores` turns one layer's activations and gradients into per-unit d and s in a few vectorised ops.
 `ScoreTable` keeps, for one unit kind, the fp32 EMAs D and S and the donor cooldowns flat over its layers.
 Each backward pass writes its per-unit (d, s) into one flat `pending` tensor of shape (2, n); `fold` then
-applies the EMA in one op. That flat tensor is the single place a multi-process run would all-reduce before
-the EMA update.
+applies the EMA in one op.
+
+Under torch.distributed (world size > 1), `fold` first replaces `pending` by the scores of the global batch,
+with one all-reduce per fold: the sample-weighted mean over the ranks of their (d, s), divided by the world
+size because DistributedDataParallel averages gradients, so the loss it optimises has each rank's gradient
+over the world size. With equal shares and mean losses these are the scores one process computes on the
+global batch, every rank holds the same bits, and a rank's non-finite score makes every rank's non-finite.
+The all-reduce makes `fold` collective whenever scores are pending: every rank runs the same forwards and
+backwards, and the controller folds at every optimizer step, so nothing is pending between steps.
 """
 from __future__ import annotations
 
@@ -12,7 +19,10 @@ from itertools import accumulate
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from .distributed import world_size
 
 
 def unit_scores(a: Tensor, g: Tensor) -> Tensor:
@@ -36,6 +46,7 @@ class ScoreTable:
         self.beta = beta
         self.ema = torch.zeros(2, n, device=device)  # rows D, S; fp32
         self.pending = torch.zeros(2, n, device=device)
+        self.samples = 0  # batch size of the pending scores
         self.dirty = False
         self.cool_until = torch.full((n,), -1, dtype=torch.long)  # last step at which a unit may not donate
         self._offsets = [0, *accumulate(self.counts)]
@@ -57,14 +68,23 @@ class ScoreTable:
         """Store this backward pass's (d, s) of `layer`; called from the activation's gradient hook."""
         lo, hi = self._offsets[layer], self._offsets[layer + 1]
         self.pending[:, lo:hi] = unit_scores(a, g)
+        self.samples = a.shape[0]
         self.dirty = True
 
     def fold(self) -> None:
-        """EMA update with the last backward pass's scores: X <- beta*X + (1-beta)*x."""
+        """EMA update with the last backward pass's scores: X <- beta*X + (1-beta)*x (collective, see above)."""
         if self.dirty:
+            if world_size() > 1:
+                self._combine_ranks()
             self.ema.mul_(self.beta).add_(self.pending, alpha=1 - self.beta)
             self.pending.zero_()
             self.dirty = False
+
+    def _combine_ranks(self) -> None:
+        """Replace `pending` by the global batch's scores (module docstring), in one all-reduce."""
+        weighted = torch.cat((self.pending.flatten() * self.samples, self.pending.new_tensor([self.samples])))
+        dist.all_reduce(weighted)
+        self.pending = weighted[:-1].view_as(self.pending) / (weighted[-1] * dist.get_world_size())
 
     def tap(self, layer: int) -> Callable[[Tensor], None]:
         """Forward tap for `layer`: folds the previous backward's scores, then hooks this one's gradient."""

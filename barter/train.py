@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import models  # noqa: F401  (registers the project's models with timm)
 
-from . import wrap
+from . import distributed, wrap
 from .controller import Controller
 from .data import DATASETS, RECIPES, build_datasets, build_mixup, resolve_spec
 from .flops import FlopMeter
@@ -177,6 +177,7 @@ class Session:
     sparse: Any
     meter: FlopMeter
     schedule: WarmupCosine
+    ddp: distributed.DistributedModel | None = None  # what training steps run through in a multi-process run
     epoch: float = 0
     step: int = 0
     finished: bool = False
@@ -187,13 +188,27 @@ class Session:
 
 
 def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
-    """Train `config`; with `resume`, continue the run directory `out_dir/name` from its last checkpoint."""
+    """Train `config`; with `resume`, continue the run directory `out_dir/name` from its last checkpoint.
+
+    Under torchrun every process joins the process group (`barter.distributed`) and trains a
+    DistributedDataParallel replica on its share of every global batch; rank 0 evaluates and writes the run
+    directory, every rank restores a resumed run's checkpoint, and every rank returns rank 0's result.
+    """
     config.validate()
+    device = resolve_device(config.device)
+    with distributed.process_group(device):
+        return _train(config, resume, device)
+
+
+def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult:
     torch.backends.cuda.matmul.allow_tf32 = False  # the paper trains in full FP32
     torch.backends.cudnn.allow_tf32 = False
-    device = resolve_device(config.device)
     data = build_data(config)
+    processes = distributed.world_size()
+    if config.batch_size < processes * _granule(data.mixup is not None):
+        raise ConfigError(f"batch_size {config.batch_size} leaves some of the {processes} processes no images")
     run = _open_run(config, resume)
+    distributed.barrier()  # every process has checked the run directory before rank 0 creates it
     config = replace(config, name=run.path.name)
     source = _source_checkpoint(config, run, resume)
     batches_per_epoch = steps_per_epoch(len(data.train), config, data.mixup is not None)
@@ -204,9 +219,10 @@ def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
         restore(session, source)
     if config.continue_from is not None and not resume:
         _start_continuation(session, config, batches_per_epoch)
-    if resume:
-        run.truncate_metrics(session.epoch)
-    run.write_json("config.json", config.to_dict())
+    if distributed.is_main():
+        if resume:
+            run.truncate_metrics(session.epoch)
+        run.write_json("config.json", config.to_dict())
     criterion = build_criterion(config.label_smoothing, data.mixup is not None)
     started = time.perf_counter() - session.wall_s
     while not session.finished:
@@ -216,21 +232,26 @@ def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
         epochs_done = config.continue_from is None and session.epoch >= config.epochs
         session.finished = done < batches_per_epoch or out_of_budget or epochs_done
         session.wall_s = time.perf_counter() - started
-        _end_epoch(session, config, data, run, device, {"loss": loss, "train_acc": acc})
-    if session.controller is not None:
-        plot_widths(run.path / "widths.png", session.controller.topology(), session.controller.events,
-                    batches_per_epoch, session.step)
-    last = run.metrics()[-1]
-    events = session.controller.events if session.controller is not None else []
-    return RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
-                     session.best_epoch, session.meter.total_flops, session.wall_s,
-                     sum(e["skipped"] is None for e in events))
+        if distributed.is_main():
+            _end_epoch(session, config, data, run, device, {"loss": loss, "train_acc": acc})
+    result = None
+    if distributed.is_main():
+        if session.controller is not None:
+            plot_widths(run.path / "widths.png", session.controller.topology(), session.controller.events,
+                        batches_per_epoch, session.step)
+        last = run.metrics()[-1]
+        events = session.controller.events if session.controller is not None else []
+        result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
+                           session.best_epoch, session.meter.total_flops, session.wall_s,
+                           sum(e["skipped"] is None for e in events))
+    return distributed.broadcast_from_main(result)
 
 
 def resolve_device(name: str) -> torch.device:
+    """`name` as a device ("auto": CUDA if available); under torchrun, "cuda" is the process's own GPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return distributed.local_device(torch.device(name))
 
 
 def build_data(config: TrainConfig) -> Data:
@@ -269,21 +290,26 @@ def epoch_batches(n: int, config: TrainConfig, mixed: bool, generator: torch.Gen
 
 
 def _drops_last(rest: int, config: TrainConfig, mixed: bool) -> bool:
-    return config.drop_last or (mixed and rest % 2 == 1)  # timm's Mixup needs an even batch
+    # timm's Mixup needs an even batch; every process needs a share of the batch
+    return config.drop_last or (mixed and rest % 2 == 1) or rest < distributed.world_size() * _granule(mixed)
+
+
+def _granule(mixed: bool) -> int:
+    """Images of a batch that go to one process together: pairs when batch mixing pairs them up."""
+    return 2 if mixed else 1
 
 
 def build_session(config: TrainConfig, data: Data, device: torch.device, total_steps: int, *,
                   pretrained: bool) -> Session:
     """Model (with `init_from` weights when `pretrained`), optimizer, and the method's wrapper."""
-    model = timm.create_model(config.model, num_classes=data.num_classes, in_chans=data.in_chans,
-                              img_size=data.img_size, **config.model_kwargs).to(device)
+    model = timm.create_model(config.model, **model_arguments(config, data)).to(device)
     if pretrained and config.init_from is not None:
         load_pretrained(model, config.init_from)
     optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                 decay=config.decay)
     controller = sparse = None
     if config.method in WRAP_METHODS:
-        example = (torch.zeros(2, data.in_chans, data.img_size, data.img_size, device=device),)
+        example = example_batch(data, device)
         controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
                           method=config.method, seed=config.seed, example_inputs=example, **config.barter_options)
     elif config.method in SPARSE_METHODS:
@@ -291,7 +317,11 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
                                                total_steps=total_steps, seed=config.seed)
     warmup = round(config.warmup_epochs * total_steps / config.epochs)
     schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
-    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule)
+    ddp = None
+    if distributed.world_size() > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp = distributed.DistributedModel(model, controller, device_ids=device_ids)
+    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp)
 
 
 def _sparse_module():
@@ -304,7 +334,7 @@ def _sparse_module():
 
 
 def load_pretrained(model: nn.Module, source: str) -> None:
-    """Load a dense run's weights (its best checkpoint, or a checkpoint file) except the classifier, which
+    """Load a dense run's weights (its best checkpoint, or a checkpoint directory) except the classifier, which
     stays freshly initialised for the new classes. Sparse methods then keep a subset of these weights."""
     path = find_checkpoint(source, "best")
     state = load_checkpoint(path)
@@ -380,11 +410,33 @@ def restore(session: Session, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint does not fit this run ({type(e).__name__}: {e})") from e
 
 
+def model_arguments(config: TrainConfig, data: Data) -> dict[str, Any]:
+    """The keyword arguments of `timm.create_model(config.model, ...)`: the data's shape, then the config's own."""
+    return {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": data.img_size,
+            **config.model_kwargs}
+
+
+def example_batch(data: Data, device: torch.device) -> tuple[Tensor]:
+    """Two zero images shaped like the data: the example inputs fxsurgery analyses the model on."""
+    return (torch.zeros(2, data.in_chans, data.img_size, data.img_size, device=device),)
+
+
+def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: RunDir, improved: bool) -> None:
+    """Export the model to the run's last checkpoint with the trainer state beside it (`barter.runlog`), and
+    copy it to the best one when it improved: `barter.load(run / "best")` gives the selected model."""
+    run.save_checkpoint(run.last, session.model, checkpoint_state(session, config), architecture=config.model,
+                        model_kwargs=model_arguments(config, data),
+                        example_inputs=example_batch(data, torch.device("cpu")))
+    if improved:
+        run.copy_checkpoint(run.last, run.best)
+
+
 def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:
+    """What resuming needs besides the weights: optimizer, controller and sparse states, FLOP meter, counters,
+    learning-rate schedule, best result, random states and the config."""
     return {
         "config": config.to_dict(), "epoch": session.epoch, "step": session.step, "finished": session.finished,
-        "schedule": asdict(session.schedule), "model": session.model.state_dict(),
-        "optimizer": session.optimizer.state_dict(),
+        "schedule": asdict(session.schedule), "optimizer": session.optimizer.state_dict(),
         "controller": None if session.controller is None else session.controller.state_dict(),
         "sparse": None if session.sparse is None else session.sparse.state_dict(),
         "flops": session.meter.state_dict(), "step_flops": session.step_flops, "wall_s": session.wall_s,
@@ -415,20 +467,30 @@ def _budget_allows(session: Session, budget: float | None) -> bool:
 def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, device: torch.device,
                  batches_per_epoch: int) -> tuple[int, float, float]:
     """One epoch of optimizer steps (fewer if the FLOP budget runs out); returns how many ran, and the mean
-    training loss and accuracy (against the unmixed labels)."""
+    training loss and accuracy (against the unmixed labels).
+
+    With several processes each trains on its share of every global batch (`barter.distributed.shard`), its
+    loss weighted by its share, so the gradient DistributedDataParallel averages is the global batch's; the
+    FLOPs counted are the global batch's, the loss and accuracy those of all shares.
+    """
     epoch = math.floor(session.epoch)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
-    batches = epoch_batches(len(data.train), config, data.mixup is not None, generator)
-    loader = DataLoader(data.train, batch_sampler=batches, num_workers=config.workers, generator=generator,
-                        pin_memory=device.type == "cuda")
+    mixed = data.mixup is not None
+    batches = epoch_batches(len(data.train), config, mixed, generator)
+    world = distributed.world_size()
+    if world > 1:
+        generator = distributed.seed_rank_streams(config.seed, epoch)
+    loader = DataLoader(data.train, batch_sampler=[distributed.shard(b, _granule(mixed)) for b in batches],
+                        num_workers=config.workers, generator=generator, pin_memory=device.type == "cuda")
     model, optimizer, meter = session.model, session.optimizer, session.meter
+    net = model if session.ddp is None else session.ddp
     model.train()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     seen = done = 0
-    bar = tqdm(total=batches_per_epoch, desc=f"epoch {epoch + 1}", disable=not config.progress, leave=False,
-               dynamic_ncols=True)
-    for images, labels in loader:
+    bar = tqdm(total=batches_per_epoch, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True,
+               disable=not (config.progress and distributed.is_main()))
+    for batch, (images, labels) in zip(batches, loader):
         if not _budget_allows(session, config.flop_budget):
             break
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -437,15 +499,17 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
             images, targets = data.mixup(images, labels)
         lr = session.schedule.apply(optimizer, session.step)
         optimizer.zero_grad(set_to_none=True)
-        outputs, loss = meter.step(model, images, lambda out, t=targets: criterion(out, t))
+        weight = world * len(images) / len(batch)  # 1 for equal shares
+        outputs, loss = meter.step(net, images, lambda out, t=targets, w=weight: criterion(out, t) * w,
+                                   global_batch=len(batch))
         optimizer.step()  # the controller's transfers run from its post-step hook
         if session.sparse is not None:
             session.sparse.step()
         session.step += 1
         done += 1
-        if len(images) == config.batch_size:
+        if len(batch) == config.batch_size:
             session.step_flops = meter.last.total
-        loss_sum += loss.detach() * len(images)
+        loss_sum += loss.detach() * (len(images) / weight)
         correct += (outputs.argmax(1) == labels).sum()
         seen += len(images)
         bar.update()
@@ -453,7 +517,8 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
             bar.set_postfix_str(f"loss {loss_sum.item() / seen:.3f} acc {correct.item() / seen:.3f} "
                                 f"lr {lr:.2e}{widths_text(session.controller)}")
     bar.close()
-    return done, loss_sum.item() / max(1, seen), correct.item() / max(1, seen)
+    loss_total, correct_total, seen_total = distributed.sum_over_ranks([loss_sum.item(), correct.item(), seen])
+    return done, loss_total / max(1, seen_total), correct_total / max(1, seen_total)
 
 
 def widths_text(controller: Controller | None) -> str:
@@ -507,10 +572,7 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
     improved = selected > session.best_acc
     if improved:
         session.best_acc, session.best_epoch = selected, session.epoch
-    state = checkpoint_state(session, config)
-    if improved:
-        run.save_checkpoint(run.best, state)
-    run.save_checkpoint(run.last, state)
+    save_checkpoints(session, config, data, run, improved)
     run.append_metrics(record)
     if session.controller is not None:
         run.write_events(session.controller.events)

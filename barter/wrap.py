@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+import weakref
+from typing import Any, NamedTuple
 
 import torch
-from fxsurgery import Surgeon
+from fxsurgery import Surgeon, UnitGroup
 from torch import nn
 
 from .compact import compact
@@ -13,6 +14,31 @@ from .controller import Controller
 from .options import Options
 from .schedule import KINDS, make_schedule, transfer_count
 from .selection import METHODS
+
+
+class UnitAnalysis(NamedTuple):
+    """The unit groups of a model as barter first analysed it, and the example inputs they were found with."""
+
+    groups: list[UnitGroup]
+    example_inputs: tuple
+
+
+# weak keys: the groups hold names, layouts and counts, not the model, so an entry dies with its model
+_ANALYSES: weakref.WeakKeyDictionary[nn.Module, UnitAnalysis] = weakref.WeakKeyDictionary()
+
+
+def record_analysis(surgeon: Surgeon) -> None:
+    """Remember `surgeon`'s groups for its model, so `barter.export` can tell the model's topology later.
+
+    The first analysis wins: it describes the model as built (every group at its maximum), which a later
+    analysis of the resized model cannot (a layer left with one head or none is no group there).
+    """
+    _ANALYSES.setdefault(surgeon.model, UnitAnalysis(surgeon.groups, surgeon.example_inputs))
+
+
+def recorded_analysis(model: nn.Module) -> UnitAnalysis | None:
+    """The first analysis `wrap` or `barter.load` made of `model`, or None for another model."""
+    return _ANALYSES.get(model)
 
 
 def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor]:
@@ -53,6 +79,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     opts = Options.from_kwargs(**options)
     surgeon = Surgeon(model, example_inputs=tuple(example_inputs or default_example_inputs(model)))
+    record_analysis(surgeon)
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}
     inexact = [g.name for g in surgeon.groups if not g.exact]
     if inexact:

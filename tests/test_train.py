@@ -3,12 +3,14 @@ continuation, resume equality, recipe pieces and bad inputs."""
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
+import barter
 import barter.train as train_module
 from barter.data import DatasetNotFoundError
 from barter.presets import PRESETS, preset
@@ -44,8 +46,8 @@ def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
         assert {"loss", "acc", "macro_f1", "lr", "flops", "wall_s"} <= set(m) and math.isfinite(m["loss"])
     assert 0 < metrics[0]["flops"] < metrics[1]["flops"] == result.flops
     assert json.loads((run / "config.json").read_text())["method"] == method
-    last = load_checkpoint(run / "last.pt")
-    assert (run / "best.pt").is_file() and last["finished"] and last["step"] == 8
+    last = load_checkpoint(run / "last")
+    assert (run / "best" / "model.safetensors").is_file() and last["finished"] and last["step"] == 8
     if method in WRAPPED:
         assert last["controller"]["step"] == 8  # one controller step per optimizer step
         events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
@@ -75,9 +77,9 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(cut)
     monkeypatch.setattr(train_module, "evaluate", real_evaluate)
-    assert load_checkpoint(tmp_path / "cut" / "last.pt")["epoch"] == 1
+    assert load_checkpoint(tmp_path / "cut" / "last")["epoch"] == 1
     resumed = train(cut, resume=True)
-    a, b = load_checkpoint(whole.run_dir / "last.pt"), load_checkpoint(resumed.run_dir / "last.pt")
+    a, b = load_checkpoint(whole.run_dir / "last"), load_checkpoint(resumed.run_dir / "last")
     assert a["controller"]["events"] == b["controller"]["events"]
     assert any(e["step"] > 4 and e["skipped"] is None for e in a["controller"]["events"])  # after the cut
     assert a["model"].keys() == b["model"].keys()
@@ -86,6 +88,23 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert a["flops"] == b["flops"]
     lines = (resumed.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+
+
+@pytest.mark.parametrize("method", ["dense", "barter"])
+def test_checkpoints_are_exports_that_barter_loads(tmp_path, method):
+    """best/ and last/ hold the weights, topology and trainer state; barter.load gives the trained model."""
+    result = train(config(tmp_path, "vit", method=method, name="run"))
+    assert sorted(p.name for p in result.run_dir.iterdir() if p.is_dir()) == ["best", "last"]  # no staging left
+    assert sorted(p.name for p in (result.run_dir / "last").iterdir()) == [
+        "model.safetensors", "topology.json", "trainer.pt"]
+    model = barter.load(result.run_dir / "last")
+    weights = load_checkpoint(result.run_dir / "last")["model"]
+    assert model.state_dict().keys() == weights.keys()
+    assert all(torch.equal(tensor, weights[key]) for key, tensor in model.state_dict().items())
+    topology = json.loads((result.run_dir / "last" / "topology.json").read_text())
+    assert topology["parameters"] == sum(p.numel() for p in model.parameters())
+    assert any(g["count"] < g["max_count"] for g in topology["groups"]) == (method == "barter")
+    model.eval()(torch.zeros(2, 3, 16, 16))
 
 
 def test_flop_budget_stops_mid_epoch_within_budget(tmp_path):
@@ -100,10 +119,10 @@ def test_flop_budget_stops_mid_epoch_within_budget(tmp_path):
 def test_matched_compute_continuation(tmp_path):
     base = config(tmp_path, method="barter", name="base")
     first = train(base)
-    start = load_checkpoint(first.run_dir / "last.pt")
+    start = load_checkpoint(first.run_dir / "last")
     budget = first.flops * 2
     cont = train(replace(base, name="cont", continue_from=str(first.run_dir), flop_budget=budget))
-    end = load_checkpoint(cont.run_dir / "last.pt")
+    end = load_checkpoint(cont.run_dir / "last")
     assert end["controller"]["events"] == start["controller"]["events"]  # topology fixed
     assert end["controller"]["topology"] == start["controller"]["topology"]
     assert cont.flops <= budget and cont.flops > budget - first.flops / first.steps
@@ -121,7 +140,11 @@ def test_checkpoint_errors(tmp_path):
     train(cfg)
     with pytest.raises(CheckpointError, match="lr"):
         train(replace(cfg, lr=0.5), resume=True)
-    (tmp_path / "run" / "last.pt").write_bytes(b"not a checkpoint")
+    weights = tmp_path / "run" / "last" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="cannot read .*checksum"):
+        train(cfg, resume=True)
+    (tmp_path / "run" / "last" / "trainer.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError, match="cannot read"):
         train(cfg, resume=True)
     with pytest.raises(CheckpointError, match="no checkpoint"):
@@ -132,7 +155,7 @@ def test_checkpoint_errors(tmp_path):
 
 def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
     source = train(config(tmp_path, "vit", method="dense", name="src", epochs=1))
-    dense = load_checkpoint(source.run_dir / "best.pt")["model"]
+    dense = load_checkpoint(source.run_dir / "best")["model"]
     tuned = config(tmp_path, "vit", method="dense", name="ft", epochs=1, lr=1e-12, min_lr=0, weight_decay=0,
                    init_from=str(source.run_dir))
     data = train_module.build_data(tuned)
@@ -145,11 +168,11 @@ def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
     kept = session.model.state_dict()["blocks.0.mlp.fc1.weight"]
     rows = {tuple(r.tolist()) for r in dense["blocks.0.mlp.fc1.weight"]}
     assert kept.shape[0] < len(rows) and all(tuple(r.tolist()) in rows for r in kept)
-    compact = load_checkpoint(source.run_dir / "best.pt")
-    compact["controller"] = {"step": 0}  # as a compact (wrapped) run's checkpoint has
-    torch.save(compact, tmp_path / "compact.pt")
+    compact = shutil.copytree(source.run_dir / "best", tmp_path / "compact")
+    trainer = torch.load(compact / "trainer.pt", weights_only=True)
+    torch.save({**trainer, "controller": {"step": 0}}, compact / "trainer.pt")  # as a wrapped run's state has
     with pytest.raises(CheckpointError, match="dense"):
-        train(replace(tuned, name="ft2", init_from=str(tmp_path / "compact.pt")))
+        train(replace(tuned, name="ft2", init_from=str(compact)))
 
 
 @pytest.mark.parametrize("kw,match", [

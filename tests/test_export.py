@@ -1,0 +1,205 @@
+"""barter.export / barter.load: round trips of compact timm, project and hand-written models (outputs, parameter
+counts, further training), models barter did not resize, and clear errors for corrupt or mismatched files."""
+import copy
+import gc
+import json
+import weakref
+
+import pytest
+import timm
+import torch
+from fxsurgery import Surgeon
+
+import barter
+from barter import ExportError
+from zoo import Style, TinyTransformer
+
+VIT = ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 10})
+CCT = ("cct_2_3x1_32_tiny", {})
+VIT_UNREADABLE = {"patch_size": 8, "depth": 2}  # what timm's config does not tell about the model
+
+
+def parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def transferred(model: torch.nn.Module, x: torch.Tensor, **wrap_options) -> barter.Controller:
+    """Wrap `model` at density 0.5 and train 6 steps with a random transfer after each."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = barter.wrap(model, optimizer, total_steps=6, density=0.5, method="random_pair", window=(0.0, 1.0),
+                      **wrap_options)
+    for _ in range(6):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert any(e["skipped"] is None for e in ctl.events)
+    return ctl
+
+
+def compact_timm(name: str, kwargs: dict) -> tuple[torch.nn.Module, barter.Controller, int]:
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs)
+    dense = parameters(model)
+    return model, transferred(model, torch.randn(4, 3, 32, 32)), dense
+
+
+def read_topology(path) -> dict:
+    return json.loads((path / "topology.json").read_text())
+
+
+def assert_same_outputs(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> None:
+    """Bit-identical in eval mode, and in train mode under the same seed (dropout, drop path)."""
+    with torch.no_grad():
+        a.eval(), b.eval()
+        assert torch.equal(a(x), b(x))
+        a.train(), b.train()
+        torch.manual_seed(1)
+        ya = a(x)
+        torch.manual_seed(1)
+        assert torch.equal(ya, b(x))
+
+
+@pytest.mark.parametrize("name,kwargs", [VIT, CCT], ids=["vit", "cct"])
+def test_round_trip_after_transfers(tmp_path, name, kwargs):
+    model, ctl, dense = compact_timm(name, kwargs)
+    path = barter.export(model, tmp_path / "model", model_kwargs=VIT_UNREADABLE if name == VIT[0] else None)
+    topology = read_topology(path)
+    assert topology["architecture"] == name and topology["model_kwargs"] == kwargs  # partly read off the model
+    assert {g["name"]: (g["count"], g["max_count"]) for g in topology["groups"]} == {
+        g.name: (g.count, g.max_count) for g in ctl.surgeon.groups}
+    loaded = barter.load(path)
+    assert type(loaded) is type(model)
+    assert parameters(loaded) == parameters(model) == topology["parameters"] < dense
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor), key
+    assert_same_outputs(model, loaded, torch.randn(3, 3, 32, 32))
+    assert read_topology(barter.export(loaded, tmp_path / "again")) == topology  # same bytes, same topology
+    optimizer = torch.optim.AdamW(loaded.parameters(), lr=1e-2)
+    before = copy.deepcopy(loaded.state_dict())
+    loaded(torch.randn(2, 3, 32, 32)).logsumexp(1).mean().backward()
+    optimizer.step()
+    assert all(not torch.equal(before[k], v) for k, v in loaded.state_dict().items() if k.endswith("fc1.weight"))
+
+
+def test_loaded_model_can_be_wrapped_again_and_reexported(tmp_path):
+    model, _, _ = compact_timm(*VIT)
+    loaded = barter.load(barter.export(model, tmp_path / "model", model_kwargs=VIT_UNREADABLE))
+    assert Surgeon(copy.deepcopy(loaded), (torch.zeros(2, 3, 32, 32),)).groups  # a fresh analysis works
+    ctl = transferred(loaded, torch.randn(4, 3, 32, 32))  # shrinks it further, moves units
+    again = barter.load(barter.export(loaded, tmp_path / "again"))
+    assert parameters(again) == parameters(loaded) < parameters(model)
+    assert_same_outputs(loaded, again, torch.randn(3, 3, 32, 32))
+    counts = {g["name"]: g["count"] for g in read_topology(tmp_path / "again")["groups"]}
+    assert all(counts[g.name] == g.count for g in ctl.surgeon.groups)
+
+
+def test_model_barter_did_not_resize(tmp_path):
+    """A copy of a compact model (no recorded analysis): the base is analysed and the counts read off the
+    tensors; a dense model exports every group at its maximum."""
+    model, ctl, _ = compact_timm(*CCT)
+    copied = copy.deepcopy(model)
+    loaded = barter.load(barter.export(copied, tmp_path / "copy"))
+    assert read_topology(tmp_path / "copy")["groups"] == read_topology(barter.export(model, tmp_path / "model"))[
+        "groups"]
+    assert_same_outputs(copied, loaded, torch.randn(3, 3, 32, 32))
+    dense = timm.create_model(CCT[0], num_classes=5)
+    groups = read_topology(barter.export(dense, tmp_path / "dense"))["groups"]
+    assert groups and all(g["count"] == g["max_count"] for g in groups)
+    assert read_topology(tmp_path / "dense")["model_kwargs"] == {"num_classes": 5}
+    assert_same_outputs(dense, barter.load(tmp_path / "dense"), torch.randn(3, 3, 32, 32))
+
+
+def test_half_precision_comes_back_in_half_precision(tmp_path):
+    model, _, _ = compact_timm(*CCT)
+    model.to(torch.bfloat16)
+    copied = copy.deepcopy(model)  # no recorded analysis: the single-precision base is analysed
+    for source, name in ((model, "model"), (copied, "copy")):
+        loaded = barter.load(barter.export(source, tmp_path / name))
+        assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+        assert_same_outputs(source, loaded, torch.randn(3, 3, 32, 32, dtype=torch.bfloat16))
+
+
+def test_hand_written_model_loads_into_a_fresh_instance(tmp_path):
+    style = Style(heads=4, mlp_hidden=8)
+    torch.manual_seed(0)
+    model = TinyTransformer(style)
+    dense = parameters(model)
+    x = torch.randn(4, 6, 5)
+    transferred(model, x, example_inputs=(x,))
+    path = barter.export(model, tmp_path / "model")
+    assert read_topology(path)["architecture"] is None
+    with pytest.raises(ExportError, match="records no base architecture"):
+        barter.load(path)
+    fresh = TinyTransformer(style)
+    loaded = barter.load(path, model=fresh)
+    assert loaded is fresh and parameters(loaded) == parameters(model) < dense
+    assert_same_outputs(model, loaded, torch.randn(3, 6, 5))
+
+
+def test_model_without_unit_groups_is_exported_as_it_is(tmp_path):
+    model = torch.nn.Linear(5, 3)
+    with pytest.warns(UserWarning, match="exported without unit groups"):
+        path = barter.export(model, tmp_path / "model", example_inputs=(torch.zeros(2, 5),))
+    assert read_topology(path)["groups"] == []
+    loaded = barter.load(path, model=torch.nn.Linear(5, 3))
+    assert torch.equal(loaded.weight, model.weight) and torch.equal(loaded.bias, model.bias)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_weights_fail_the_checksum(tmp_path, damage):
+    model, _, _ = compact_timm(*CCT)
+    weights = barter.export(model, tmp_path / "model") / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[-100:]
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="model.safetensors: checksum mismatch"):
+        barter.load(tmp_path / "model")
+
+
+def test_missing_or_foreign_files(tmp_path):
+    with pytest.raises(ExportError, match="no barter export"):
+        barter.load(tmp_path)
+    (tmp_path / "topology.json").write_text("{not json")
+    with pytest.raises(ExportError, match="not valid JSON"):
+        barter.load(tmp_path)
+    (tmp_path / "topology.json").write_text(json.dumps({"format": "barter-export", "version": 99}))
+    with pytest.raises(ExportError, match="format version 99"):
+        barter.load(tmp_path)
+    (tmp_path / "other.txt").write_text("keep me")
+    model, _, _ = compact_timm(*CCT)
+    (tmp_path / "topology.json").unlink()
+    with pytest.raises(ExportError, match="not a barter export; refusing"):
+        barter.export(model, tmp_path)
+    assert (tmp_path / "other.txt").read_text() == "keep me"
+
+
+def test_mismatched_topology_or_model_leaves_the_model_unchanged(tmp_path):
+    model, _, _ = compact_timm(*CCT)
+    path = barter.export(model, tmp_path / "model")
+    topology = read_topology(path)
+    channel = next(g for g in topology["groups"] if g["kind"] == "channel")
+    channel["count"] -= 1  # the weights no longer fit the recorded topology
+    (path / "topology.json").write_text(json.dumps(topology))
+    fresh = timm.create_model(CCT[0])
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ExportError, match=r"does not fit CCT .*shapes: .*mlp\.fc1\.weight is \["):
+        barter.load(path, model=fresh)
+    assert fresh.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    deeper = timm.create_model(CCT[0], depth=3)
+    with pytest.raises(ExportError, match=r"missing keys: \['blocks\.2\."):
+        barter.load(barter.export(model, tmp_path / "model"), model=deeper)
+    with pytest.raises(ExportError, match="no unit group 'blocks.1.attn:head'"):
+        barter.load(tmp_path / "model", model=timm.create_model(CCT[0], depth=1))
+
+
+def test_recorded_analyses_do_not_keep_models_alive(tmp_path):
+    model, ctl, _ = compact_timm(*CCT)
+    loaded = barter.load(barter.export(model, tmp_path / "model"))
+    refs = [weakref.ref(model), weakref.ref(loaded)]
+    del model, ctl, loaded
+    gc.collect()
+    assert all(ref() is None for ref in refs)

@@ -129,6 +129,11 @@ class Labeller(torch.fx.Interpreter):
         state = {k: v.to("meta") for k, v in itertools.chain(mod.named_parameters(), mod.named_buffers())}
         return torch.func.functional_call(mod, state, args, kwargs)
 
+    def label_of(self, n: Node) -> Any:
+        """The label of ``n``'s value; an empty tensor (a layer left with no units) carries no coordinates."""
+        value = self.env.get(n)
+        return None if torch.is_tensor(value) and value.numel() == 0 else self.labels.get(n)
+
     @property
     def nested(self) -> bool:
         return self.seeds is not None
@@ -152,8 +157,8 @@ class Step:
         env = lab.env
         self.args = map_arg(node.args, lambda a: env.get(a))
         self.kwargs = map_arg(node.kwargs, lambda a: env.get(a))
-        self.largs = map_arg(node.args, lambda a: lab.labels.get(a))
-        self.lkwargs = map_arg(node.kwargs, lambda a: lab.labels.get(a))
+        self.largs = map_arg(node.args, lambda a: lab.label_of(a))
+        self.lkwargs = map_arg(node.kwargs, lambda a: lab.label_of(a))
 
     @property
     def name(self) -> str:

@@ -252,3 +252,14 @@ def test_timm_manual_attention_and_norm_variants(kw: dict, head_exact: bool, ffn
     for g in s.groups:
         s.remove(g, 0)
     assert model(x).shape == y0.shape
+
+
+def test_analysing_a_model_with_an_empty_layer_finds_the_others() -> None:
+    model = timm_model("vit_tiny_patch16_224").eval()
+    x = torch.randn(2, 3, 32, 32)
+    s = Surgeon(model, (x,))
+    s.keep(s.group("blocks.0.attn:head"), [])
+    y = model(x)
+    again = Surgeon(copy.deepcopy(model), (x,))  # an empty value carries no unit coordinates
+    assert {g.name for g in again.groups} == {g.name for g in s.groups} - {"blocks.0.attn:head"}
+    assert torch.equal(again.model(x), y)

@@ -2,17 +2,23 @@
 
 For each model and density rho in {0.1, 0.3, 0.5, 0.7}, one run times the median training step (forward, loss,
 backward, AdamW step, method step) of every configuration, interleaved step by step after warm-up so that
-drifting machine load hits them alike. BARTER runs with a long horizon, so its activation x gradient score taps
-are on (the steps of its transfer window); RigL/SET medians are ordinary steps (a mask update replaces one
-optimizer step in 100).
+drifting machine load hits them alike. "barter" runs with a long horizon, so its activation x gradient score
+taps are on (a step inside its transfer window); "barter-after" is built with a one-step horizon, so every
+transfer runs after its first warm-up step and its taps are gone (a step after the window). Blocks of one
+model have equal widths, so moving units leaves the FLOPs unchanged: barter-after and Static execute the same
+FLOPs per step (the GFLOP column, counted by `barter.flops` on the last warm-up step, shows it). RigL/SET
+medians are ordinary steps (a mask update replaces one optimizer step in 100).
 
-Peak memory: on CUDA, torch.cuda.max_memory_allocated during warm-up and one step of the configuration alone,
-minus what was allocated before it was built (model, optimizer state, masks, activations, workspace). On CPU,
-each configuration runs alone in a subprocess and the number is the growth of the process's peak RSS
-(ru_maxrss) from just before the model is built to after warm-up and one step: it includes allocator slack
-and is only comparable between rows of the same run.
+Threads: on CPU, torch runs `--threads` threads (default 1: on a shared machine one thread per process keeps the
+interleaved timings steady, as in the tests); the ratios are those of single-thread compute.
 
-    .venv/bin/python benchmarks/step_time.py [--quick] [--device cuda] [--batch 128] [--steps 10]
+Peak memory (barter-after's includes its transfers): on CUDA, torch.cuda.max_memory_allocated during warm-up
+and one step of the configuration alone, minus what was allocated before it was built (model, optimizer state,
+masks, activations, workspace). On CPU, each configuration runs alone in a subprocess and the number is the
+growth of the process's peak RSS (ru_maxrss) from just before the model is built to after warm-up and one step:
+it includes allocator slack and is only comparable between rows of the same run.
+
+    .venv/bin/python benchmarks/step_time.py [--quick] [--device cuda] [--batch 128] [--steps 10] [--threads 1]
 """
 from __future__ import annotations
 
@@ -34,12 +40,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter
 import models  # noqa: F401  (registers the models)
+from barter.flops import StepFlops, run_step
 from barter.sparse import build_sparse
 
 MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
-METHODS = ("dense", "static", "barter", "rigl", "set")
+METHODS = ("dense", "static", "barter", "barter-after", "rigl", "set")
 DENSITIES = (0.1, 0.3, 0.5, 0.7)
 HORIZON = 1_000_000  # total steps given to every method: BARTER's taps stay on, no RigL/SET update is timed
+AFTER_HORIZON = 1  # window [rnd(0.1 T), rnd(0.4 T)] = [0, 0]: every proposal runs right after step 1
 
 
 @dataclass
@@ -61,6 +69,8 @@ def build(arch: str, method: str, density: float, device: str) -> Run:
         return Run(model, opt, sp.step)
     if method in ("static", "barter"):
         barter.wrap(model, opt, total_steps=HORIZON, density=density, method=method)
+    if method == "barter-after":
+        barter.wrap(model, opt, total_steps=AFTER_HORIZON, density=density, method="barter")
     return Run(model, opt, lambda: None)
 
 
@@ -72,11 +82,14 @@ def batch(arch: str, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor
             torch.randint(0, classes, (size,), generator=g).to(device))
 
 
-def train_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> None:
-    torch.nn.functional.cross_entropy(run.model(x), y).backward()
+def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, count: bool = False) -> StepFlops | None:
+    """Forward, loss and backward as training runs them (`barter.flops.run_step`; FLOPs counted if `count`),
+    then the optimizer and the method's step."""
+    _, _, flops = run_step(run.model, x, lambda out: torch.nn.functional.cross_entropy(out, y), count)
     run.optimizer.step()
     run.after_step()
     run.optimizer.zero_grad()
+    return flops
 
 
 def timed_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -120,7 +133,8 @@ def peak_rss_child(arch: str, method: str, density: float, batch_size: int, warm
 
 def peak_memory_cpu(arch: str, method: str, density: float, batch_size: int, warmup: int) -> float:
     out = subprocess.run([sys.executable, __file__, "--child", arch, method, str(density), "--batch",
-                          str(batch_size), "--warmup", str(warmup)], check=True, capture_output=True, text=True)
+                          str(batch_size), "--warmup", str(warmup), "--threads", str(torch.get_num_threads())],
+                         check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -130,9 +144,9 @@ def configs(densities: tuple[float, ...]) -> list[tuple[str, float]]:
 
 
 def measure(arch: str, densities: tuple[float, ...], args: argparse.Namespace) -> dict[tuple[str, float], dict]:
-    """{(method, density): {"time": median seconds, "mem": MiB or None}} for one model."""
+    """{(method, density): {"time": median seconds, "mem": MiB or None, "flops": per step}} for one model."""
     x, y = batch(arch, args.batch, args.device)
-    results = {c: {"time": math.nan, "mem": None} for c in configs(densities)}
+    results = {c: {"time": math.nan, "mem": None, "flops": math.nan} for c in configs(densities)}
     if args.memory:
         for (method, d), r in results.items():
             r["mem"] = (
@@ -142,9 +156,12 @@ def measure(arch: str, densities: tuple[float, ...], args: argparse.Namespace) -
     times: dict[tuple[str, float], list[float]] = {c: [] for c in runs}
     for i in range(args.warmup + args.steps):
         for c, run in runs.items():
-            t = timed_step(run, x, y)
-            if i >= args.warmup:
-                times[c].append(t)
+            if i < args.warmup:
+                counted = train_step(run, x, y, count=i == args.warmup - 1)
+                if counted is not None:
+                    results[c]["flops"] = counted.total
+            else:
+                times[c].append(timed_step(run, x, y))
     for c in runs:
         results[c]["time"] = statistics.median(times[c])
     return results
@@ -154,24 +171,26 @@ def _mib(result: dict) -> str:
     return "-" if result["mem"] is None else f"{result['mem']:.1f}"
 
 
-def report(name: str, results: dict[tuple[str, float], dict], densities: tuple[float, ...]) -> dict[float, float]:
-    """Print one model's table and ratios; return BARTER/RigL step-time ratio per density."""
+def report(name: str, results: dict[tuple[str, float], dict], densities: tuple[float, ...]
+           ) -> dict[float, tuple[float, float]]:
+    """Print one model's table and ratios; return {density: (BARTER/RigL, barter-after/Static) step time}."""
     dense = results["dense", 1.0]
     print(f"\n{name}")
-    print(f"{'density':>7} {'method':>7} {'step ms':>9} {'x dense':>8} {'peak MiB':>9}")
-    print(f"{1.0:7.1f} {'dense':>7} {dense['time'] * 1e3:9.1f} {1.0:8.3f} {_mib(dense):>9}")
+    print(f"{'density':>7} {'method':>12} {'step ms':>9} {'x dense':>8} {'GFLOP':>8} {'peak MiB':>9}")
+    rows = [(1.0, "dense")] + [(d, m) for d in densities for m in METHODS[1:]]
+    for d, m in rows:
+        r = results[m, d]
+        print(f"{d:7.1f} {m:>12} {r['time'] * 1e3:9.1f} {r['time'] / dense['time']:8.3f} {r['flops'] / 1e9:8.2f} "
+              f"{_mib(r):>9}")
+    print(f"{'density':>7} {'BARTER/RigL time':>17} {'BARTER/Static time':>19} {'after/Static time':>18} "
+          f"{'BARTER/RigL mem':>16} {'BARTER/Static mem':>18}")
     ratios = {}
     for d in densities:
-        for m in METHODS[1:]:
-            r = results[m, d]
-            print(f"{d:7.1f} {m:>7} {r['time'] * 1e3:9.1f} {r['time'] / dense['time']:8.3f} {_mib(r):>9}")
-    print(f"{'density':>7} {'BARTER/RigL time':>17} {'BARTER/Static time':>19} {'BARTER/RigL mem':>16} "
-          f"{'BARTER/Static mem':>18}")
-    for d in densities:
-        b, rigl, static = results["barter", d], results["rigl", d], results["static", d]
-        ratios[d] = b["time"] / rigl["time"]
+        b, after, rigl, static = (results[m, d] for m in ("barter", "barter-after", "rigl", "static"))
+        ratios[d] = (b["time"] / rigl["time"], after["time"] / static["time"])
         mems = ("-", "-") if b["mem"] is None else (f"{b['mem'] / rigl['mem']:.3f}", f"{b['mem'] / static['mem']:.3f}")
-        print(f"{d:7.1f} {ratios[d]:17.3f} {b['time'] / static['time']:19.3f} {mems[0]:>16} {mems[1]:>18}")
+        print(f"{d:7.1f} {ratios[d][0]:17.3f} {b['time'] / static['time']:19.3f} {ratios[d][1]:18.3f} "
+              f"{mems[0]:>16} {mems[1]:>18}")
     return ratios
 
 
@@ -179,12 +198,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="density 0.5 only, few steps, no CPU memory runs")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--batch", type=int, help="default 128 (the paper's); 16 with --quick on CPU")
+    ap.add_argument("--batch", type=int, help="default 128 (the presets'); 32 with --quick on CPU")
     ap.add_argument("--steps", type=int, help="timed steps per configuration (default 10, --quick 3)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed steps first (>= 2: barter-after transfers after the first; FLOPs of the last)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
     ap.add_argument("--child", nargs=3, metavar=("ARCH", "METHOD", "DENSITY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.warmup < 2:
+        ap.error("--warmup must be >= 2")
+    torch.set_num_threads(args.threads)
     if args.child:
         arch, method, d = args.child
         return peak_rss_child(arch, method, float(d), args.batch, args.warmup)
@@ -194,7 +218,7 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False  # the paper trains in FP32 without TF32
         torch.backends.cudnn.allow_tf32 = False
     cpu_quick = args.quick and args.device == "cpu"
-    args.batch = args.batch or (16 if cpu_quick else 128)
+    args.batch = args.batch or (32 if cpu_quick else 128)
     args.steps = args.steps or (3 if args.quick else 10)
     args.memory = args.memory and not cpu_quick
     densities = (0.5,) if args.quick else DENSITIES
@@ -202,9 +226,12 @@ def main() -> None:
           f"{torch.get_num_threads()} CPU threads; memory: "
           + ("off" if not args.memory else "CUDA max allocated" if args.device == "cuda" else "peak RSS growth"))
     ratios = {name: report(name, measure(arch, densities, args), densities) for name, arch in MODELS.items()}
-    at_half = [r[0.5] for r in ratios.values() if 0.5 in r]
-    print("\n" + ", ".join(f"{name}: {r[0.5]:.3f}" for name, r in ratios.items()) + " (BARTER/RigL at 0.5)")
-    print(f"BARTER/RigL step-time ratio at density 0.5: {math.prod(at_half) ** (1 / len(at_half)):.3f}")
+    at_half = {label: [r[0.5][i] for r in ratios.values()] for i, label in enumerate(("BARTER/RigL", "after/Static"))}
+    print()
+    for label, values in at_half.items():
+        print(f"{label} step time at 0.5: " + ", ".join(f"{name}: {v:.3f}" for name, v in zip(ratios, values))
+              + f" (geometric mean {statistics.geometric_mean(values):.3f})")
+    print(f"BARTER/RigL step-time ratio at density 0.5: {statistics.geometric_mean(at_half['BARTER/RigL']):.3f}")
 
 
 if __name__ == "__main__":

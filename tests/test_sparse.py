@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from barter.sparse import build_sparse, cosine_drop_fraction, drop_and_grow, erk_densities, layer_counts
+from barter.sparse import DynamicSparse, build_sparse, cosine_drop_fraction, drop_and_grow, erk_densities, layer_counts
 
 timm = pytest.importorskip("timm")
 import models  # noqa: F401  (registers the project's models)
@@ -73,6 +73,40 @@ def test_rigl_grows_at_the_largest_gradients_of_a_hand_built_layer():
     assert new_mask.sum() == 5
     assert new_mask.tolist() == [[True, True, False, False], [True, True, True, False]]
     assert new.tolist() == [[False, True, False, False], [False, True, False, False]]
+
+
+def test_rigl_update_of_a_hand_built_layer_drops_by_the_cosine_schedule_and_grows_by_the_dense_gradient():
+    """One layer, loss (w * G).sum() so the gradient is G everywhere. Updates every 4 of 8 steps (end 8): at step 4
+    the drop fraction is 0.5 / 2 * (1 + cos(pi / 2)) = 0.25 of the 8 active weights, i.e. the 2 smallest |w|.
+    Growth must see the dense gradient: the inactive positions of largest |G|, not the just-dropped ones that a
+    masked gradient would leave as the only non-zero scores. The update replaces the optimizer step."""
+    values = torch.tensor([[5.0, 0.0, 1.0, 0.0, 4.0, 0.5], [3.0, 0.0, 2.0, 0.0, 6.0, 7.0]])
+    g = torch.tensor([[0.0, 9.0, 0.1, 2.0, 0.0, 0.2], [0.0, 1.0, 0.0, 8.0, 0.0, 0.0]])
+    w = torch.nn.Parameter(values.clone())
+    opt = torch.optim.Adam([w], lr=0.01)
+    sp = DynamicSparse({"w": w}, {"w": 8}, opt, method="rigl", total_steps=8, update_interval=4, end_fraction=1.0,
+                       drop_fraction=0.5, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        w.copy_(values)  # the hand-built layer replaces the random initial mask
+    sp.masks["w"] = (values != 0).float()
+    for _ in range(3):
+        (w * g).sum().backward()
+        opt.step()
+        sp.step()
+        opt.zero_grad()
+    assert sp.is_update_step(4) and sp.drop_fraction(4) == pytest.approx(0.25)
+    opt.state[w]["exp_avg"].fill_(1.0)  # moments left over where weights were once active must not survive a regrow
+    before = w.detach().clone()
+    (w * g).sum().backward()
+    opt.step()
+    sp.step()
+    mask = sp.masks["w"].bool()
+    assert mask.tolist() == [[True, True, False, False, True, False], [True, False, True, True, True, True]]
+    assert torch.equal(w[mask & (before != 0)], before[mask & (before != 0)])  # kept weights: no optimizer step
+    new = mask & (before == 0)
+    assert (w[new] == 0).all() and (w[~mask] == 0).all()
+    assert (opt.state[w]["exp_avg"][new] == 0).all() and (opt.state[w]["exp_avg_sq"][new] == 0).all()
+    assert (opt.state[w]["exp_avg"][mask & ~new] == 1).all()
 
 
 def test_a_just_dropped_weight_may_be_regrown_and_is_not_new():

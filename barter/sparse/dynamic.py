@@ -14,6 +14,11 @@ every `optimizer.step()`.
   when `sp.is_update_step(sp.step_count + 1)` is true before the step.
 
 Gradient clipping before `optimizer.step()` sees the dense gradients.
+
+Schedule as in the RigL paper's Algorithm 1 with 1-based steps t: updates at t = k * update_interval < end_step,
+drop fraction alpha/2 * (1 + cos(pi t / end_step)). The official TensorFlow code counts from 0 (its first update
+falls on the very first batch) and adds 1e-5 noise to the drop scores; both change single steps or ties only.
+Its SET also takes the optimizer step on update steps; here the update replaces it for both methods alike.
 """
 from __future__ import annotations
 

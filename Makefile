@@ -17,8 +17,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/barter train
 
+# `test` then executes the example notebooks (nbmake, in the venv's own kernel; a cell past 3 minutes fails).
+# Their models are tiny, so one intra-op thread costs little and keeps torch from slowing down several-fold
+# when other processes compete for the cores.
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
 clean:
 	rm -rf $(VENV)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +40,40 @@ class Conformance:
     train_ok: bool = False
     transfers: int = 0
     analyse_s: float = 0.0
+    unaccounted: list[str] = field(default_factory=list)  # attention/FFN modules neither grouped nor reported
     error: str = ""
 
     @property
     def passed(self) -> bool:
-        """Every check holds, and attention was either found or reported as left out."""
-        found = self.heads > 0 or bool(self.left_out)
+        """Every check holds, and every attention and FFN module has a group or is reported as left out."""
+        found = self.channels > 0 and not self.unaccounted
         return not self.error and found and self.clone_ok and self.remove_ok and self.modes_ok and self.train_ok
+
+
+# The oracle's notion of an attention or FFN module, from timm's class names (fxsurgery itself never
+# looks at names): each such module, outermost only, must host a group of its kind or be reported.
+UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"), "channel": re.compile(r"Mlp|FeedForward|^FFN|GLU")}
+
+
+def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
+    """`kind: module` for every attention/FFN module of `model` with no group of that kind at or under it
+    and no left-out report at, under, or (below the root) above it."""
+    out, claimed = [], []
+    for name, module in model.named_modules():
+        for kind, pattern in UNIT_MODULES.items():
+            if not name or not pattern.search(type(module).__name__) or any(_within(name, c) for c in claimed):
+                continue
+            claimed.append(name)
+            grouped = any(g.kind == kind and _within(g.module, name) for g in surgeon.groups)
+            reported = any(_within(lo.module, name) or (lo.module and _within(name, lo.module))
+                           for lo in surgeon.left_out)
+            if not (grouped or reported):
+                out.append(f"{kind}: {name} ({type(module).__name__})")
+    return out
+
+
+def _within(name: str, ancestor: str) -> bool:
+    return name == ancestor or name.startswith(ancestor + ".")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -65,6 +93,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
     result.channels = sum(g.kind == "channel" for g in s.groups)
     result.exact = sum(g.exact for g in s.groups)
     result.left_out = [f"{lo.module}: {'; '.join(lo.reasons)}" for lo in s.left_out]
+    result.unaccounted = unaccounted_modules(model, s)
     fresh, masked = copy.deepcopy(original), copy.deepcopy(original)  # before train mode moves BN statistics
     with torch.no_grad():
         result.modes_ok = True

@@ -25,7 +25,8 @@ def main() -> None:
         r = check(name, build, x)
         passed += r.passed
         yes = lambda b: "ok" if b else "FAIL"
-        note = r.error or (f"{len(r.left_out)} left out" if r.left_out else "")
+        note = r.error or "; ".join(filter(None, [f"{len(r.left_out)} left out" if r.left_out else "",
+                                                  f"unaccounted: {r.unaccounted}" if r.unaccounted else ""]))
         print(f"{name:<34} {r.heads:>5} {r.channels:>5} {r.exact:>5} {yes(r.clone_ok):>5} {yes(r.remove_ok):>6} "
               f"{yes(r.modes_ok):>5} {yes(r.train_ok):>5} {r.transfers:>5} {r.analyse_s:>7.1f}s  {note}", flush=True)
         if args.why:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fxsurgery import Surgeon
 
-from test_fxsurgery_properties import SETTINGS, layer_groups
+from test_fxsurgery_properties import SETTINGS, dead_units, layer_groups, remove_random_unit
 from zoo import ConvTransformer, masked_copy
 
 shapes = st.fixed_dictionaries({"heads": st.integers(2, 4), "head_dim": st.integers(2, 4),
@@ -45,17 +45,10 @@ def test_groups_clone_and_remove(kw: dict, data: st.DataObject) -> None:
     width = {name: (kw["head_dim"] if g.kind == "head" else 1) for name, g in groups.items()}
     alive = {name: list(range(g.count)) for name, g in groups.items()}
     for _ in range(data.draw(st.integers(1, 5))):
-        name = data.draw(st.sampled_from(sorted(groups)))
-        g = groups[name]
-        if g.count <= g.min_count:
-            continue
-        j = data.draw(st.integers(0, g.count - 1))
-        s.remove(g, j)
-        alive[name].pop(j)
-    dead = {n: set(range(groups[n].max_count)) - set(a) for n, a in alive.items()}
+        remove_random_unit(s, groups, alive, data)
     with torch.no_grad():
         y0 = model(x)
-        assert (y0 - masked_copy(original, dead, width)(x)).abs().max().item() <= 1e-9
+        assert (y0 - masked_copy(original, dead_units(groups, alive), width)(x)).abs().max().item() <= 1e-9
         for g in s.groups:
             if g.count:
                 s.clone(g, data.draw(st.integers(0, g.count - 1)), noise_std=0.1)

@@ -47,6 +47,19 @@ def layer_groups(s: Surgeon) -> dict[str, object]:
     return out
 
 
+def remove_random_unit(s: Surgeon, groups: dict, alive: dict[str, list[int]], data: st.DataObject) -> None:
+    """Remove a drawn unit of a drawn group (unless it is at its minimum); ``alive`` tracks the survivors."""
+    name = data.draw(st.sampled_from(sorted(groups)))
+    g = groups[name]
+    if g.count > g.min_count:
+        alive[name].pop(j := data.draw(st.integers(0, g.count - 1)))
+        s.remove(g, j)
+
+
+def dead_units(groups: dict, alive: dict[str, list[int]]) -> dict[str, set[int]]:
+    return {n: set(range(groups[n].max_count)) - set(a) for n, a in alive.items()}
+
+
 @settings(**SETTINGS)
 @given(style=styles, data=st.data())
 def test_clone_preserves_outputs(style: Style, data: st.DataObject) -> None:
@@ -81,15 +94,8 @@ def test_removals_equal_masking(style: Style, data: st.DataObject) -> None:
     width = {name: (style.head_dim if g.kind == "head" else 1) for name, g in groups.items()}
     alive = {name: list(range(g.count)) for name, g in groups.items()}
     for _ in range(data.draw(st.integers(1, 8))):
-        name = data.draw(st.sampled_from(sorted(groups)))
-        g = groups[name]
-        if g.count <= g.min_count:
-            continue
-        j = data.draw(st.integers(0, g.count - 1))
-        s.remove(g, j)
-        alive[name].pop(j)
-        dead = {n: set(range(groups[n].max_count)) - set(a) for n, a in alive.items()}
-        ref = masked_copy(original, dead, width)
+        remove_random_unit(s, groups, alive, data)
+        ref = masked_copy(original, dead_units(groups, alive), width)
         with torch.no_grad():
             assert (model(x) - ref(x)).abs().max().item() <= 1e-9
 

@@ -52,6 +52,7 @@ class Conformance:
 
 # The oracle's notion of an attention or FFN module, from timm's class names (fxsurgery itself never
 # looks at names): each such module, outermost only, must host a group of its kind or be reported.
+# Classifier heads (an MLP head such as NormMlpClassifierHead) are not FFN layers.
 UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"), "channel": re.compile(r"Mlp|FeedForward|^FFN|GLU")}
 
 
@@ -61,14 +62,15 @@ def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
     out, claimed = [], []
     for name, module in model.named_modules():
         for kind, pattern in UNIT_MODULES.items():
-            if not name or not pattern.search(type(module).__name__) or any(_within(name, c) for c in claimed):
+            cls = type(module).__name__
+            if not name or not pattern.search(cls) or cls.endswith("Head") or any(_within(name, c) for c in claimed):
                 continue
             claimed.append(name)
             grouped = any(g.kind == kind and _within(g.module, name) for g in surgeon.groups)
             reported = any(_within(lo.module, name) or (lo.module and _within(name, lo.module))
                            for lo in surgeon.left_out)
             if not (grouped or reported):
-                out.append(f"{kind}: {name} ({type(module).__name__})")
+                out.append(f"{kind}: {name} ({cls})")
     return out
 
 

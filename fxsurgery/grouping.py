@@ -34,6 +34,7 @@ class GroupSpec:
     modules: list[str]
     sink: str
     sink_node: str
+    tap_outer: int  # the sink input's feature layout is [tap_outer][unit][tap_inner]
     tap_inner: int
     tap_dim: int  # the sink input's feature dim: -1 for a Linear, 1 for a pointwise convolution
     min_count: int
@@ -252,7 +253,7 @@ class _Builder:
         notes_zero += sorted({why for ids, why in self.rec.nonempty if torch.isin(self.cls(ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         return GroupSpec(kind, n, members, consts, not mixed, mixed + notes_zero, mods, sink, sink_node,
-                         sink_member.inner if sink_member.outer == 1 else 0, sink_dim, min_count)
+                         sink_member.outer, sink_member.inner, sink_dim, min_count)
 
     def sinks_of(self, ut: torch.Tensor) -> list[tuple[str, str, torch.Tensor, int]] | str:
         """The reads of units ``ut`` by the one linear map (output projection) that reads them, or

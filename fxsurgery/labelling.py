@@ -8,7 +8,6 @@ is the table in ``fxsurgery.rules``.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -16,6 +15,7 @@ import torch
 import torch.fx
 from torch.fx.node import Node, map_arg
 
+from .tracing import meta_state
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Labeller(torch.fx.Interpreter):
         if not self.meta or not any(torch.is_tensor(t) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs))):
             return super().call_module(target, args, kwargs)
         mod = self.fetch_attr(target)
-        state = {k: v.to("meta") for k, v in itertools.chain(mod.named_parameters(), mod.named_buffers())}
+        state = meta_state(mod)
         return torch.func.functional_call(mod, state, args, kwargs)
 
     def label_of(self, n: Node) -> Any:

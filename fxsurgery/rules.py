@@ -694,15 +694,25 @@ def size(s: Step) -> None:
     return None
 
 
+_INLINING: set[Any] = set()  # the functions whose inside is being labelled now (outermost first)
+
+
 def inline(s: Step) -> Any:
     """A Python function kept opaque in the graph (an autowrapped helper): label its inside."""
-    sig = inspect.signature(s.node.target)
+    target = s.node.target
+    if target in _INLINING:  # its traced inside calls it again (still wrapped): no inside to look at
+        raise TraceError(f"{s.name}: {getattr(target, '__name__', target)} traces to a call of itself")
+    sig = inspect.signature(target)
     values = sig.bind(*s.args, **s.kwargs).arguments
     labels = sig.bind(*s.largs, **s.lkwargs).arguments
-    gm, inputs = trace_function(s.node.target, values)
+    gm, inputs = trace_function(target, values)
     seeds = {name: labels[name] for name, v in values.items() if torch.is_tensor(v)}
     sub = Labeller(gm, RULES, s.rec, seeds)
-    sub.run(*inputs)
+    _INLINING.add(target)
+    try:
+        sub.run(*inputs)
+    finally:
+        _INLINING.discard(target)
     out = sub.labels[next(n for n in gm.graph.nodes if n.op == "output")]
     info = pytree_info(gm.graph)
     return torch.utils._pytree.tree_unflatten(list(out), info.out_spec) if info is not None else out

@@ -56,6 +56,7 @@ class UnitGroup:
     min_count: int = 0
     host: str = ""
     sink_module: str | None = None
+    tap_outer: int = 1
     tap_inner: int = 0
     tap_dim: int = -1
     constants: list[K.ConstantSpec] = field(default_factory=list, repr=False)
@@ -198,14 +199,16 @@ class Surgeon:
         """Call ``fn(a)`` in every forward with the activations that feed the group's output
         projection, viewed as ``(*lead, count, per_unit)``. ``handle.remove()`` stops it."""
         g = self._own(group)
-        if g.sink_module is None or not g.tap_inner:
-            raise ValueError(f"{g.name}: its output projection is not a module with a plain unit layout; cannot tap it")
+        if g.sink_module is None:
+            raise ValueError(f"{g.name}: its output projection is not a Linear or convolution module; cannot tap it")
         sink = self.model.get_submodule(g.sink_module)
 
         def hook(module: nn.Module, args: tuple) -> tuple:
-            a = args[0].movedim(g.tap_dim, -1).unflatten(-1, (g.count, g.tap_inner))
+            x = args[0].movedim(g.tap_dim, -1).unflatten(-1, (g.tap_outer, g.count, g.tap_inner))
+            a = x.movedim(-3, -2).flatten(-2)  # (*lead, count, outer*inner): a view when outer is 1
             fn(a)
-            return (a.flatten(-2).movedim(-1, g.tap_dim), *args[1:])  # the projection reads the view: gradients reach it
+            x = a.unflatten(-1, (g.tap_outer, g.tap_inner)).movedim(-2, -3).flatten(-3)
+            return (x.movedim(-1, g.tap_dim), *args[1:])  # the projection reads a: gradients reach it
 
         return sink.register_forward_pre_hook(hook)
 
@@ -370,7 +373,7 @@ class Surgeon:
         projection = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
         sink_module = _join(host, sink_node) if isinstance(self._maybe_module(_join(host, sink_node)), projection) else None
         return UnitGroup(name, spec.kind, module, spec.count, spec.count, spec.exact, slices, tuple(spec.notes),
-                         spec.min_count, host, sink_module, spec.tap_inner, spec.tap_dim, consts)
+                         spec.min_count, host, sink_module, spec.tap_outer, spec.tap_inner, spec.tap_dim, consts)
 
     def _maybe_module(self, name: str) -> nn.Module | None:
         try:

@@ -83,7 +83,7 @@ def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) ->
             seen.setdefault(name, (args, kwargs))
 
         handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    state = {k: v.to("meta") for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
+    state = meta_state(model)
     meta_inputs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example_inputs)
     try:
         with torch.no_grad(), forked_rng(_tensors(example_inputs)):
@@ -96,6 +96,13 @@ def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) ->
         for h in handles:
             h.remove()
     return seen
+
+
+def meta_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` on the meta device, under every name it has: a module shared
+    by two parents must be swapped under both names, or ``functional_call`` leaves a plain tensor behind."""
+    named = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    return {k: v.to("meta") for k, v in named}
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

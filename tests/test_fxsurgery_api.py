@@ -263,3 +263,23 @@ def test_analysing_a_model_with_an_empty_layer_finds_the_others() -> None:
     again = Surgeon(copy.deepcopy(model), (x,))  # an empty value carries no unit coordinates
     assert {g.name for g in again.groups} == {g.name for g in s.groups} - {"blocks.0.attn:head"}
     assert torch.equal(again.model(x), y)
+
+
+def test_tap_reads_units_of_a_head_minor_layout() -> None:
+    """Features merged as [head_dim][head]: the tap regroups them per head, and the projection still
+    reads the same values."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3, head_dim=2, depth=1, merge="head_minor"))
+    x = torch.randn(2, 4, 5)
+    s = Surgeon(model, (x,))
+    g = s.group("blocks.0.attn:head")
+    inputs, taps = [], []
+    model.blocks[0].attn.proj.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
+    s.tap(g, taps.append)
+    y = model(x)
+    proj_in, a = inputs[0], taps[0]
+    assert a.shape == (2, 4, 3, 2)
+    for h in range(3):
+        assert torch.equal(a[..., h, :], proj_in[..., h::3])
+    y.sum().backward()
+    assert model.blocks[0].attn.qkv.weight.grad is not None

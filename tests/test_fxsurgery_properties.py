@@ -25,7 +25,7 @@ styles = st.builds(
     depth=st.integers(1, 3),
     projection=st.sampled_from(["fused", "fused_chunk", "fused_split", "head_major", "separate"]),
     product=st.sampled_from(["sdpa", "matmul", "einsum"]),
-    merge=st.sampled_from(["reshape_minus1", "flatten", "reshape_c"]),
+    merge=st.sampled_from(["reshape_minus1", "flatten", "reshape_c", "head_minor"]),
     activation=st.sampled_from(["gelu", "relu", "silu", "tanh"]),
     qkv_bias=st.booleans(),
 )

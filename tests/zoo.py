@@ -21,7 +21,7 @@ class Style:
     depth: int = 2
     projection: str = "fused"  # fused | fused_chunk | fused_split | head_major | separate
     product: str = "sdpa"  # sdpa | matmul | einsum
-    merge: str = "reshape_minus1"  # reshape_minus1 | flatten | reshape_c
+    merge: str = "reshape_minus1"  # reshape_minus1 | flatten | reshape_c | head_minor
     activation: str = "gelu"  # gelu | relu | silu | tanh
     qkv_bias: bool = True
     attn_drop: float = 0.0
@@ -74,6 +74,8 @@ class Attention(nn.Module):
         o = o.transpose(1, 2)
         if self.s.merge == "flatten":
             o = o.flatten(2)
+        elif self.s.merge == "head_minor":  # features laid out [head_dim][head]
+            o = o.transpose(-2, -1).reshape(B, N, -1)
         elif self.s.merge == "reshape_c":
             o = o.reshape(B, N, C)
         else:

@@ -33,7 +33,7 @@ def unit_scores(a: Tensor, g: Tensor) -> Tensor:
     p = a.float() * g.float()
     p = p.reshape(p.shape[0], -1, p.shape[-2], p.shape[-1])
     d = p.sum(dim=(1, 3)).abs().mean(0)
-    s = p.abs().mean(dim=(0, 1, 3))
+    s = p.abs_().mean(dim=(0, 1, 3))  # p is this function's own product: no second full-size temporary
     return torch.stack((d, s))
 
 

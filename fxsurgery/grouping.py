@@ -132,24 +132,16 @@ class _Builder:
             self.head[c[c >= 0]] = True
         self.benign = torch.zeros(n, dtype=torch.bool)
         self.hard: list[tuple[torch.Tensor, str]] = []  # (unit classes, reason they cannot be sliced)
-        lined_up = []  # (classes, reason): a plain tensor meets a unit axis
         for pin in rec.pins:
             c = self.cls(pin.ids)
             if pin.dim is not None and not I.varies(c, pin.dim):
                 continue
             c = torch.unique(c[(c >= 0)])
             c = c[self.unit_class[c]]
-            if pin.benign and pin.dim is not None:
-                lined_up.append((c, pin.reason))
-            elif pin.benign:
+            if pin.benign:
                 self.benign[c] = True
             elif c.numel():
                 self.hard.append((c, pin.reason))
-        for c, reason in lined_up:  # fine for the residual stream; for units it is a reason to leave them out
-            stream = self.benign[c]
-            self.benign[c[stream]] = True
-            if (~stream).any():
-                self.hard.append((c[~stream], reason))
         self.mixed: dict[int, list[str]] = {}
         for p, why in rec.mixes:
             c = self.cls(p)

@@ -40,13 +40,14 @@ def _pin_all(s: Step, reason: str, benign: bool = False) -> None:
             s.rec.pin(lab.ids, f"{s.name}: {reason}", benign)
 
 
-def _defer_pins(s: Step, ids: torch.Tensor, other: Sequence[int], what: str) -> None:
-    """A tensor we cannot slice lines up with ``ids``: fine unless the unit axis is one of those dims."""
+def _defer_pins(s: Step, ids: torch.Tensor, other: Sequence[int], what: str, benign: bool = True) -> None:
+    """A tensor we cannot slice lines up with ``ids``: fine unless the unit axis is one of those dims (then
+    the axis is no unit axis, or, with ``benign`` False, its units are refused)."""
     ids = I.align(ids, max(ids.dim(), len(other)))
     other = (1,) * (ids.dim() - len(other)) + tuple(other)
     for d in range(ids.dim()):
         if ids.shape[d] > 1 and other[d] > 1:
-            s.rec.pin(ids, f"{s.name}: {what} lines up with the unit axis (dim {d})", True, d)
+            s.rec.pin(ids, f"{s.name}: {what} lines up with the unit axis (dim {d})", benign, d)
 
 
 def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: int) -> Label | None:
@@ -475,7 +476,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
                 s.rec.tentative.append(I.pairs(reps[p], reps[a]))
             consumed[a].add(ax)
         elif len(acts) == 1 and plain:
-            s.rec.pin(reps[acts[0]], f"{s.name}: contracted against a plain tensor", True, ax)
+            s.rec.pin(reps[acts[0]], f"{s.name}: contracted against a plain tensor", False, ax)
             consumed[acts[0]].add(ax)
         elif len(acts) == 1:
             mix(s, reps[acts[0]], [ax], "sum over a unit axis")
@@ -509,7 +510,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
             for c, n in zip(sub, shape):
                 if c in out_sub:
                     full[pos[c]] = n
-            _defer_pins(s, out, full, "a plain operand")
+            _defer_pins(s, out, full, "a plain operand", benign=False)
     out = out.permute([pos[c] for c in out_sub] + [pos[c] for c in letters if c not in out_sub])
     out = out.reshape(out.shape[: len(out_sub)])
     if (out == NO_ID).all():

@@ -104,6 +104,26 @@ def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
     return (size // (n * inner), inner) if torch.equal(u, expected) else None
 
 
+def _describe_layout(u: torch.Tensor, n: int) -> str:
+    """Why unit indices ``u`` along a dim are no ``[outer][unit][inner]`` layout, for humans."""
+    present = torch.unique(u[u >= 0]).tolist()
+    if len(present) < n:
+        spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in _runs(present))
+        return (f"holds units {spans} of {n} only (each part of the units has a parameter of its own, "
+                f"so the units cannot be sliced as one layer)")
+    return f"holds all {n} units, but not in an [outer][unit][inner] order"
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
 def module_of(node: torch.fx.Node) -> str:
     if node.op in ("call_module",):
         return node.target
@@ -191,7 +211,7 @@ class _Builder:
             try:
                 spec = self.group(k, units)
             except K.Unsupported as e:
-                out.refusals.append(Refusal(self.modules_of(k), [str(e)]))
+                out.refusals.append(Refusal(self.home_of(k, torch.tensor(units)), [str(e)]))
                 continue
             if spec is None:
                 continue
@@ -211,7 +231,7 @@ class _Builder:
         if not hard and isinstance(sinks, str):
             hard = [sinks]
         if hard:
-            out.refusals.append(Refusal(self.modules_of(k), hard))
+            out.refusals.append(Refusal(self.home_of(k, ut), hard))
         else:
             out.located.append(self.modules_of(k))
 
@@ -222,24 +242,32 @@ class _Builder:
     def modules_of(self, k: int) -> list[str]:
         return [module_of(act[0]) for act in self.acts_of.get(k, []) if not act[4]]
 
+    def home_of(self, k: int, ut: torch.Tensor) -> list[str]:
+        """Where a refused group lives, for the report: the modules of the linear maps that produce and read its
+        units (its dataflow may pass through a module shared by several blocks); all its modules if none."""
+        names = {node for start, stop, node in self.rec.spaces if torch.isin(self.rep[start:stop], ut).any()}
+        names |= {node for _, node, col, _ in self.rec.sinks if torch.isin(self.cls(col), ut).any()}
+        nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
+        return [module_of(n) for n in nodes] or self.modules_of(k)
+
     def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | None:
         ut = torch.tensor(units)
         hard = self.hard_reasons(units)
         if hard:
-            return Refusal(self.modules_of(k), hard)
+            return Refusal(self.home_of(k, ut), hard)
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
-        mods = self.modules_of(k)
         sinks = self.sinks_of(ut)
         if isinstance(sinks, str):
-            return Refusal(mods, [sinks])
+            return Refusal(self.home_of(k, ut), [sinks])
         sink, sink_node, col, sink_dim = sinks[0]
         order = list(dict.fromkeys(c for c in col.tolist() if c >= 0))
         n = len(units)
         if sorted(order) != units:
-            return Refusal(mods, [f"{sink} reads only some of the units"])
+            return Refusal(self.home_of(k, ut), [f"{sink} reads only some of the units"])
         if n < 2:
-            return Refusal(mods, ["a single unit: its axis cannot be located"])
+            return Refusal(self.home_of(k, ut), ["a single unit: its axis cannot be located"])
+        mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
         members = [self.member(name, ids, index, n, sink) for name, ids in self.rec.members]
@@ -273,7 +301,9 @@ class _Builder:
         shape = self.shape_of(name)
         u = I.align(u, len(shape))
         dims = [d for d in range(u.dim()) if I.varies(u, d)]
-        if len(dims) != 1:
+        if not dims:  # one unit only, of n >= 2
+            raise K.Unsupported(f"{name}: {_describe_layout(u.flatten(), n)}")
+        if len(dims) > 1:
             raise K.Unsupported(f"{name}: units vary along {len(dims)} dims")
         d = dims[0]
         other = [k for k in range(u.dim()) if k != d]
@@ -282,7 +312,7 @@ class _Builder:
             raise K.Unsupported(f"{name}: elements of one slice belong to different units")
         lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
         if lay is None:
-            raise K.Unsupported(f"{name}: dim {d} is not laid out as [outer][unit][inner]")
+            raise K.Unsupported(f"{name}: {_describe_layout(u1.flatten(), n)} along dim {d}")
         return ParamSlice(name, d, lay[0], lay[1], name == sink and d == 1)
 
     def shape_of(self, name: str) -> tuple[int, ...]:

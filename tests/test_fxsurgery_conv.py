@@ -69,3 +69,49 @@ def test_train_mode_matches_and_taps_see_channels_first_units() -> None:
     shapes = {g.kind: tuple(seen[g.name].shape) for g in s.groups}
     assert shapes == {"head": (2, 4, 4, 3, 2), "channel": (2, 4, 4, 4, 1)}
     assert all(p.grad is not None for p in model.parameters())
+
+
+class SplitPositionAttention(torch.nn.Module):
+    """Heads split into two parts, each with a depthwise convolution of its own over v (as CoaT's
+    convolutional relative position encoding): no single layer of heads exists."""
+
+    def __init__(self, dim: int = 8, heads: int = 4, head_dim: int = 2, split: tuple[int, int] = (1, 3)):
+        super().__init__()
+        self.h, self.hd, self.split = heads, head_dim, [n * head_dim for n in split]
+        self.qkv = torch.nn.Linear(dim, 3 * heads * head_dim)
+        self.convs = torch.nn.ModuleList(torch.nn.Conv1d(c, c, k, padding=k // 2, groups=c)
+                                         for c, k in zip(self.split, (3, 5)))
+        self.proj = torch.nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.h, self.hd).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q @ k.transpose(-2, -1) * self.hd ** -0.5).softmax(-1) @ v
+        parts = v.transpose(-1, -2).reshape(B, self.h * self.hd, N).split(self.split, dim=1)
+        pos = torch.cat([self.convs[0](parts[0]), self.convs[1](parts[1])], 1).reshape(B, self.h, self.hd, N)
+        return self.proj((attn + q * pos.transpose(-1, -2)).transpose(1, 2).reshape(B, N, -1))
+
+
+class SplitPositionBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = SplitPositionAttention()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.GELU(), torch.nn.Linear(6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+def test_heads_split_across_parameters_are_refused_at_their_attention_module() -> None:
+    torch.manual_seed(0)
+    model = SplitPositionBlock().double()
+    x = torch.randn(2, 6, 8, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert [g.name for g in s.groups] == ["mlp:channel"]
+    refused = [lo for lo in s.left_out if lo.module == "attn"]
+    assert refused and "convs.0.weight: holds units 0 of 4 only" in refused[0].reasons[0]
+    assert "attn: convs.0.weight: holds units 0 of 4 only" in s.explain()
+    with torch.no_grad():
+        assert torch.equal(model(x), original(x))

@@ -105,7 +105,10 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
             torch.manual_seed(1)
             a = model(x)
             torch.manual_seed(1)
-            result.modes_ok &= torch.equal(a, original(x))
+            b = original(x)
+            # bit-identical in training; torch's fused inference kernels (nn.MultiheadAttention's fast path)
+            # round differently from the training arithmetic that the operated model runs in eval too
+            result.modes_ok &= torch.equal(a, b) if mode == "train" else _close(a, b, 1e-12)
         y0 = model(x)
         gen = torch.Generator().manual_seed(0)
         for g in s.groups:

@@ -290,7 +290,10 @@ class _Builder:
                  if torch.isin(self.cls(col), ut).any()]
         names = sorted({w for w, *_ in sinks})
         if len(names) != 1:
-            return "no linear map reads these units" if not names else f"read by several linear maps: {', '.join(names)}"
+            if not names:
+                return "no linear map reads these units"
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
 
     def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: str) -> ParamSlice | None:

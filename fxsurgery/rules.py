@@ -119,10 +119,11 @@ RULES.always["placeholder"] = placeholder
 
 
 def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None, bias: Any,
-                  dim: int = -1) -> Label:
+                  dim: int = -1, computed: Label | None = None) -> Label:
     """``y = x Wᵀ + b`` over feature dim ``dim`` (last for a Linear, 1 for a pointwise convolution):
     x's feature coordinates are consumed (W's columns are the sink); y's feature dim is a new space
-    of coordinates, W's rows and b's entries belong to them."""
+    of coordinates, W's rows and b's entries belong to them. A weight ``computed`` from a parameter (a
+    chunk of a packed one) lends its rows to the space but cannot be the sink."""
     w_rank = 2 if weight is None else s.lab.module.get_parameter(weight).dim()
     kernel = (1,) * (w_rank - 2)
     if xl is not None:
@@ -142,6 +143,8 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
     s.rec.spaces.append((int(space[0]) if n_out else s.rec.next_id, s.rec.next_id, s.name))
     if weight is not None:
         s.rec.member(weight, space.reshape(n_out, 1, *kernel))
+    elif computed is not None and computed.param:
+        s.rec.tentative.append(I.pairs(I.align(computed.ids, 2), space.reshape(n_out, 1)))
     bias_val, bias_lab, bias_name = bias
     if bias_name is not None:
         s.rec.member(bias_name, space)
@@ -170,7 +173,7 @@ def linear_function(s: Step) -> Label:
     bval, blab = s.arg(2, "bias")
     raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")
     bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
-    return linear_labels(s, x, xl, weight, (bval, blab, bname))
+    return linear_labels(s, x, xl, weight, (bval, blab, bname), computed=s.arg(1, "weight")[1])
 
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

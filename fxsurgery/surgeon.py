@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from . import constants as K
+from .decompositions import CALLER_HOSTED
 from .errors import AnalysisError, TraceError
 from .graph_forward import GraphForward
 from .grouping import Analysis, GroupSpec, Refusal, analyse
@@ -32,6 +33,16 @@ def common_module(paths: Sequence[str]) -> str:
             break
         out.append(level[0])
     return ".".join(out)
+
+
+def _caller(gm: torch.fx.GraphModule, path: str) -> str:
+    """The module that called the module ``path`` in ``gm``'s trace ("" for the traced root)."""
+    for node in gm.graph.nodes:
+        stack = [p for p, _ in node.meta.get("nn_module_stack", {}).values()]
+        if path in stack:
+            i = stack.index(path)
+            return stack[i - 1] if i else ""
+    return ""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -240,7 +251,7 @@ class Surgeon:
         for prefix, gm, values in regions:
             result = self._label(gm, values, prefix, locate=True)
             for modules in result.located:
-                found.append(_join(prefix, common_module(modules)))
+                found.append(_join(prefix, self._host_within(prefix, gm, common_module(modules))))
             for r in result.refusals:
                 self.left_out.append(LeftOut(_join(prefix, common_module(r.modules)), r.reasons))
         hosts = sorted(set(found))
@@ -251,19 +262,28 @@ class Surgeon:
                 self._inputs[""] = (self.example_inputs, {})
         for host in hosts:
             self._install(host)
+        # modules that did not trace: their parts were analysed on their own where they traced
+        self.left_out += [LeftOut(name, [str(err)]) for name, err in failures]
         if not self.groups:
             if failures:
-                raise TraceError("; ".join(str(f) for f in failures))
+                raise TraceError("; ".join(str(err) for _, err in failures))
             why = "; ".join(f"{lo.module}: {', '.join(lo.reasons)}" for lo in self.left_out) or "no attention heads or FFN channels"
             raise AnalysisError(f"no unit groups found in {type(self.model).__name__}: {why}")
 
-    def _regions(self) -> tuple[list[tuple[str, torch.fx.GraphModule, list]], list[TraceError]]:
+    def _host_within(self, prefix: str, gm: torch.fx.GraphModule, path: str) -> str:
+        """The module of ``gm`` (a region traced at ``prefix``) that hosts a group found at ``path``: the
+        module itself, or for a caller-hosted torch module the nearest module that called it."""
+        while path and type(self.model.get_submodule(_join(prefix, path))) in CALLER_HOSTED:
+            path = _caller(gm, path)
+        return path
+
+    def _regions(self) -> tuple[list[tuple[str, torch.fx.GraphModule, list]], list[tuple[str, TraceError]]]:
         """The whole model if it traces (plus the modules it keeps as opaque fx leaves), else the
         largest submodules that do."""
         try:
             gm, values = trace(self.model, "", self.example_inputs, {}, self.model.training)
         except TraceError as e:
-            return self._submodule_regions([e])
+            return self._submodule_regions([("", e)])
         leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"
                   and not type(gm.get_submodule(n.target)).__module__.startswith("torch.")]
         regions, failures = [("", gm, values)], []
@@ -277,7 +297,7 @@ class Surgeon:
                     self.left_out.append(LeftOut(name, [f"kept opaque by the tracer and not traceable: {err}"]))
         return regions, failures
 
-    def _submodule_regions(self, failures: list[TraceError]) -> tuple[list, list[TraceError]]:
+    def _submodule_regions(self, failures: list[tuple[str, TraceError]]) -> tuple[list, list[tuple[str, TraceError]]]:
         names = [n for n, _ in self.model.named_modules() if n]
         calls = capture_inputs(self.model, self.example_inputs, names)
         regions = []
@@ -292,7 +312,7 @@ class Surgeon:
                     gm, values = trace(sub, q, *calls[q], sub.training)
                     regions.append((q, gm, values))
                 except TraceError as err:
-                    failures.append(err)
+                    failures.append((q, err))
                     visit(q, sub)
 
         visit("", self.model)
@@ -511,11 +531,20 @@ def _sync_conv(mod: nn.modules.conv._ConvNd, pname: str) -> None:
         mod.out_channels, mod.in_channels = out, per_group * mod.groups
 
 
+def _sync_attention(mod: nn.MultiheadAttention, pname: str) -> None:
+    """The head count follows the query rows; ``embed_dim`` stays the model width, so the module's own
+    forward no longer applies: its host runs the decomposed graph."""
+    if pname in ("in_proj_weight", "q_proj_weight"):
+        rows = getattr(mod, pname).shape[0] // (3 if pname == "in_proj_weight" else 1)
+        mod.num_heads = rows // mod.head_dim
+
+
 _SIZE_SYNC: list[tuple[type | tuple[type, ...], Callable[[nn.Module, str], None]]] = [
     (nn.Linear, _sync_linear),
     ((nn.LayerNorm, nn.RMSNorm), _sync_norm),
     (nn.modules.batchnorm._NormBase, _sync_batch_norm),
     (nn.modules.conv._ConvNd, _sync_conv),
+    (nn.MultiheadAttention, _sync_attention),
 ]
 
 

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import itertools
 import importlib.util
 import inspect
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
 import torch.nn as nn
 
+from .decompositions import DECOMPOSITIONS
 from .errors import TraceError
 from .graph_forward import GraphForward
 
@@ -26,15 +28,61 @@ def tracer_options() -> tuple[tuple[type, ...], tuple[Any, ...]]:
 
 
 class Tracer(torch.fx.Tracer):
-    """A symbolic tracer that keeps registered leaf modules opaque."""
+    """A symbolic tracer that keeps registered leaf modules opaque, traces torch.nn modules that have
+    parts of their own through (their decomposition where they have one), and drops what a decomposition
+    computed that nobody reads (attention weights a caller discards)."""
 
     def __init__(self) -> None:
         leaves, functions = tracer_options()
         super().__init__(autowrap_functions=tuple(f for f in functions if inspect.isfunction(f)))
         self.leaf_types = leaves
+        self.decomposing = 0
+        self.decomposed: list[torch.fx.Node] = []
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, qualname)
+        if type(m) in DECOMPOSITIONS:
+            return False
+        if isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, qualname) and next(m.children(), None) is None
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        decomposition = DECOMPOSITIONS.get(type(m))
+        if decomposition is None:
+            return super().call_module(m, forward, args, kwargs)
+        self.decomposing += 1
+        try:
+            return super().call_module(m, functools.partial(decomposition, m), args, kwargs)
+        finally:
+            self.decomposing -= 1
+
+    def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if self.decomposing:
+            self.decomposed.append(node)
+        return node
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> torch.fx.Graph:
+        cls = type(root)
+        decomposition = DECOMPOSITIONS.get(cls) if isinstance(root, nn.Module) else None
+        if decomposition is not None:  # traced as an instance of a subclass whose forward is the decomposition
+            root.__class__ = _decomposed_class(cls, decomposition)
+            self.decomposing += 1
+        try:
+            graph = super().trace(root, concrete_args)
+        finally:
+            if decomposition is not None:
+                root.__class__ = cls
+                self.decomposing -= 1
+        for node in reversed(self.decomposed):
+            if not node.users and node.op in ("call_function", "call_method", "get_attr"):
+                graph.erase_node(node)
+        return graph
+
+
+@functools.cache
+def _decomposed_class(cls: type, forward: Callable[..., Any]) -> type:
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
 
 
 @contextmanager

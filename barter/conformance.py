@@ -8,6 +8,8 @@ leaves the outputs unchanged and its removal equals masking the unit's output sl
 from __future__ import annotations
 
 import copy
+import functools
+import importlib
 import json
 import re
 import time
@@ -157,24 +159,32 @@ def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor) -> Conform
     return result
 
 
-def timm_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
-    """The conformance list as (name, builder, input); ``depth`` shrinks models that take it."""
+def model_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
+    """A JSON list as (name, builder, input). An entry names a timm model (``depth`` shrinks models that
+    take it) or, with ``"factory": "module:callable"`` and ``"input": [C, H, W]``, any other constructor."""
+    cases = []
+    for entry in json.loads(path.read_text()):
+        kw = dict(entry["kwargs"])
+        if "factory" in entry:
+            module, _, attr = entry["factory"].partition(":")
+            build = functools.partial(getattr(importlib.import_module(module), attr), **kw)
+            shape = tuple(entry["input"])
+        else:
+            build = functools.partial(_timm_model, entry["model"], kw, depth)
+            size = kw.get("img_size", 224)
+            shape = (3, size, size)
+        cases.append((entry["model"], build, torch.randn(2, *shape)))
+    return cases
+
+
+def _timm_model(name: str, kw: dict, depth: int | None) -> nn.Module:
     import timm
 
     import models  # noqa: F401  (registers the project's models with timm)
 
-    cases = []
-    for entry in json.loads(path.read_text()):
-        kw = dict(entry["kwargs"])
-
-        def build(name: str = entry["model"], kw: dict = kw) -> nn.Module:
-            if depth:
-                try:
-                    return timm.create_model(name, pretrained=False, num_classes=2, **{"depth": depth, **kw})
-                except (TypeError, ValueError):  # depth given per stage, or not at all
-                    pass
-            return timm.create_model(name, pretrained=False, num_classes=2, **kw)
-
-        size = kw.get("img_size", 224)
-        cases.append((entry["model"], build, torch.randn(2, 3, size, size)))
-    return cases
+    if depth:
+        try:
+            return timm.create_model(name, pretrained=False, num_classes=2, **{"depth": depth, **kw})
+        except (TypeError, ValueError):  # depth given per stage, or not at all
+            pass
+    return timm.create_model(name, pretrained=False, num_classes=2, **kw)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from barter.conformance import LIST, check, timm_cases
+from barter.conformance import LIST, check, model_cases
 
 
 def main() -> None:
@@ -18,10 +18,11 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--why", action="store_true", help="print what each model leaves out")
     p.add_argument("--list", type=Path, default=LIST,
-                   help="JSON list of {model, kwargs} (default: the conformance list; "
-                        "tests/timm_models_beyond.json holds timm models that are not on it)")
+                   help="JSON list of {model, kwargs} or {model, factory, kwargs, input} (default: the conformance "
+                        "list; tests/timm_models_beyond.json holds timm models that are not on it, "
+                        "tests/models_outside_timm.json torchvision's transformers)")
     args = p.parse_args()
-    cases = [c for c in timm_cases(args.list, depth=args.depth or None) if not args.models or c[0] in args.models]
+    cases = [c for c in model_cases(args.list, depth=args.depth or None) if not args.models or c[0] in args.models]
     print(f"{'model':<34} {'heads':>5} {'chan':>5} {'exact':>5} {'clone':>5} {'remove':>6} {'modes':>5} "
           f"{'train':>5} {'xfers':>5} {'analyse':>8}  note")
     passed = 0

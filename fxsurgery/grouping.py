@@ -8,6 +8,7 @@ Linear reads it (the output projection), and every count-dependent constant can 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import networkx as nx
 import torch
@@ -124,6 +125,19 @@ def _runs(values: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def common_module(paths: Sequence[str]) -> str:
+    """Deepest module that contains every path (dotted names)."""
+    parts = [p.split(".") if p else [] for p in paths]
+    if not parts:
+        return ""
+    out = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        out.append(level[0])
+    return ".".join(out)
+
+
 def module_of(node: torch.fx.Node) -> str:
     if node.op in ("call_module",):
         return node.target
@@ -219,6 +233,10 @@ class _Builder:
                 out.refusals.append(spec)
             else:
                 out.groups.append(spec)
+        for node, why in self.rec.opaque:  # unless its module already tells of it (units it refused)
+            told = [w for r in out.refusals if common_module(r.modules) == module_of(node) for w in r.reasons]
+            if not any(w.startswith(f"{node.name}:") for w in told):
+                out.refusals.append(Refusal([module_of(node)], [why]))
         return out
 
     def locate(self, k: int, units: list[int], out: Analysis) -> None:

@@ -53,6 +53,7 @@ class Records:
     nonempty: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # ids an op cannot have zero of
     acts: list[tuple[Node, int | None, torch.Tensor, bool]] = field(default_factory=list)  # every labelled value
     size_reads: set[Node] = field(default_factory=set)
+    opaque: list[tuple[Node, str]] = field(default_factory=list)  # calls that take parameters and have no rule
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1
@@ -73,6 +74,10 @@ class Records:
 
     def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None) -> None:
         self.pins.append(Pin(ids, reason, benign, dim))
+
+
+def _is_meta(t: Any) -> bool:
+    return torch.is_tensor(t) and t.is_meta
 
 
 def to_meta(x: Any) -> Any:
@@ -99,7 +104,7 @@ class Labeller(torch.fx.Interpreter):
         self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
 
     def run_node(self, n: Node) -> Any:
-        if n.op == "placeholder" or any(a in self.dynamic for a in n.all_input_nodes):
+        if (n.op == "placeholder" and not self.nested) or any(a in self.dynamic for a in n.all_input_nodes):
             self.dynamic.add(n)
         if self.meta and n in self.dynamic:
             with self._set_current_node(n):
@@ -107,6 +112,8 @@ class Labeller(torch.fx.Interpreter):
                 out = getattr(self, n.op)(n.target, args, kwargs)
         else:
             out = super().run_node(n)
+        if n.op == "placeholder" and self.nested and any(_is_meta(t) for t in torch.utils._pytree.tree_leaves(out)):
+            self.dynamic.add(n)  # the caller's value depends on its inputs
         if torch.is_tensor(out):
             self.shapes[n] = tuple(out.shape)
         elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out):
@@ -120,10 +127,10 @@ class Labeller(torch.fx.Interpreter):
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
         out = super().placeholder(target, args, kwargs)
-        return to_meta(out) if self.meta else out
+        return to_meta(out) if self.meta and not self.nested else out  # a caller's values are already decided
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if not self.meta or not any(torch.is_tensor(t) and t.is_meta for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+        if not self.meta or not any(_is_meta(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
             return super().call_module(target, args, kwargs)
         mod = self.fetch_attr(target)
         state = meta_state(mod)

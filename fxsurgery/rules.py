@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
 import string
 from typing import Any, Sequence
 
@@ -725,15 +726,27 @@ def inline(s: Step) -> Any:
 def fallback(s: Step) -> None:
     """No rule: look inside plain Python functions; otherwise ids that reach this op become
     unsliceable, unless the op returns no tensor."""
+    why = "no rule"
     if s.node.op == "call_function" and inspect.isfunction(s.node.target):
         try:
             return inline(s)
-        except TraceError:
-            pass
+        except TraceError as e:
+            why = str(e)
     if torch.is_tensor(s.out) or (isinstance(s.out, (tuple, list)) and any(torch.is_tensor(o) for o in s.out)):
         what = s.node.target if s.node.op != "call_module" else type(s.lab.module.get_submodule(s.node.target)).__name__
-        _pin_all(s, f"no rule for {getattr(what, '__name__', what)}")
+        name = getattr(what, "__name__", what)
+        _pin_all(s, f"no rule for {name}")
+        params = [a.target for a in s.node.all_input_nodes if a.op == "get_attr" and _is_param(s.lab.labels.get(a))]
+        if params and not s.lab.nested:  # whatever units it holds are invisible: say so
+            shared = os.path.commonprefix([p.rpartition(".")[0] + "." for p in params]).rpartition(".")[0]
+            shown = ", ".join(p[len(shared) + 1:] if shared else p for p in params)
+            s.rec.opaque.append((s.node, f"{s.name}: {name} takes parameters ({shown}) and cannot be looked into "
+                                         f"({why}): any units inside it are not analysed"))
     return None
+
+
+def _is_param(label: Any) -> bool:
+    return isinstance(label, Label) and label.param
 
 
 RULES.fallback = fallback

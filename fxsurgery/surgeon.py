@@ -15,24 +15,11 @@ from . import constants as K
 from .decompositions import CALLER_HOSTED
 from .errors import AnalysisError, TraceError
 from .graph_forward import GraphForward
-from .grouping import Analysis, GroupSpec, Refusal, analyse
+from .grouping import Analysis, GroupSpec, Refusal, analyse, common_module
 from .labelling import Labeller
 from .rules import RULES
 from .slicing import ParamSlice, clone_state, clone_unit, state_tensors
 from .tracing import capture_inputs, forked_rng, materialize, trace, training_mode
-
-
-def common_module(paths: Sequence[str]) -> str:
-    """Deepest module that contains every path (dotted names)."""
-    parts = [p.split(".") if p else [] for p in paths]
-    if not parts:
-        return ""
-    out = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        out.append(level[0])
-    return ".".join(out)
 
 
 def _caller(gm: torch.fx.GraphModule, path: str) -> str:
@@ -253,7 +240,7 @@ class Surgeon:
             for modules in result.located:
                 found.append(_join(prefix, self._host_within(prefix, gm, common_module(modules))))
             for r in result.refusals:
-                self.left_out.append(LeftOut(_join(prefix, common_module(r.modules)), r.reasons))
+                self._leave_out(_join(prefix, common_module(r.modules)), r.reasons)
         hosts = sorted(set(found))
         hosts = [h for h in hosts if not any(h.startswith(o + ".") or (o == "" and h) for o in hosts if o != h)]
         if hosts:
@@ -263,12 +250,18 @@ class Surgeon:
         for host in hosts:
             self._install(host)
         # modules that did not trace: their parts were analysed on their own where they traced
-        self.left_out += [LeftOut(name, [str(err)]) for name, err in failures]
+        for name, err in failures:
+            self._leave_out(name, [str(err)])
         if not self.groups:
             if failures:
                 raise TraceError("; ".join(str(err) for _, err in failures))
             why = "; ".join(f"{lo.module}: {', '.join(lo.reasons)}" for lo in self.left_out) or "no attention heads or FFN channels"
             raise AnalysisError(f"no unit groups found in {type(self.model).__name__}: {why}")
+
+    def _leave_out(self, module: str, reasons: list[str]) -> None:
+        """Report ``module`` as left out (once: a region and its host may find the same refusal)."""
+        if LeftOut(module, reasons) not in self.left_out:
+            self.left_out.append(LeftOut(module, reasons))
 
     def _host_within(self, prefix: str, gm: torch.fx.GraphModule, path: str) -> str:
         """The module of ``gm`` (a region traced at ``prefix``) that hosts a group found at ``path``: the
@@ -294,7 +287,7 @@ class Surgeon:
                     regions.append((name, *trace(self.model.get_submodule(name), name, *calls[name],
                                                  self.model.training)))
                 except TraceError as err:
-                    self.left_out.append(LeftOut(name, [f"kept opaque by the tracer and not traceable: {err}"]))
+                    self._leave_out(name, [f"kept opaque by the tracer and not traceable: {err}"])
         return regions, failures
 
     def _submodule_regions(self, failures: list[tuple[str, TraceError]]) -> tuple[list, list[tuple[str, TraceError]]]:
@@ -339,7 +332,7 @@ class Surgeon:
             self._templates[key] = self._analyse_host(module, host, args, kwargs)
         found = self._templates[key].copy()
         for r in found.refusals:
-            self.left_out.append(LeftOut(_join(host, common_module(r.modules)), r.reasons))
+            self._leave_out(_join(host, common_module(r.modules)), r.reasons)
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         slots = [_bind_constants(module, consts, spec.count) for spec, consts in found.specs]
         fwd = GraphForward(module, found.graphs)
@@ -353,7 +346,7 @@ class Surgeon:
             if check not in self._checked:
                 self._checked[check] = self._verify(g)
             if self._checked[check]:
-                self.left_out.append(LeftOut(g.module, [f"self-check failed: {self._checked[check]}"]))
+                self._leave_out(g.module, [f"self-check failed: {self._checked[check]}"])
             else:
                 self.groups.append(g)
 

@@ -1,13 +1,16 @@
-"""`barter.wrap` on the timm conformance list (tests/timm_models.json), through the same checks as
+"""`barter.wrap` on the timm conformance list (tests/timm_models.json) and on torchvision's transformers
+(tests/models_outside_timm.json), through the same checks as
 `benchmarks/conformance.py`. Heavy models are marked slow (run them with `-m slow`). A pattern the engine
 cannot support yet passes only by being reported: every attention and FFN module is grouped or left out
 with its reason."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from barter.conformance import check, timm_cases, unaccounted_modules
+from barter.conformance import check, model_cases, unaccounted_modules
 from fxsurgery import Surgeon
 
 from zoo import Style, TinyTransformer
@@ -18,8 +21,11 @@ SLOW = {"eva_giant_patch14_224", "twins_svt_small", "twins_pcpvt_small", "naflex
         "mvitv2_tiny", "volo_d1_224", "levit_conv_128s"}
 
 
+OUTSIDE_TIMM = Path(__file__).parent / "models_outside_timm.json"  # torchvision's transformers
+
+
 def params():
-    for name, build, x in timm_cases():
+    for name, build, x in model_cases() + model_cases(OUTSIDE_TIMM):
         marks = [pytest.mark.slow] if name in SLOW else []
         yield pytest.param(name, build, x, id=name, marks=marks)
 

@@ -6,7 +6,9 @@ import copy
 import pytest
 import timm
 import torch
+import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fxsurgery import AnalysisError, OptimizerStateError, Surgeon, TraceError
 
@@ -283,3 +285,33 @@ def test_tap_reads_units_of_a_head_minor_layout() -> None:
         assert torch.equal(a[..., h, :], proj_in[..., h::3])
     y.sum().backward()
     assert model.blocks[0].attn.qkv.weight.grad is not None
+
+
+def opaque_attention(x: torch.Tensor, qkv: torch.Tensor, proj: torch.Tensor, heads: int) -> torch.Tensor:
+    """Attention whose code branches on a shape: fx cannot look inside it."""
+    B, N, C = x.shape
+    if N > 1:
+        q, k, v = F.linear(x, qkv).reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, -1)
+    return F.linear(x, proj)
+
+
+torch.fx.wrap("opaque_attention")
+
+
+class OpaqueAttention(nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return opaque_attention(x, self.qkv.weight, self.proj.weight, self.heads)
+
+
+def test_opaque_function_taking_parameters_is_reported() -> None:
+    model = nn.Sequential(nn.Linear(5, 8), OpaqueAttention(), nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 2)).double()
+    s = Surgeon(model, (torch.randn(2, 4, 5, dtype=torch.double),))
+    reasons = {lo.module: " ".join(lo.reasons) for lo in s.left_out}
+    assert "opaque_attention takes parameters (qkv.weight, proj.weight)" in reasons["1"]
+    assert "any units inside it are not analysed" in reasons["1"]

@@ -80,6 +80,13 @@ def _is_meta(t: Any) -> bool:
     return torch.is_tensor(t) and t.is_meta
 
 
+def _reads_metadata(n: Node) -> bool:
+    """A read of a tensor's shape, device or dtype (not of its values)."""
+    if n.op == "call_function" and n.target is getattr:
+        return n.args[1] in ("shape", "device", "dtype", "ndim")
+    return n.op == "call_method" and n.target in ("size", "dim")
+
+
 def to_meta(x: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, x)
 
@@ -114,6 +121,9 @@ class Labeller(torch.fx.Interpreter):
             out = super().run_node(n)
         if n.op == "placeholder" and self.nested and any(_is_meta(t) for t in torch.utils._pytree.tree_leaves(out)):
             self.dynamic.add(n)  # the caller's value depends on its inputs
+        if n in self.dynamic and _reads_metadata(n):  # known exactly on the meta device: index tables built
+            self.dynamic.discard(n)                    # from sizes on x.device are computed for real
+            out = torch.device("cpu") if isinstance(out, torch.device) and out.type == "meta" else out
         if torch.is_tensor(out):
             self.shapes[n] = tuple(out.shape)
         elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out):

@@ -205,14 +205,15 @@ def conv_module(s: Step) -> Label | None:
 
 def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str | None, Any]]) -> Label:
     """Channel c of the output reads channel c of the input only: channel ids pass through (space
-    is tied within a channel), and every element of the per-channel ``params`` joins its channel."""
-    lead = [d for d in range(x.dim()) if d != 1]
-    ch, tie = I.fold(I.align(xl.ids, x.dim()), lead)
+    is tied within a channel; batch items stay apart, heads folded into the batch too), and every
+    element of the per-channel ``params`` joins its channel (unless heads share it)."""
+    ch, tie = I.fold(I.align(xl.ids, x.dim()), list(range(2, x.dim())))
     s.rec.tie(tie)
+    per_channel = ch.reshape(ch.shape[0], ch.shape[1], 1)
     for name, p in params:
         if name is not None:
-            per_channel = ch.reshape(-1, *(1,) * (p.dim() - 1))
-            s.rec.tentative.append(I.pairs(param_label(s, name, p).ids, per_channel))
+            ids = param_label(s, name, p).ids.reshape(1, p.shape[0], -1)
+            s.rec.tentative.append(I.pairs(ids, per_channel))
     return Label(ch)
 
 
@@ -378,6 +379,29 @@ def getitem(s: Step) -> Any:
     return Label(I.compact(res), xl.param)
 
 
+@RULES.function(operator.setitem)
+def setitem(s: Step) -> None:
+    """``target[index] = value``: the written region of a labelled target takes the value's coordinates
+    (tied); coordinates written into a plain tensor cannot be followed."""
+    target, index, _ = s.args
+    tl, vl = s.largs[0], s._label_at(s.node.args[2], s.largs[2])
+    if tl is None:
+        if vl is not None:
+            s.rec.pin(vl.ids, f"{s.name}: units written into a plain tensor")
+        return None
+    if vl is None:
+        return None
+    ids = I.align(tl.ids, target.dim())
+    entries = index_dims(index, target.dim())
+    touched = [d for d, e in entries if d is not None and ids.shape[d] == 1 and not isinstance(e, slice)]
+    ids = I.expand_dims(ids, target.shape, touched)
+    compact_index = tuple(slice(None) if d is not None and isinstance(e, slice) and ids.shape[d] == 1 else e
+                          for d, e in entries)
+    region = ids[compact_index]
+    s.rec.tie(I.pairs(region, I.align(vl.ids, region.dim())))
+    return None
+
+
 @RULES.function(torch.cat, torch.concat, torch.stack)
 def cat(s: Step) -> Label | None:
     tensors, dim = s.args[0], s.arg(1, "dim", 0)[0]
@@ -478,7 +502,13 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
             a = acts[0]
             for p in params:
                 s.rec.tentative.append(I.pairs(reps[p], reps[a]))
-            consumed[a].add(ax)
+            if any(I.varies(reps[a], pos[k]) for k in out_sub):
+                # units kept on another axis (heads) contract their coordinates against a parameter they
+                # share (a relative-position table): each unit's coordinates go together and it stays a unit
+                reps[a], tie = I.fold(reps[a], [ax])
+                s.rec.tie(tie)
+            else:
+                consumed[a].add(ax)
         elif len(acts) == 1 and plain:
             s.rec.pin(reps[acts[0]], f"{s.name}: contracted against a plain tensor", False, ax)
             consumed[acts[0]].add(ax)

@@ -5,6 +5,7 @@ import copy
 import functools
 import importlib
 import itertools
+import operator
 import importlib.util
 import inspect
 from contextlib import contextmanager
@@ -25,6 +26,13 @@ def tracer_options() -> tuple[tuple[type, ...], tuple[Any, ...]]:
         return (), ()
     layers = importlib.import_module("timm.layers")
     return tuple(layers.get_notrace_modules()), tuple(layers.get_notrace_functions())
+
+
+class _Proxy(torch.fx.Proxy):
+    """A proxy that records item assignment (``attn[:, :, 1:, 1:] = ...``) as an ``operator.setitem`` node."""
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
 
 class Tracer(torch.fx.Tracer):
@@ -55,6 +63,9 @@ class Tracer(torch.fx.Tracer):
             return super().call_module(m, functools.partial(decomposition, m), args, kwargs)
         finally:
             self.decomposing -= 1
+
+    def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
+        return _Proxy(node, self)
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)

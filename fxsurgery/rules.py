@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from . import ids as I
 from .errors import TraceError
 from .labelling import Label, Labeller, RuleTable, Step, always
-from .tracing import pytree_info, trace_function
+from .tracing import pack, pytree_info, trace_function
 
 RULES = RuleTable()
 NO_ID = I.NO_ID
@@ -402,6 +402,13 @@ def setitem(s: Step) -> None:
     return None
 
 
+@RULES.function(pack)
+def packed(s: Step) -> Any:
+    """An inlined helper's returned structure: the labels of its parts."""
+    lab = s.largs[0]
+    return tuple(lab) if isinstance(lab, list) else lab
+
+
 @RULES.function(torch.cat, torch.concat, torch.stack)
 def cat(s: Step) -> Label | None:
     tensors, dim = s.args[0], s.arg(1, "dim", 0)[0]
@@ -738,10 +745,12 @@ def inline(s: Step) -> Any:
     if target in _INLINING:  # its traced inside calls it again (still wrapped): no inside to look at
         raise TraceError(f"{s.name}: {getattr(target, '__name__', target)} traces to a call of itself")
     sig = inspect.signature(target)
-    values = sig.bind(*s.args, **s.kwargs).arguments
+    bound = sig.bind(*s.args, **s.kwargs)
+    bound.apply_defaults()  # an omitted ``x=None`` is frozen at None, not traced as a tensor
+    values = bound.arguments
     labels = sig.bind(*s.largs, **s.lkwargs).arguments
     gm, inputs = trace_function(target, values)
-    seeds = {name: labels[name] for name, v in values.items() if torch.is_tensor(v)}
+    seeds = {name: labels.get(name) for name, v in values.items() if torch.is_tensor(v)}
     sub = Labeller(gm, RULES, s.rec, seeds)
     _INLINING.add(target)
     try:

@@ -19,7 +19,15 @@ from .grouping import Analysis, GroupSpec, Refusal, analyse, common_module
 from .labelling import Labeller
 from .rules import RULES
 from .slicing import ParamSlice, clone_state, clone_unit, state_tensors
-from .tracing import capture_inputs, forked_rng, materialize, trace, training_mode
+from .tracing import capture_inputs, forked_rng, inline_helpers, materialize, trace, training_mode
+
+
+def _kind(lab: Labeller, node: torch.fx.Node) -> str:
+    """What ``node`` held when ``lab`` ran its graph: "tensor", "none" or "other"."""
+    shape = lab.shapes.get(node)
+    if shape is not None and all(isinstance(d, int) for d in shape):
+        return "tensor"
+    return "none" if node in lab.values and lab.values[node] is None else "other"
 
 
 def _caller(gm: torch.fx.GraphModule, path: str) -> str:
@@ -322,6 +330,9 @@ class Surgeon:
             except Exception as e:
                 if not meta:
                     raise AnalysisError(f"analysis of {where or 'the model'} failed: {type(e).__name__}: {e}") from e
+        if inline_helpers(gm.graph, lambda n: _kind(lab, n)):  # helpers it could look into are now inline
+            gm.recompile()
+            return self._label(gm, values, where, locate)
         return analyse(lab, locate)
 
     def _install(self, host: str) -> None:

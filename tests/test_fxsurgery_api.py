@@ -315,3 +315,47 @@ def test_opaque_function_taking_parameters_is_reported() -> None:
     reasons = {lo.module: " ".join(lo.reasons) for lo in s.left_out}
     assert "opaque_attention takes parameters (qkv.weight, proj.weight)" in reasons["1"]
     assert "any units inside it are not analysed" in reasons["1"]
+
+
+def split_heads(x: torch.Tensor, heads: int, cls_token: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+    """A helper kept out of the trace (as timm's notrace functions) that takes the head count."""
+    B, N, _ = x.shape
+    x = x.reshape(B, N, heads, -1).transpose(1, 2)
+    if cls_token is not None:
+        x = torch.cat([cls_token, x], dim=2)
+    return x, [x.shape[2], x.shape[3]]
+
+
+torch.fx.wrap("split_heads")
+
+
+class HelperAttention(nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (q, _), (k, _), (v, size) = (split_heads(p(x), self.heads) for p in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        return self.proj(out.reshape(x.shape[0], size[0], -1))
+
+
+def test_helper_taking_the_head_count_is_inlined_and_rewritten() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), HelperAttention(), nn.Linear(8, 6), nn.GELU(), nn.Linear(6, 2)).double()
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 4, 5, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    head = s.group("1:head")
+    assert head.count == 2 and head.exact
+    assert any("= 1·n" in c.describe() for c in head.constants)  # the helper's head count, now the host's
+    with torch.no_grad():
+        y0 = model(x)
+        assert torch.equal(y0, original(x))
+        s.remove(head, 0)
+        masked = masked_copy(original, {"1.proj.weight": {0}}, {"1.proj.weight": 4})
+        assert (model(x) - masked(x)).abs().max().item() <= 1e-9
+        s.clone(head, 0, noise_std=0.1)
+        assert (model(x) - masked(x)).abs().max().item() <= 1e-9

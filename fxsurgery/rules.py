@@ -217,6 +217,28 @@ def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str
     return Label(ch)
 
 
+_POOL_MODULES = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)
+_POOL_FUNCS = (
+    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+)
+
+
+@RULES.module(*_POOL_MODULES)
+@RULES.function(*_POOL_FUNCS)
+def pool(s: Step) -> Label | None:
+    """Pooling over space keeps channels (dim 1) apart, like a depthwise convolution without weights."""
+    x, xl = _first(s)
+    if not torch.is_tensor(s.out) or x.dim() < 3:  # indices returned too, or an unbatched input
+        return fallback(s)
+    return depthwise_labels(s, x, xl, [])
+
+
 # ---------------------------------------------------------------- elementwise
 
 _UNARY_FUNCS = [
@@ -271,6 +293,7 @@ def elementwise_module(s: Step) -> Label | None:
 
 @RULES.function(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten)
 @RULES.method("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as")
+@RULES.module(nn.Flatten)  # no sizes of its own (nn.Unflatten holds one: no rule, so it is refused)
 def reshape(s: Step) -> Label | None:
     x, xl = _first(s)
     if xl is None:  # only the shape source (view_as / reshape_as) carries ids

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from fxsurgery import Surgeon
 
-from test_fxsurgery_properties import SETTINGS, dead_units, layer_groups, remove_random_unit
+from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
 from zoo import ConvTransformer, masked_copy
 
 shapes = st.fixed_dictionaries({"heads": st.integers(2, 4), "head_dim": st.integers(2, 4),
@@ -46,13 +46,7 @@ def test_groups_clone_and_remove(kw: dict, data: st.DataObject) -> None:
     alive = {name: list(range(g.count)) for name, g in groups.items()}
     for _ in range(data.draw(st.integers(1, 5))):
         remove_random_unit(s, groups, alive, data)
-    with torch.no_grad():
-        y0 = model(x)
-        assert (y0 - masked_copy(original, dead_units(groups, alive), width)(x)).abs().max().item() <= 1e-9
-        for g in s.groups:
-            if g.count:
-                s.clone(g, data.draw(st.integers(0, g.count - 1)), noise_std=0.1)
-        assert (model(x) - y0).abs().max().item() <= 1e-9
+    assert_masked_then_clones_exact(s, original, x, groups, alive, width, data)
 
 
 def test_train_mode_matches_and_taps_see_channels_first_units() -> None:
@@ -115,3 +109,30 @@ def test_heads_split_across_parameters_are_refused_at_their_attention_module() -
     assert "attn: convs.0.weight: holds units 0 of 4 only" in s.explain()
     with torch.no_grad():
         assert torch.equal(model(x), original(x))
+
+
+class PooledMlp(torch.nn.Module):
+    """fc1 as a pointwise convolution, a max pool and an average pool over space, fc2: pooling keeps the
+    hidden channels apart, so they are one exact group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Conv2d(3, 6, 1), torch.nn.Conv2d(6, 4, 1)
+        self.pool = torch.nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.avg_pool2d(self.pool(torch.relu(self.fc1(x))), 2)
+        return self.fc2(h).flatten(1)
+
+
+def test_pooling_keeps_channels_apart() -> None:
+    torch.manual_seed(0)
+    model = PooledMlp().double()
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    g = s.group("PooledMlp:channel")
+    assert g.count == 6 and g.exact and not s.left_out
+    with torch.no_grad():
+        s.remove(g, 2)
+        assert (model(x) - masked_copy(original, {"fc2.weight": {2}}, {"fc2.weight": 1})(x)).abs().max().item() <= 1e-9

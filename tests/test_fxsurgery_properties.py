@@ -60,6 +60,18 @@ def dead_units(groups: dict, alive: dict[str, list[int]]) -> dict[str, set[int]]
     return {n: set(range(groups[n].max_count)) - set(a) for n, a in alive.items()}
 
 
+def assert_masked_then_clones_exact(s: Surgeon, original: torch.nn.Module, x: torch.Tensor, groups: dict,
+                                    alive: dict[str, list[int]], width: dict[str, int], data: st.DataObject) -> None:
+    """The operated model equals ``original`` with the removed units masked; drawn clones keep its outputs."""
+    with torch.no_grad():
+        y0 = s.model(x)
+        assert (y0 - masked_copy(original, dead_units(groups, alive), width)(x)).abs().max().item() <= 1e-9
+        for g in s.groups:
+            if g.count:
+                s.clone(g, data.draw(st.integers(0, g.count - 1)), noise_std=0.1)
+        assert (s.model(x) - y0).abs().max().item() <= 1e-9
+
+
 @settings(**SETTINGS)
 @given(style=styles, data=st.data())
 def test_clone_preserves_outputs(style: Style, data: st.DataObject) -> None:

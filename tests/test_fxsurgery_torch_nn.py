@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from barter.conformance import Conformance, check_surgery, check_training
 from fxsurgery import Surgeon
 
-from test_fxsurgery_properties import SETTINGS, dead_units, layer_groups, remove_random_unit
+from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
 from zoo import masked_copy
 
 WIDTH = 12
@@ -72,13 +72,7 @@ def test_encoder_groups_clone_remove_and_modes(kw: dict, data: st.DataObject) ->
         if g.kind == "head":
             attn = model.get_submodule(name.rsplit(".", 2)[0])
             assert attn.num_heads == g.count and attn.in_proj_weight.shape[0] == 3 * g.count * width[name]
-    with torch.no_grad():
-        y0 = model(x)
-        assert (y0 - masked_copy(original, dead_units(groups, alive), width)(x)).abs().max().item() <= 1e-9
-        for g in s.groups:
-            if g.count:
-                s.clone(g, data.draw(st.integers(0, g.count - 1)), noise_std=0.1)
-        assert (model(x) - y0).abs().max().item() <= 1e-9
+    assert_masked_then_clones_exact(s, original, x, groups, alive, width, data)
 
 
 def test_masks_are_inputs_and_survive_edits() -> None:

@@ -21,6 +21,7 @@ run: $(STAMP)
 # Their models are tiny, so one intra-op thread costs little and keeps torch from slowing down several-fold
 # when other processes compete for the cores.
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 

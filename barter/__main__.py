@@ -1,4 +1,4 @@
 """`python -m barter train ...`: the same as the `barter` command."""
-from .cli import main
+from .training.cli import main
 
 raise SystemExit(main())

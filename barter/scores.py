@@ -19,10 +19,9 @@ from itertools import accumulate
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .distributed import world_size
+from .ddp import global_batch_scores, world_size
 
 
 def unit_scores(a: Tensor, g: Tensor) -> Tensor:
@@ -75,16 +74,10 @@ class ScoreTable:
         """EMA update with the last backward pass's scores: X <- beta*X + (1-beta)*x (collective, see above)."""
         if self.dirty:
             if world_size() > 1:
-                self._combine_ranks()
+                self.pending = global_batch_scores(self.pending, self.samples)
             self.ema.mul_(self.beta).add_(self.pending, alpha=1 - self.beta)
             self.pending.zero_()
             self.dirty = False
-
-    def _combine_ranks(self) -> None:
-        """Replace `pending` by the global batch's scores (module docstring), in one all-reduce."""
-        weighted = torch.cat((self.pending.flatten() * self.samples, self.pending.new_tensor([self.samples])))
-        dist.all_reduce(weighted)
-        self.pending = weighted[:-1].view_as(self.pending) / (weighted[-1] * dist.get_world_size())
 
     def tap(self, layer: int) -> Callable[[Tensor], None]:
         """Forward tap for `layer`: folds the previous backward's scores, then hooks this one's gradient."""

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-METHODS = ("barter", "static", "random_receiver", "random_donor", "random_pair")
+METHODS = ("static", "barter", "random_receiver", "random_donor", "random_pair")  # what `barter.wrap` runs
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 holds the format version, the base architecture and its constructor arguments (when known), the example input
 shapes that analysis needs, every unit group's kept and maximum count, the parameter count and the weights'
 sha256. `load` builds the base model, checks every key and shape against the recorded counts, resizes it with
-fxsurgery, and only then loads the weights.
+fxsurgery, and only then loads the weights. timm, the project's models and safetensors are imported when an
+export or a load first needs them, so `import barter` stays light.
 """
 from __future__ import annotations
 
@@ -19,16 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
-from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-import models  # noqa: F401  (registers the project's models with timm)
+from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup
 
-from .wrap import default_example_inputs, record_analysis, recorded_analysis
+from .analysis import default_example_inputs, record_analysis, recorded_analysis
 
 FORMAT = "barter-export"
 VERSION = 1
@@ -95,6 +92,8 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
 def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple[Tensor, ...] | None = None,
                  architecture: str | None = None, model_kwargs: dict[str, Any] | None = None) -> None:
     """Write `model.safetensors` and `topology.json` into the existing `directory` (see `export`)."""
+    from safetensors.torch import save_file
+
     architecture, kwargs = _base_architecture(model, architecture, model_kwargs)
     groups, inputs = _groups(model, example_inputs, architecture, kwargs)
     weights = {k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
@@ -112,6 +111,9 @@ def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple[Ten
 
 def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The topology and the weights (on the CPU) exported at `path`, after checking the format and checksum."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     topology_file, weights_file = path / TOPOLOGY, path / WEIGHTS
     if not topology_file.is_file():
         raise ExportError(f"no barter export at {path} (no {TOPOLOGY})")
@@ -176,7 +178,7 @@ def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs:
 
 def _timm_arguments(model: nn.Module, architecture: str) -> dict[str, Any]:
     """num_classes, in_chans and img_size of a timm model, where they differ from the registered default."""
-    default = timm.models.get_pretrained_cfg(architecture)
+    default = _timm().models.get_pretrained_cfg(architecture)
     if default is None:
         return {}
     conv = dict(model.named_modules()).get(model.pretrained_cfg.get("first_conv"))
@@ -213,7 +215,7 @@ def _groups(model: nn.Module, example_inputs: tuple[Tensor, ...] | None, archite
                 groups = Surgeon(base, _zero_inputs(base, inputs)).groups
             except (TraceError, AnalysisError) as e:
                 warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
-                              f"built): {e}")
+                              f"built): {e}", stacklevel=1)
                 groups = []
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
@@ -255,9 +257,18 @@ def _build(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
     """The base model `timm.create_model(architecture, **kwargs)` (the project's models included)."""
     with torch.random.fork_rng(devices=[]):
         try:
-            return timm.create_model(architecture, **kwargs)
+            return _timm().create_model(architecture, **kwargs)
         except (RuntimeError, TypeError) as e:
             raise ExportError(f"cannot build {architecture} with {kwargs}: {e}") from e
+
+
+def _timm():
+    """timm with the project's models registered (imported on first use)."""
+    import timm
+
+    import models  # noqa: F401  (registers the project's models with timm)
+
+    return timm
 
 
 def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .export import read_export, replace_directory, write_export
+from ..serialization import read_export, replace_directory, write_export
 
 CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "flops")
 TRAINER_STATE = "trainer.pt"

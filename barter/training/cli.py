@@ -12,11 +12,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from .config import METHODS, ConfigError, TrainConfig
 from .data import DatasetNotFoundError
-from .distributed import is_main
+from .loop import train
 from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
+from .processes import is_main
 from .runlog import CheckpointError, RunDir
-from .train import METHODS, ConfigError, TrainConfig, train
 
 # flags that override the TrainConfig field of the same name
 OVERRIDES = ("method", "density", "epochs", "seed", "device", "batch_size", "lr", "dataset", "data_dir", "model",

@@ -4,10 +4,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from fxsurgery import Surgeon
 from torch import nn
 
-from ..wrap import default_example_inputs
+from fxsurgery import Surgeon
+
+from ..analysis import default_example_inputs
 from .density import layer_counts
 from .dynamic import DynamicSparse
 
@@ -36,7 +37,7 @@ def build_sparse(model: nn.Module, optimizer: torch.optim.Optimizer, *, method: 
     """Mask `model`'s projection weights to `density` (their kept fraction) and return the RigL/SET driver.
 
     Layer densities follow `distribution` ("erk" or "uniform"); initial masks are uniformly random with exactly
-    each layer's count. See `barter.sparse.dynamic` for the optimizer protocol: call `sp.step()` right after
+    each layer's count. See `barter.baselines.dynamic` for the optimizer protocol: call `sp.step()` right after
     every `optimizer.step()`. To resume, build again with the same arguments and call `sp.load_state_dict(sd)`.
     """
     if not 0 < density <= 1:

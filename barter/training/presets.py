@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .train import ConfigError, TrainConfig
+from .config import ConfigError, TrainConfig
 
 
 def mnist5k_quick() -> TrainConfig:

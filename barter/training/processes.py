@@ -1,9 +1,6 @@
-"""Multi-process training with torch.distributed: the DistributedDataParallel wrapper that follows BARTER's
-transfers, and the small collective helpers the training pipeline uses under torchrun.
+"""The trainer's process helpers under torchrun: launcher, rank, device, process group, and the small
+collectives training needs (barrier, broadcast, sums, batch shares, per-rank random streams).
 
-Every rank makes every decision itself, on identical inputs: the score tables all-reduce their scores before
-each EMA update (`barter.scores`), selection's random variants draw from `select_rng` and split noise from
-`noise_rng`, both seeded with `seed` on every rank, so every rank edits the model alike at the same step.
 Outside torch.distributed (or with one process) every helper here is the identity or a no-op.
 """
 from __future__ import annotations
@@ -12,54 +9,18 @@ import os
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from .controller import Controller
-
-
-class DistributedModel(nn.Module):
-    """DistributedDataParallel over a model wrapped by `barter.wrap`, rebuilt after each transfer.
-
-    A transfer resizes parameters in place and renews their gradient accumulators, so the buckets and hooks
-    of a DistributedDataParallel built before it are stale. Before the first forward after the controller
-    edited the model, this wrapper drops the old one and builds a new one with the same options (the
-    optimizer keeps working: fxsurgery resizes the same parameter objects and their state). Every rank edits
-    at the same step, so every rank rebuilds at the same forward. `module` is the bare model: evaluate, save
-    and load through it. Without a controller it is plain DistributedDataParallel.
-    """
-
-    def __init__(self, model: nn.Module, controller: Controller | None = None, **ddp_options: Any) -> None:
-        super().__init__()
-        self.module = model
-        self.controller = controller
-        self.ddp_options = ddp_options
-        self._build()
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.controller is not None and self.controller.edits != self._edits_built:
-            self._build()
-        return self.ddp(*args, **kwargs)
-
-    def _build(self) -> None:
-        self.ddp = None  # the old wrapper's gradient hooks go with it, before the new one adds its own
-        self._edits_built = 0 if self.controller is None else self.controller.edits
-        self.ddp = DistributedDataParallel(self.module, **self.ddp_options)
+from ..ddp import world_size  # the method's own notion of the world, so trainer and scores agree
 
 
 def launched() -> bool:
     """Whether this process was started by torchrun (or another launcher setting RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank() -> int:

@@ -2,60 +2,19 @@
 from __future__ import annotations
 
 import warnings
-import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from fxsurgery import Surgeon, UnitGroup
 from torch import nn
 
-from .compact import compact
+from fxsurgery import Surgeon
+
+from .analysis import default_example_inputs, record_analysis
+from .compact_init import compact
 from .controller import Controller
 from .options import Options
 from .schedule import KINDS, make_schedule, transfer_count
 from .selection import METHODS
-
-
-class UnitAnalysis(NamedTuple):
-    """The unit groups of a model as barter first analysed it, and the example inputs they were found with."""
-
-    groups: list[UnitGroup]
-    example_inputs: tuple
-
-
-# weak keys: the groups hold names, layouts and counts, not the model, so an entry dies with its model
-_ANALYSES: weakref.WeakKeyDictionary[nn.Module, UnitAnalysis] = weakref.WeakKeyDictionary()
-
-
-def record_analysis(surgeon: Surgeon) -> None:
-    """Remember `surgeon`'s groups for its model, so `barter.export` can tell the model's topology later.
-
-    The first analysis wins: it describes the model as built (every group at its maximum), which a later
-    analysis of the resized model cannot (a layer left with one head or none is no group there).
-    """
-    _ANALYSES.setdefault(surgeon.model, UnitAnalysis(surgeon.groups, surgeon.example_inputs))
-
-
-def recorded_analysis(model: nn.Module) -> UnitAnalysis | None:
-    """The first analysis `wrap` or `barter.load` made of `model`, or None for another model."""
-    return _ANALYSES.get(model)
-
-
-def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor]:
-    """A zero batch of two images shaped like a timm model's `pretrained_cfg["input_size"]`.
-
-    timm keeps the registry's input size in `pretrained_cfg` even when a ViT is built with another
-    `img_size`, so the patch embedding's `img_size`, where present, wins.
-    """
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    if "input_size" not in cfg:
-        raise ValueError("example_inputs is required for a model without timm's pretrained_cfg['input_size']")
-    c, h, w = cfg["input_size"]
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is not None:
-        h, w = size
-    p = next(model.parameters())
-    return (torch.zeros(2, c, h, w, dtype=p.dtype, device=p.device),)
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, total_steps: int,
@@ -83,7 +42,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}
     inexact = [g.name for g in surgeon.groups if not g.exact]
     if inexact:
-        warnings.warn(f"barter keeps these unit groups dense and fixed, their surgery is not exact: {inexact}")
+        warnings.warn(f"barter keeps these unit groups dense and fixed, their surgery is not exact: {inexact}",
+                      stacklevel=2)
     if optimizer is not None:
         surgeon.attach_optimizer(optimizer)
     select_rng = torch.Generator().manual_seed(seed)

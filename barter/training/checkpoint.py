@@ -1,0 +1,111 @@
+"""What a checkpoint holds besides the weights, and how a run starts from one: the trainer state, the random
+states, and the configuration checks of resuming and continuing."""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+from .recipe import WarmupCosine
+from .runlog import CheckpointError, RunDir, find_checkpoint, load_checkpoint
+from .session import Data, Session, example_batch, model_arguments
+
+# config fields that may change between a checkpoint and the run that resumes or continues it
+RUNTIME_FIELDS = frozenset({"device", "workers", "progress", "out_dir", "name", "data_dir"})
+CONTINUATION_FIELDS = frozenset({"continue_from", "flop_budget"})
+
+
+def source_checkpoint(config: TrainConfig, run: RunDir, resume: bool) -> dict[str, Any] | None:
+    """The checkpoint to start from: the run's own (resume), the endpoint to continue, or None."""
+    if resume:
+        state = load_checkpoint(run.last)
+        check_compatible(state["config"], config, RUNTIME_FIELDS)
+    elif config.continue_from is not None:
+        state = load_checkpoint(find_checkpoint(config.continue_from, "last"))
+        check_compatible(state["config"], config, RUNTIME_FIELDS | CONTINUATION_FIELDS)
+        if not state["finished"]:
+            raise CheckpointError(f"{config.continue_from} has not finished; resume it before continuing it")
+    else:
+        return None
+    return state
+
+
+def check_compatible(saved: dict[str, Any], config: TrainConfig, ignore: frozenset[str]) -> None:
+    """Raise CheckpointError unless the checkpoint's config equals `config` outside `ignore`."""
+    current = config.to_dict()
+    diffs = [f"{k}={saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in current.items()
+             if k not in ignore and saved.get(k) != v]
+    if diffs:
+        raise CheckpointError("checkpoint made with another configuration: " + "; ".join(diffs))
+
+
+def restore(session: Session, state: dict[str, Any]) -> None:
+    """Load a checkpoint into a freshly built session (controller first: it restores the saved widths)."""
+    try:
+        if session.controller is not None:
+            session.controller.load_state_dict(state["controller"])
+        session.model.load_state_dict(state["model"])
+        session.optimizer.load_state_dict(state["optimizer"])
+        if session.sparse is not None:
+            session.sparse.load_state_dict(state["sparse"])
+        session.meter.load_state_dict(state["flops"])
+        session.schedule = WarmupCosine(**state["schedule"])
+        session.epoch, session.step, session.finished = state["epoch"], state["step"], state["finished"]
+        session.best_acc, session.best_epoch = state["best"]["acc"], state["best"]["epoch"]
+        session.step_flops, session.wall_s = state["step_flops"], state["wall_s"]
+        set_rng_state(state["rng"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint does not fit this run ({type(e).__name__}: {e})") from e
+
+
+def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: RunDir, improved: bool) -> None:
+    """Export the model to the run's last checkpoint with the trainer state beside it (`barter.training.runlog`), and
+    copy it to the best one when it improved: `barter.load(run / "best")` gives the selected model."""
+    run.save_checkpoint(run.last, session.model, checkpoint_state(session, config), architecture=config.model,
+                        model_kwargs=model_arguments(config, data),
+                        example_inputs=example_batch(data, torch.device("cpu")))
+    if improved:
+        run.copy_checkpoint(run.last, run.best)
+
+
+def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:
+    """What resuming needs besides the weights: optimizer, controller and sparse states, FLOP meter, counters,
+    learning-rate schedule, best result, random states and the config."""
+    return {
+        "config": config.to_dict(), "epoch": session.epoch, "step": session.step, "finished": session.finished,
+        "schedule": asdict(session.schedule), "optimizer": session.optimizer.state_dict(),
+        "controller": None if session.controller is None else session.controller.state_dict(),
+        "sparse": None if session.sparse is None else session.sparse.state_dict(),
+        "flops": session.meter.state_dict(), "step_flops": session.step_flops, "wall_s": session.wall_s,
+        "best": {"acc": session.best_acc, "epoch": session.best_epoch}, "rng": rng_state(),
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    """torch (CPU and CUDA), NumPy and Python random states, in types `torch.load(weights_only=True)` reads."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos, "has_gauss": has_gauss,
+                      "gauss": gauss},
+            "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np_state = state["numpy"]
+    np.random.set_state(("MT19937", np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["gauss"]))
+    random.setstate(state["python"])
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)

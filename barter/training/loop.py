@@ -1,0 +1,232 @@
+"""Training: `train(TrainConfig) -> RunResult` runs the paper's recipe with one method, counts training FLOPs,
+writes the run directory (`barter.training.runlog`) and resumes from its checkpoints.
+
+Determinism: the data order of epoch e comes from a generator seeded by (seed, e), and every other random
+state is saved at epoch boundaries, so a run resumed from an epoch checkpoint repeats the uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from ..controller import Controller
+from . import processes
+from .batches import epoch_batches, granule, steps_per_epoch
+from .checkpoint import restore, save_checkpoints, seed_all, source_checkpoint
+from .config import ConfigError, TrainConfig
+from .evaluation import evaluate
+from .recipe import WarmupCosine, build_criterion
+from .runlog import CheckpointError, RunDir, plot_widths
+from .session import Data, Session, build_data, build_session, resolve_device
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Where a run wrote its files and how it ended (acc / macro_f1: the test split at the last epoch;
+    best_*: the checkpoint selected on validation, or on test without a validation split)."""
+
+    run_dir: Path
+    epochs: float
+    steps: int
+    acc: float
+    macro_f1: float
+    best_acc: float
+    best_epoch: float
+    flops: int
+    wall_s: float
+    transfers: int
+
+
+def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
+    """Train `config`; with `resume`, continue the run directory `out_dir/name` from its last checkpoint.
+
+    Under torchrun every process joins the process group (`barter.training.processes`) and trains a
+    DistributedDataParallel replica on its share of every global batch; rank 0 evaluates and writes the run
+    directory, every rank restores a resumed run's checkpoint, and every rank returns rank 0's result.
+    """
+    config.validate()
+    device = resolve_device(config.device)
+    with processes.process_group(device):
+        return _train(config, resume, device)
+
+
+def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult:
+    torch.backends.cuda.matmul.allow_tf32 = False  # the paper trains in full FP32
+    torch.backends.cudnn.allow_tf32 = False
+    data = build_data(config)
+    world = processes.world_size()
+    if config.batch_size < world * granule(data.mixup is not None):
+        raise ConfigError(f"batch_size {config.batch_size} leaves some of the {world} processes no images")
+    run = _open_run(config, resume)
+    processes.barrier()  # every process has checked the run directory before rank 0 creates it
+    config = replace(config, name=run.path.name)
+    source = source_checkpoint(config, run, resume)
+    batches_per_epoch = steps_per_epoch(len(data.train), config, data.mixup is not None)
+    total_steps = config.epochs * batches_per_epoch
+    seed_all(config.seed)
+    session = build_session(config, data, device, total_steps, pretrained=source is None)
+    if source is not None:
+        restore(session, source)
+    if config.continue_from is not None and not resume:
+        _start_continuation(session, config, batches_per_epoch)
+    if processes.is_main():
+        if resume:
+            run.truncate_metrics(session.epoch)
+        run.write_json("config.json", config.to_dict())
+    criterion = build_criterion(config.label_smoothing, data.mixup is not None)
+    started = time.perf_counter() - session.wall_s
+    while not session.finished:
+        done, loss, acc = _train_epoch(session, config, data, criterion, device, batches_per_epoch)
+        session.epoch += done / batches_per_epoch
+        out_of_budget = not _budget_allows(session, config.flop_budget)
+        epochs_done = config.continue_from is None and session.epoch >= config.epochs
+        session.finished = done < batches_per_epoch or out_of_budget or epochs_done
+        session.wall_s = time.perf_counter() - started
+        if processes.is_main():
+            _end_epoch(session, config, data, run, device, {"loss": loss, "train_acc": acc})
+    result = None
+    if processes.is_main():
+        if session.controller is not None:
+            plot_widths(run.path / "widths.png", session.controller.topology(), session.controller.events,
+                        batches_per_epoch, session.step)
+        last = run.metrics()[-1]
+        events = session.controller.events if session.controller is not None else []
+        result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
+                           session.best_epoch, session.meter.total_flops, session.wall_s,
+                           sum(e["skipped"] is None for e in events))
+    return processes.broadcast_from_main(result)
+
+
+def _open_run(config: TrainConfig, resume: bool) -> RunDir:
+    root = Path(config.out_dir)
+    if resume:
+        if config.name is None:
+            raise ConfigError("resume needs the run's name (its directory under out_dir)")
+        return RunDir(root / config.name)
+    name = config.name
+    if name is None:
+        base = config.default_name()
+        name = next(n for n in (base, *(f"{base}-{i}" for i in range(2, 10_000))) if not (root / n).exists())
+    run = RunDir(root / name)
+    if run.path.exists():
+        raise ConfigError(f"run directory {run.path} exists; resume it or choose another name")
+    return run  # created by its first file, once the checkpoints and the model have been checked
+
+
+def _start_continuation(session: Session, config: TrainConfig, batches_per_epoch: int) -> None:
+    """Matched compute: topology fixed (the controller's window is over) and Adam state kept; a new warmup +
+    cosine runs over the steps the remaining budget buys; the best checkpoint is chosen anew."""
+    if session.step_flops is None:
+        raise CheckpointError(f"{config.continue_from} ran no full batch; its step cost is unknown")
+    remaining = config.flop_budget - session.meter.total_flops
+    if remaining < session.step_flops:
+        raise ConfigError(f"flop_budget {config.flop_budget:.4g} leaves no step to train after "
+                          f"{config.continue_from} ({session.meter.total_flops:.4g} FLOPs spent)")
+    horizon = max(1, int(remaining // session.step_flops))
+    warmup = min(horizon, round(config.warmup_epochs * batches_per_epoch))
+    session.schedule = WarmupCosine(config.lr, config.min_lr, warmup, horizon, start=session.step)
+    session.finished, session.best_acc, session.best_epoch = False, -1.0, session.epoch
+
+
+def _budget_allows(session: Session, budget: float | None) -> bool:
+    """Whether one more step stays within `budget` (estimated by the latest full-batch step)."""
+    return budget is None or session.meter.total_flops + (session.step_flops or 0) <= budget
+
+
+def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, device: torch.device,
+                 batches_per_epoch: int) -> tuple[int, float, float]:
+    """One epoch of optimizer steps (fewer if the FLOP budget runs out); returns how many ran, and the mean
+    training loss and accuracy (against the unmixed labels).
+
+    With several processes each trains on its share of every global batch (`barter.training.processes.shard`), its
+    loss weighted by its share, so the gradient DistributedDataParallel averages is the global batch's; the
+    FLOPs counted are the global batch's, the loss and accuracy those of all shares.
+    """
+    epoch = math.floor(session.epoch)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + epoch)
+    mixed = data.mixup is not None
+    batches = epoch_batches(len(data.train), config, mixed, generator)
+    world = processes.world_size()
+    if world > 1:
+        generator = processes.seed_rank_streams(config.seed, epoch)
+    loader = DataLoader(data.train, batch_sampler=[processes.shard(b, granule(mixed)) for b in batches],
+                        num_workers=config.workers, generator=generator, pin_memory=device.type == "cuda")
+    model, optimizer, meter = session.model, session.optimizer, session.meter
+    net = model if session.ddp is None else session.ddp
+    model.train()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    seen = done = 0
+    bar = tqdm(total=batches_per_epoch, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True,
+               disable=not (config.progress and processes.is_main()))
+    for batch, (images, labels) in zip(batches, loader):
+        if not _budget_allows(session, config.flop_budget):
+            break
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        targets = labels
+        if data.mixup is not None:
+            images, targets = data.mixup(images, labels)
+        lr = session.schedule.apply(optimizer, session.step)
+        optimizer.zero_grad(set_to_none=True)
+        weight = world * len(images) / len(batch)  # 1 for equal shares
+        outputs, loss = meter.step(net, images, lambda out, t=targets, w=weight: criterion(out, t) * w,
+                                   global_batch=len(batch))
+        optimizer.step()  # the controller's transfers run from its post-step hook
+        if session.sparse is not None:
+            session.sparse.step()
+        session.step += 1
+        done += 1
+        if len(batch) == config.batch_size:
+            session.step_flops = meter.last.total
+        loss_sum += loss.detach() * (len(images) / weight)
+        correct += (outputs.argmax(1) == labels).sum()
+        seen += len(images)
+        bar.update()
+        if done % 10 == 0 or done == batches_per_epoch:
+            bar.set_postfix_str(f"loss {loss_sum.item() / seen:.3f} acc {correct.item() / seen:.3f} "
+                                f"lr {lr:.2e}{widths_text(session.controller)}")
+    bar.close()
+    loss_total, correct_total, seen_total = processes.sum_over_ranks([loss_sum.item(), correct.item(), seen])
+    return done, loss_total / max(1, seen_total), correct_total / max(1, seen_total)
+
+
+def widths_text(controller: Controller | None) -> str:
+    """Current per-layer widths for the progress bar, e.g. " | heads 1-2 | channels 38-39"."""
+    if controller is None:
+        return ""
+    topology = controller.topology().values()
+    return "".join(f" | {label} " + "-".join(str(t[kind]) for t in topology if kind in t)
+                   for kind, label in (("head", "heads"), ("channel", "channels")))
+
+
+def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, device: torch.device,
+               train_stats: dict[str, float]) -> None:
+    """Evaluate, log the epoch, keep the best and the last checkpoint, and write events and topology."""
+    test = evaluate(session.model, data.test, data.num_classes, device, config.workers)
+    val = evaluate(session.model, data.val, data.num_classes, device, config.workers) if data.val is not None else None
+    record = {"epoch": session.epoch, "step": session.step, **train_stats,
+              "test_loss": test["loss"], "acc": test["acc"], "macro_f1": test["macro_f1"],
+              "lr": session.optimizer.param_groups[0]["lr"], "flops": session.meter.total_flops,
+              "flops_per_image": session.meter.last.estimated_flops_per_image if session.meter.last else None,
+              "wall_s": session.wall_s}
+    if val is not None:
+        record.update(val_loss=val["loss"], val_acc=val["acc"], val_macro_f1=val["macro_f1"])
+    selected = (val or test)["acc"]
+    improved = selected > session.best_acc
+    if improved:
+        session.best_acc, session.best_epoch = selected, session.epoch
+    save_checkpoints(session, config, data, run, improved)
+    run.append_metrics(record)
+    if session.controller is not None:
+        run.write_events(session.controller.events)
+        run.write_json("topology.json", session.controller.topology())
+    if config.progress:
+        tqdm.write(f"epoch {session.epoch:g}: loss {record['loss']:.4f}  test acc {test['acc']:.4f}  "
+                   f"macro-F1 {test['macro_f1']:.4f}  F_total {record['flops']:.4g}  {session.wall_s:.0f}s"
+                   f"{widths_text(session.controller)}")

@@ -1,0 +1,138 @@
+"""The live state of a run: its data sets, and the model, optimizer and method's wrapper built for them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import timm
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, Subset
+
+import models  # noqa: F401  (registers the project's models with timm)
+
+from ..baselines import build_sparse
+from ..controller import Controller
+from ..ddp import DistributedModel
+from ..wrapping import wrap
+from . import processes
+from .config import BASELINE_METHODS, WRAP_METHODS, ConfigError, TrainConfig
+from .data import build_datasets, build_mixup, resolve_spec
+from .flops import FlopMeter
+from .recipe import WarmupCosine, build_optimizer
+from .runlog import CheckpointError, find_checkpoint, load_checkpoint
+
+
+@dataclass
+class Data:
+    """Train, validation (or None) and test sets, their shape, and the recipe's batch mixing."""
+
+    train: Dataset
+    val: Dataset | None
+    test: Dataset
+    num_classes: int
+    in_chans: int
+    img_size: int
+    mixup: Any
+
+
+@dataclass
+class Session:
+    """The live training state and the counters a checkpoint stores with it."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    controller: Controller | None
+    sparse: Any
+    meter: FlopMeter
+    schedule: WarmupCosine
+    ddp: DistributedModel | None = None  # what training steps run through in a multi-process run
+    epoch: float = 0
+    step: int = 0
+    finished: bool = False
+    best_acc: float = -1.0
+    best_epoch: float = 0.0
+    step_flops: int | None = None  # FLOPs of the latest full-batch step
+    wall_s: float = 0.0
+
+
+def resolve_device(name: str) -> torch.device:
+    """`name` as a device ("auto": CUDA if available); under torchrun, "cuda" is the process's own GPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return processes.local_device(torch.device(name))
+
+
+def build_data(config: TrainConfig) -> Data:
+    """The data sets of `config`; a validation split (fixed, independent of the seed) when `val_size` > 0."""
+    args = {"img_size": config.img_size, "in_chans": config.in_chans, "normalize_as": config.normalize_as,
+            "fake_size": config.fake_size}
+    sets = build_datasets(config.dataset, config.data_dir, recipe=config.recipe, **args)
+    train_set, val_set = sets.train, None
+    if config.val_size:
+        if config.val_size >= len(sets.train):
+            raise ConfigError(f"val_size {config.val_size} leaves no training images (of {len(sets.train)})")
+        plain = build_datasets(config.dataset, config.data_dir, recipe="none", **args).train
+        order = torch.randperm(len(plain), generator=torch.Generator().manual_seed(0)).tolist()
+        val_set, train_set = Subset(plain, order[:config.val_size]), Subset(sets.train, order[config.val_size:])
+    spec = resolve_spec(config.dataset, config.img_size, config.in_chans, config.normalize_as)
+    mixup = build_mixup(config.recipe or spec.recipe, sets.num_classes, config.label_smoothing)
+    if mixup is not None and config.batch_size % 2:
+        raise ConfigError(f"batch mixing needs an even batch_size, got {config.batch_size}")
+    return Data(train_set, val_set, sets.test, sets.num_classes, sets.in_chans, sets.img_size, mixup)
+
+
+def build_session(config: TrainConfig, data: Data, device: torch.device, total_steps: int, *,
+                  pretrained: bool) -> Session:
+    """Model (with `init_from` weights when `pretrained`), optimizer, and the method's wrapper."""
+    model = timm.create_model(config.model, **model_arguments(config, data)).to(device)
+    if pretrained and config.init_from is not None:
+        load_pretrained(model, config.init_from)
+    optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                decay=config.decay)
+    controller = sparse = None
+    if config.method in WRAP_METHODS:
+        example = example_batch(data, device)
+        controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
+                          method=config.method, seed=config.seed, example_inputs=example, **config.barter_options)
+    elif config.method in BASELINE_METHODS:
+        sparse = build_sparse(model, optimizer, method=config.method, density=config.density,
+                                               total_steps=total_steps, seed=config.seed)
+    warmup = round(config.warmup_epochs * total_steps / config.epochs)
+    schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
+    ddp = None
+    if processes.world_size() > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp = DistributedModel(model, controller, device_ids=device_ids)
+    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp)
+
+
+
+
+def load_pretrained(model: nn.Module, source: str) -> None:
+    """Load a dense run's weights (its best checkpoint, or a checkpoint directory) except the classifier, which
+    stays freshly initialised for the new classes. Sparse methods then keep a subset of these weights."""
+    path = find_checkpoint(source, "best")
+    state = load_checkpoint(path)
+    if state.get("controller") is not None or state.get("sparse") is not None:
+        raise CheckpointError(f"{path}: init_from needs a dense run's checkpoint (this one is compact or sparse)")
+    head = model.pretrained_cfg.get("classifier", "head") + "."
+    weights = {k: v for k, v in state["model"].items() if not k.startswith(head)}
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not fit {type(model).__name__}: {e}") from e
+    wrong = unexpected + [k for k in missing if not k.startswith(head)]
+    if wrong:
+        raise CheckpointError(f"{path}: weights do not fit the model (mismatched keys: {wrong[:5]})")
+
+
+def model_arguments(config: TrainConfig, data: Data) -> dict[str, Any]:
+    """The keyword arguments of `timm.create_model(config.model, ...)`: the data's shape, then the config's own."""
+    return {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": data.img_size,
+            **config.model_kwargs}
+
+
+def example_batch(data: Data, device: torch.device) -> tuple[Tensor]:
+    """Two zero images shaped like the data: the example inputs fxsurgery analyses the model on."""
+    return (torch.zeros(2, data.in_chans, data.img_size, data.img_size, device=device),)

@@ -5,7 +5,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import barter
-from barter.compact import initial_count, kept_units
+from barter.compact_init import initial_count, kept_units
 
 
 @pytest.mark.parametrize("max_count,density,expected", [

@@ -1,11 +1,11 @@
-"""RigL / SET baselines (barter.sparse): ERK densities, drop/grow rule, schedule, optimizer protocol, end-to-end."""
+"""RigL / SET baselines (barter.baselines): ERK densities, drop/grow rule, schedule, optimizer protocol, end-to-end."""
 import copy
 import math
 
 import pytest
 import torch
 
-from barter.sparse import DynamicSparse, build_sparse, cosine_drop_fraction, drop_and_grow, erk_densities, layer_counts
+from barter.baselines import DynamicSparse, build_sparse, cosine_drop_fraction, drop_and_grow, erk_densities, layer_counts
 
 timm = pytest.importorskip("timm")
 import models  # noqa: F401  (registers the project's models)

@@ -1,4 +1,4 @@
-"""Conformance of `barter.wrap` on a model: the checks behind `tests/test_conformance.py` and
+"""Conformance of `barter.wrap` on a model: the test oracle behind `tests/conformance/test_conformance.py` and
 `benchmarks/conformance.py`.
 
 For one model: analysis finds groups (or says what it leaves out and why); every exact group's clone
@@ -20,11 +20,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from barter import wrap
 from fxsurgery import Surgeon
 
-from .wrap import wrap
-
-LIST = Path(__file__).resolve().parents[1] / "tests" / "timm_models.json"  # the project's copy of the list
+LIST = Path(__file__).resolve().parent / "timm_models.json"  # the project's copy of the list
 
 
 @dataclass
@@ -55,7 +54,8 @@ class Conformance:
 # The oracle's notion of an attention or FFN module, from timm's class names (fxsurgery itself never
 # looks at names): each such module, outermost only, must host a group of its kind or be reported.
 # Classifier heads (an MLP head such as NormMlpClassifierHead) are not FFN layers.
-UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"), "channel": re.compile(r"Mlp|FeedForward|^FFN|GLU")}
+UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"),
+                "channel": re.compile(r"Mlp|FeedForward|^FFN|GLU")}
 
 
 def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:

@@ -1,5 +1,5 @@
-"""`barter.wrap` on the timm conformance list (tests/timm_models.json) and on torchvision's transformers
-(tests/models_outside_timm.json), through the same checks as
+"""`barter.wrap` on the timm conformance list (timm_models.json) and on torchvision's transformers
+(models_outside_timm.json), through the same checks as
 `benchmarks/conformance.py`. Heavy models are marked slow (run them with `-m slow`). A pattern the engine
 cannot support yet passes only by being reported: every attention and FFN module is grouped or left out
 with its reason."""
@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from barter.conformance import check, model_cases, unaccounted_modules
-from fxsurgery import Surgeon
-
+from conformance_checks import check, model_cases, unaccounted_modules
 from zoo import Style, TinyTransformer
+
+from fxsurgery import Surgeon
 
 SLOW = {"eva_giant_patch14_224", "twins_svt_small", "twins_pcpvt_small", "naflexvit_base_patch16_gap",
         "beitv2_base_patch16_224", "swin_tiny_patch4_window7_224", "swin_s3_tiny_224", "swinv2_tiny_window8_256",

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from barter.cli import build_parser, config_from_args, main
+from barter.training.cli import build_parser, config_from_args, main
 
 TINY = ["--dataset", "fake", "--fake-size", "32", "--batch-size", "16", "--epochs", "1", "--no-progress",
         "--model", "cct_2_3x1_32_tiny", "--device", "cpu"]

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import barter.flops as flops
-from barter.flops import FlopMeter, StepFlops, flop_counter
+import barter.training.flops as flops
+from barter.training.flops import FlopMeter, StepFlops, flop_counter
 
 B, IN, HID, OUT = 8, 12, 20, 5
 

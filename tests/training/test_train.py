@@ -1,29 +1,28 @@
 """Training pipeline on tiny models and fake data: every method, outputs, FLOP budget, matched-compute
 continuation, resume equality, recipe pieces and bad inputs."""
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
 import barter
-import barter.train as train_module
-from barter.data import DatasetNotFoundError
-from barter.presets import PRESETS, preset
-from barter.recipe import WarmupCosine, build_optimizer
-from barter.runlog import CheckpointError, load_checkpoint, width_history
-from barter.train import ConfigError, TrainConfig, epoch_batches, macro_f1, steps_per_epoch, train
+import barter.training.loop as loop_module
+from barter.training import PRESETS, ConfigError, TrainConfig, preset, train
+from barter.training.batches import epoch_batches, steps_per_epoch
+from barter.training.data import DatasetNotFoundError
+from barter.training.evaluation import macro_f1
+from barter.training.recipe import WarmupCosine, build_optimizer
+from barter.training.runlog import CheckpointError, load_checkpoint, width_history
+from barter.training.session import build_data, build_session
 
 MODELS = {
     "cct": {"model": "cct_2_3x1_32_tiny", "img_size": 16},
     "vit": {"model": "vit_paper_p8_64_tiny", "img_size": 16, "model_kwargs": {"patch_size": 4}},
 }
 WRAPPED = ("static", "barter", "random_receiver", "random_donor", "random_pair")
-HAS_SPARSE = importlib.util.find_spec("barter.sparse") is not None
 
 
 def config(tmp_path, arch="cct", **kw) -> TrainConfig:
@@ -35,7 +34,7 @@ def config(tmp_path, arch="cct", **kw) -> TrainConfig:
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
-@pytest.mark.parametrize("method", ["dense", *WRAPPED, *(("rigl", "set") if HAS_SPARSE else ())])
+@pytest.mark.parametrize("method", ["dense", *WRAPPED, "rigl", "set"])
 def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
     result = train(config(tmp_path, arch, method=method, name="run"))
     run = tmp_path / "run"
@@ -64,7 +63,7 @@ def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     """Crash in the second epoch's evaluation, resume from the epoch-1 checkpoint: same weights and events."""
     whole = train(config(tmp_path, method="barter", name="whole"))
-    real_evaluate, calls = train_module.evaluate, []
+    real_evaluate, calls = loop_module.evaluate, []
 
     def crash_on_second(*args, **kwargs):
         calls.append(1)
@@ -72,11 +71,11 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "evaluate", crash_on_second)
+    monkeypatch.setattr(loop_module, "evaluate", crash_on_second)
     cut = config(tmp_path, method="barter", name="cut")
     with pytest.raises(KeyboardInterrupt):
         train(cut)
-    monkeypatch.setattr(train_module, "evaluate", real_evaluate)
+    monkeypatch.setattr(loop_module, "evaluate", real_evaluate)
     assert load_checkpoint(tmp_path / "cut" / "last")["epoch"] == 1
     resumed = train(cut, resume=True)
     a, b = load_checkpoint(whole.run_dir / "last"), load_checkpoint(resumed.run_dir / "last")
@@ -158,13 +157,13 @@ def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
     dense = load_checkpoint(source.run_dir / "best")["model"]
     tuned = config(tmp_path, "vit", method="dense", name="ft", epochs=1, lr=1e-12, min_lr=0, weight_decay=0,
                    init_from=str(source.run_dir))
-    data = train_module.build_data(tuned)
-    session = train_module.build_session(tuned, data, torch.device("cpu"), 4, pretrained=True)
+    data = build_data(tuned)
+    session = build_session(tuned, data, torch.device("cpu"), 4, pretrained=True)
     state = session.model.state_dict()
     assert torch.equal(state["blocks.0.attn.qkv.weight"], dense["blocks.0.attn.qkv.weight"])
     assert not torch.equal(state["head.weight"], dense["head.weight"])
     sparse = replace(tuned, method="barter", barter_options={"init": "magnitude"})
-    session = train_module.build_session(sparse, data, torch.device("cpu"), 4, pretrained=True)
+    session = build_session(sparse, data, torch.device("cpu"), 4, pretrained=True)
     kept = session.model.state_dict()["blocks.0.mlp.fc1.weight"]
     rows = {tuple(r.tolist()) for r in dense["blocks.0.mlp.fc1.weight"]}
     assert kept.shape[0] < len(rows) and all(tuple(r.tolist()) in rows for r in kept)
@@ -195,12 +194,6 @@ def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset"):
         preset("imagenet_giant")
     assert all(isinstance(preset(name), TrainConfig) for name in PRESETS)
-
-
-def test_rigl_without_sparse_module_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "barter.sparse", None)  # import fails as if the file were absent
-    with pytest.raises(ConfigError, match="rigl/set need barter.sparse"):
-        train(config(tmp_path, method="rigl"))
 
 
 @pytest.mark.parametrize("decay", ["before", "after"])

@@ -1,4 +1,4 @@
-"""Side-by-side study: methods x densities x seeds on one preset, all trained by `barter.train.train`.
+"""Side-by-side study: methods x densities x seeds on one preset, all trained by `barter.training.train`.
 
 Every run uses the preset's recipe and the same budget (the same epochs, hence the same optimizer steps); only
 method, density and seed change. `<out>/compare.csv` holds one row per run, `<out>/compare.md` the table of
@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from barter.data import DatasetNotFoundError
-from barter.presets import DEFAULT_PRESET, PRESETS, preset
-from barter.runlog import CheckpointError, RunDir
-from barter.train import METHODS, ConfigError, RunResult, TrainConfig, train
+from barter.training import METHODS, ConfigError, RunResult, TrainConfig, train
+from barter.training.data import DatasetNotFoundError
+from barter.training.presets import DEFAULT_PRESET, PRESETS, preset
+from barter.training.runlog import CheckpointError, RunDir
 
 DEFAULT_METHODS = ("dense", "static", "barter", "rigl", "set")
 DEFAULT_DENSITIES = (0.1, 0.3, 0.5, 0.7)

@@ -6,7 +6,7 @@ drifting machine load hits them alike. "barter" runs with a long horizon, so its
 taps are on (a step inside its transfer window); "barter-after" is built with a one-step horizon, so every
 transfer runs after its first warm-up step and its taps are gone (a step after the window). Blocks of one
 model have equal widths, so moving units leaves the FLOPs unchanged: barter-after and Static execute the same
-FLOPs per step (the GFLOP column, counted by `barter.flops` on the last warm-up step, shows it). RigL/SET
+FLOPs per step (the GFLOP column, counted by `barter.training.flops` on the last warm-up step, shows it). RigL/SET
 medians are ordinary steps (a mask update replaces one optimizer step in 100).
 
 Threads: on CPU, torch runs `--threads` threads (default 1: on a shared machine one thread per process keeps the
@@ -40,8 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter
 import models  # noqa: F401  (registers the models)
-from barter.flops import StepFlops, run_step
-from barter.sparse import build_sparse
+from barter.baselines import build_sparse
+from barter.training.flops import StepFlops, run_step
 
 MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
 METHODS = ("dense", "static", "barter", "barter-after", "rigl", "set")
@@ -83,7 +83,7 @@ def batch(arch: str, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 
 
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, count: bool = False) -> StepFlops | None:
-    """Forward, loss and backward as training runs them (`barter.flops.run_step`; FLOPs counted if `count`),
+    """Forward, loss and backward as training runs them (`barter.training.flops.run_step`; FLOPs counted if `count`),
     then the optimizer and the method's step."""
     _, _, flops = run_step(run.model, x, lambda out: torch.nn.functional.cross_entropy(out, y), count)
     run.optimizer.step()

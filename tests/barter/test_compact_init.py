@@ -1,7 +1,8 @@
 """Compact initialisation: initial counts and which units are kept."""
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import barter

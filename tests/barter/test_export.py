@@ -8,11 +8,11 @@ import weakref
 import pytest
 import timm
 import torch
-from fxsurgery import Surgeon
+from zoo import Style, TinyTransformer
 
 import barter
 from barter import ExportError
-from zoo import Style, TinyTransformer
+from fxsurgery import Surgeon
 
 VIT = ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 10})
 CCT = ("cct_2_3x1_32_tiny", {})

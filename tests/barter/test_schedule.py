@@ -2,7 +2,8 @@
 import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from barter.schedule import make_schedule, rnd, transfer_count
 

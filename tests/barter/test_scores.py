@@ -1,6 +1,7 @@
 """Scores: d, s and their EMAs equal an autograd reference (retain_grad on the activation)."""
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from barter.scores import ScoreTable, unit_scores
@@ -65,7 +66,7 @@ def test_table_ema_matches_autograd_over_steps():
             blk.taps[kind] = table.tap(layer)
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
     ema = {k: torch.zeros(2, t.ema.shape[1], dtype=torch.float64) for k, t in tables.items()}
-    for step in range(4):
+    for _ in range(4):
         x = torch.randn(3, 5, 8)
         loss = block(x).square().mean()
         opt.zero_grad()
@@ -123,8 +124,8 @@ def test_table_edits_match_a_list_model(case):
     table = ScoreTable(counts, beta=0.9)
     n = sum(counts)
     table.ema = torch.stack((torch.arange(n, dtype=torch.float32), 100 + torch.arange(n, dtype=torch.float32)))
-    model = [[(float(k), 100.0 + k, -1) for k in range(sum(counts[:l]), sum(counts[:l + 1]))]
-             for l in range(len(counts))]
+    model = [[(float(k), 100.0 + k, -1) for k in range(sum(counts[:layer]), sum(counts[:layer + 1]))]
+             for layer in range(len(counts))]
     for step, (is_clone, layer, unit) in enumerate(ops):
         layer %= len(counts)
         units = model[layer]

@@ -1,6 +1,7 @@
 """Selection on hand-built score tables: receiver, donor, parent, skips, ties, and the random variants."""
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from barter.selection import propose, receiver_scores
 
@@ -129,17 +130,18 @@ def tables(draw):
 def test_selection_matches_brute_force(t):
     D, S, counts, initial, maximum, blocked, min_width = t
     p = propose(D, S, counts, initial, maximum, blocked, [min_width] * len(counts), "barter", torch.Generator())
-    units = [(l, i) for l, n in enumerate(counts) for i in range(n)]
+    units = [(layer, i) for layer, n in enumerate(counts) for i in range(n)]
     flat = {u: k for k, u in enumerate(units)}
-    R = {l: initial[l] / counts[l] * sum(float(S[flat[(l, i)]]) for i in range(counts[l])) / counts[l]
-         for l in range(len(counts)) if 0 < counts[l] < maximum[l]}
+    R = {layer: initial[layer] / counts[layer] * sum(float(S[flat[(layer, i)]]) for i in range(counts[layer]))
+         / counts[layer] for layer in range(len(counts)) if 0 < counts[layer] < maximum[layer]}
     if not R:
         assert p.skipped == "no eligible receiver"
         return
-    r = min(R, key=lambda l: (-R[l], l))
+    r = min(R, key=lambda layer: (-R[layer], layer))
     assert p.receiver == r
     assert p.parent == min(range(counts[r]), key=lambda i: (-float(S[flat[(r, i)]]), i))
-    donors = [(l, i) for l, i in units if l != r and counts[l] - 1 >= min_width and not blocked[flat[(l, i)]]]
+    donors = [(layer, i) for layer, i in units
+              if layer != r and counts[layer] - 1 >= min_width and not blocked[flat[(layer, i)]]]
     if not donors:
         assert p.skipped == "no eligible donor"
         return

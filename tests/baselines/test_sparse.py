@@ -5,10 +5,17 @@ import math
 import pytest
 import torch
 
-from barter.baselines import DynamicSparse, build_sparse, cosine_drop_fraction, drop_and_grow, erk_densities, layer_counts
+import models  # noqa: F401  (registers the project's models)
+from barter.baselines import (
+    DynamicSparse,
+    build_sparse,
+    cosine_drop_fraction,
+    drop_and_grow,
+    erk_densities,
+    layer_counts,
+)
 
 timm = pytest.importorskip("timm")
-import models  # noqa: F401  (registers the project's models)
 
 SHAPES = [(192, 64), (64, 64), (128, 64), (64, 128), (10, 64)]
 

@@ -10,7 +10,12 @@ from PIL import Image
 from timm.data.random_erasing import RandomErasing
 
 from barter.training.data import (
-    DatasetNotFoundError, build_datasets, build_mixup, build_train_transform, load_mnist5k, resolve_spec,
+    DatasetNotFoundError,
+    build_datasets,
+    build_mixup,
+    build_train_transform,
+    load_mnist5k,
+    resolve_spec,
 )
 
 

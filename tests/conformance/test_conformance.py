@@ -29,7 +29,7 @@ def params():
         yield pytest.param(name, build, x, id=name, marks=marks)
 
 
-@pytest.mark.parametrize("name, build, x", params())
+@pytest.mark.parametrize("name, build, x", list(params()))
 def test_conformance(name, build, x) -> None:
     r = check(name, build, x)
     assert not r.error, r.error

@@ -14,11 +14,13 @@ import torch
 import torch.fx
 
 from ..slicing import ParamSlice
+from .classes import classes, join_parameters
 from .constants import ConstantSpec, Site, Unsupported
-from .ids import NO_ID, align, unique_pairs, varies
+from .ids import NO_ID, align, varies
 from .labeller import Labeller
 from .records import Act, Sink
 from .rules import RULES
+from .unit_layout import describe_layout, layout
 
 
 @dataclass(kw_only=True)
@@ -65,75 +67,6 @@ class UnitAct(NamedTuple):
     classes: torch.Tensor
     units: torch.Tensor
     param: bool
-
-
-def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
-    """Class representative (smallest id) of each of ``n`` ids: connected components of the (k, 2) edges,
-    by vectorised min-label propagation with pointer jumping (a few passes over the edge list)."""
-    rep = torch.arange(n)
-    if not edges:
-        return rep
-    e = unique_pairs(torch.cat(edges))
-    a, b = e[:, 0], e[:, 1]
-    while True:
-        low = torch.minimum(rep[a], rep[b])
-        new = rep.scatter_reduce(0, a, low, "amin").scatter_reduce(0, b, low, "amin")
-        new = torch.minimum(new, new[new])
-        while not torch.equal(new, new[new]):
-            new = new[new]
-        if torch.equal(new, rep):
-            return rep
-        rep = new
-
-
-def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
-    """A parameter element used with one class only joins it (a per-unit parameter); one used with
-    several classes is shared by them and stays out (e.g. a norm weight over the head dim)."""
-    tent = [t for t in tentative if t.numel()]
-    if not tent:
-        return rep
-    t = torch.cat(tent)
-    pc = unique_pairs(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1))
-    pc = pc[pc[:, 0] != pc[:, 1]]
-    ids, counts = torch.unique(pc[:, 0], return_counts=True)
-    single = pc[torch.isin(pc[:, 0], ids[counts == 1])]
-    remap = torch.arange(rep.numel())
-    remap[single[:, 0]] = single[:, 1]
-    return remap[rep]
-
-
-def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
-    """(outer, inner) when unit indices ``u`` along a dim follow ``[outer][n][inner]``."""
-    size = u.numel()
-    if n == 0 or size % n or (u < 0).any():
-        return None
-    inner = 1
-    while inner < size and u[inner] == u[0]:
-        inner += 1
-    if size % (n * inner):
-        return None
-    expected = (torch.arange(size) // inner) % n
-    return (size // (n * inner), inner) if torch.equal(u, expected) else None
-
-
-def _describe_layout(u: torch.Tensor, n: int) -> str:
-    """Why unit indices ``u`` along a dim are no ``[outer][unit][inner]`` layout, for humans."""
-    present = torch.unique(u[u >= 0]).tolist()
-    if len(present) < n:
-        spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in _runs(present))
-        return (f"holds units {spans} of {n} only (each part of the units has a parameter of its own, "
-                f"so the units cannot be sliced as one layer)")
-    return f"holds all {n} units, but not in an [outer][unit][inner] order"
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], v)
-        else:
-            runs.append((v, v))
-    return runs
 
 
 def common_module(paths: Sequence[str]) -> str:
@@ -343,7 +276,7 @@ class _Builder:
         u = align(u, len(shape))
         dims = [d for d in range(u.dim()) if varies(u, d)]
         if not dims:  # one unit only, of n >= 2
-            raise Unsupported(f"{name}: {_describe_layout(u.flatten(), n)}")
+            raise Unsupported(f"{name}: {describe_layout(u.flatten(), n)}")
         if len(dims) > 1:
             raise Unsupported(f"{name}: units vary along {len(dims)} dims")
         d = dims[0]
@@ -353,7 +286,7 @@ class _Builder:
             raise Unsupported(f"{name}: elements of one slice belong to different units")
         lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
         if lay is None:
-            raise Unsupported(f"{name}: {_describe_layout(u1.flatten(), n)} along dim {d}")
+            raise Unsupported(f"{name}: {describe_layout(u1.flatten(), n)} along dim {d}")
         return ParamSlice(name, d, lay[0], lay[1], name == sink and d == 1)
 
     def shape_of(self, name: str) -> tuple[int, ...]:

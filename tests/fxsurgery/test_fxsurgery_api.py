@@ -349,7 +349,8 @@ def test_helper_taking_the_head_count_is_inlined_and_rewritten() -> None:
     s = Surgeon(model, (x,))
     head = s.group("1:head")
     assert head.count == 2 and head.exact
-    assert any("= 1·n" in c.describe() for c in s._editor.plumbing[head].constants)  # the helper's head count, now the host's
+    constants = s._editor.plumbing[head].constants
+    assert any("= 1·n" in c.describe() for c in constants)  # the helper's head count, now the host's
     with torch.no_grad():
         y0 = model(x)
         assert torch.equal(y0, original(x))

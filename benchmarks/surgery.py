@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
 import time
 import warnings
@@ -92,7 +93,7 @@ def main() -> None:
         for r in range(args.forward_repeat):  # interleaved, order alternating, so drift hits both alike
             pair = [("operated", model), ("untouched", plain)]
             for key, m in pair if r % 2 == 0 else pair[::-1]:
-                times[key].append(timed(lambda: m(xf)))
+                times[key].append(timed(functools.partial(m, xf)))
     fa, fb = statistics.median(times["operated"]), statistics.median(times["untouched"])
     print(f"forward at batch {args.forward_batch}: operated {fa * 1e3:.0f} ms, untouched {fb * 1e3:.0f} ms "
           f"(medians of {args.forward_repeat}); ratio {fa / fb:.3f}")

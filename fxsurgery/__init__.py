@@ -1,7 +1,33 @@
 """fxsurgery: find attention-head and FFN-channel groups in any torch.fx-traceable transformer, and
-remove or clone units with parameters, graph constants and optimizer state kept consistent."""
+remove or clone units with parameters, graph constants and optimizer state kept consistent.
+
+Layout: ``capture`` turns a module into fx graphs; ``dataflow`` labels them and groups units;
+``analysis`` runs that over a whole model and installs the hosts; ``editing`` operates on groups;
+``Surgeon`` (``surgeon``) is the facade over all of it.
+
+Glossary (as the code uses the words):
+
+- *id*: a unit coordinate. Labelling runs each op on id tensors beside the real values; a position
+  that carries no coordinate holds ``NO_ID``. A *class* is a set of ids tied together.
+- *space*: the fresh ids a linear map (Linear, ``F.linear``, pointwise convolution) gives its output
+  features. A class that holds space ids is a unit; units that share a tensor axis form a group.
+- *sink*: the weight whose columns read a unit's coordinates (the output projection). A group has
+  exactly one sink weight; its column slice is the group's ``output`` slice, and ``tap`` hooks it.
+- *member*: a parameter or buffer whose elements carry ids (weight rows and columns, biases, norm
+  weights); a member whose ids line up with the units along one axis becomes a ``ParamSlice``.
+- *tie*: a pair of ids that must belong to one unit (an elementwise op of two activations, a dim
+  contracted between two activations, a reshape folding positions together).
+- *pin*: ids that cannot be sliced, with the reason (an op without a rule, a contraction against a
+  plain tensor); a group holding a pinned class is refused and reported as left out.
+- *benign*: a pin that only says the coordinates are no unit axis (the residual stream, the model
+  output); a would-be group with a benign class is dropped without being reported. A pin that names a
+  dim applies only if the units turn out to lie along that dim.
+- *mix*: ids normalised or reduced together (softmax, layer norm, a sum): removing one unit changes
+  the others, so the group is kept but not ``exact``.
+"""
 from .errors import AnalysisError, OptimizerStateError, TraceError
+from .groups import LeftOut, UnitGroup
 from .slicing import ParamSlice
-from .surgeon import LeftOut, Surgeon, UnitGroup
+from .surgeon import Surgeon
 
 __all__ = ["Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError", "OptimizerStateError"]

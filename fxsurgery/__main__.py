@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.img_size:
         kwargs["img_size"] = args.img_size
     model = timm.create_model(args.model, **kwargs)
-    shape = model.pretrained_cfg.get("input_size", (3, 224, 224)) if not args.img_size else (3, args.img_size, args.img_size)
+    if args.img_size:
+        shape = (3, args.img_size, args.img_size)
+    else:
+        shape = model.pretrained_cfg.get("input_size", (3, 224, 224))
     s = Surgeon(model, (torch.randn(1, *shape),))
     print(s.explain())
     return 0

@@ -54,7 +54,8 @@ def state_tensors(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> l
             if v.shape != p.shape:
                 raise OptimizerStateError(
                     f"{type(opt).__name__} state '{k}' has shape {tuple(v.shape)} for a parameter of shape "
-                    f"{tuple(p.shape)}; only state shaped like its parameter (Adam, AdamW, SGD momentum, ...) can be resized")
+                    f"{tuple(p.shape)}; only state shaped like its parameter (Adam, AdamW, SGD momentum, ...) "
+                    "can be resized")
             out.append((st, k))
     return out
 

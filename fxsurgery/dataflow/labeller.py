@@ -4,18 +4,22 @@ says which feature coordinates (rows of the Linear that produced them) each posi
 Ops tie coordinates together (an elementwise op of two activations, a contraction of two activations,
 a parameter shared by a coordinate), couple them for exactness (normalisations), or make them
 unsliceable (an op without a rule). ``Records`` keeps all of it for the grouping step. Op handling
-is the table in ``fxsurgery.rules``.
+is the table in ``fxsurgery.dataflow.rules``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.fx
 from torch.fx.node import Node, map_arg
 
-from .tracing import meta_state
+from ..capture.calls import meta_state
+from .records import Act, Records
+
+if TYPE_CHECKING:
+    from .rule_table import RuleTable
 
 
 @dataclass(frozen=True)
@@ -25,55 +29,6 @@ class Label:
 
     ids: torch.Tensor
     param: bool = False
-
-
-@dataclass
-class Pin:
-    """Coordinates that cannot be sliced. ``dim`` set: only if the unit axis turns out to be that dim."""
-
-    ids: torch.Tensor
-    reason: str
-    benign: bool  # the coordinates simply are not a unit axis (residual stream, model output)
-    dim: int | None = None
-
-
-@dataclass
-class Records:
-    """Everything the labelling learns, in terms of ids."""
-
-    next_id: int = 0
-    edges: list[torch.Tensor] = field(default_factory=list)  # definite ties (k, 2)
-    tentative: list[torch.Tensor] = field(default_factory=list)  # (param id, activation id) uses
-    mixes: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # normalised together
-    pins: list[Pin] = field(default_factory=list)
-    contracted: list[torch.Tensor] = field(default_factory=list)  # ids contracted against activations
-    spaces: list[tuple[int, int, str]] = field(default_factory=list)  # (start, stop, producer node)
-    members: list[tuple[str, torch.Tensor]] = field(default_factory=list)  # (name, ids broadcast to shape)
-    sinks: list[tuple[str, str, torch.Tensor, int]] = field(default_factory=list)  # (param, node, col ids, feature dim)
-    nonempty: list[tuple[torch.Tensor, str]] = field(default_factory=list)  # ids an op cannot have zero of
-    acts: list[tuple[Node, int | None, torch.Tensor, bool]] = field(default_factory=list)  # every labelled value
-    size_reads: set[Node] = field(default_factory=set)
-    opaque: list[tuple[Node, str]] = field(default_factory=list)  # calls that take parameters and have no rule
-
-    def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
-        n = 1
-        for s in shape:
-            n *= s
-        out = torch.arange(self.next_id, self.next_id + n).reshape(shape)
-        self.next_id += n
-        return out
-
-    def tie(self, p: torch.Tensor) -> None:
-        if p.numel():
-            self.edges.append(p)
-
-    def member(self, name: str, ids: torch.Tensor) -> None:
-        """``ids`` (broadcastable to the parameter) name the coordinates its elements belong to; a
-        weight is listed once for its rows and once for its columns."""
-        self.members.append((name, ids))
-
-    def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None) -> None:
-        self.pins.append(Pin(ids, reason, benign, dim))
 
 
 def _is_meta(t: Any) -> bool:
@@ -159,11 +114,11 @@ class Labeller(torch.fx.Interpreter):
         if self.nested or n.op == "get_attr":  # raw parameters are members, not values with constants
             return
         if isinstance(label, Label):
-            self.rec.acts.append((n, None, label.ids, label.param))
+            self.rec.acts.append(Act(n, None, label.ids, label.param))
         elif isinstance(label, tuple):
             for i, lab in enumerate(label):
                 if isinstance(lab, Label):
-                    self.rec.acts.append((n, i, lab.ids, lab.param))
+                    self.rec.acts.append(Act(n, i, lab.ids, lab.param))
 
 
 class Step:
@@ -210,77 +165,8 @@ def _flatten(raw: Any, val: Any, lab: Any, vals: list, labs: list) -> None:
         vals.append(val)
         labs.append(lab)
     elif isinstance(raw, (tuple, list)):
-        for r, v, l in zip(raw, val, lab):
-            _flatten(r, v, l, vals, labs)
+        for raw_item, val_item, lab_item in zip(raw, val, lab):
+            _flatten(raw_item, val_item, lab_item, vals, labs)
     elif isinstance(raw, dict):
         for k in raw:
             _flatten(raw[k], val[k], lab[k], vals, labs)
-
-
-Rule = Callable[[Step], Any]
-
-
-class RuleTable:
-    """Maps a node to its rule: call_function by target, call_method by name, call_module by type."""
-
-    def __init__(self) -> None:
-        self.functions: dict[Any, Rule] = {}
-        self.methods: dict[str, Rule] = {}
-        self.modules: list[tuple[type, Rule]] = []
-        self.always: dict[str, Rule] = {}  # op kinds labelled even without labelled inputs
-        self.fallback: Rule | None = None
-
-    def function(self, *targets: Any) -> Callable[[Rule], Rule]:
-        def deco(fn: Rule) -> Rule:
-            for t in targets:
-                self.functions[t] = fn
-            return fn
-        return deco
-
-    def method(self, *names: str) -> Callable[[Rule], Rule]:
-        def deco(fn: Rule) -> Rule:
-            for n in names:
-                self.methods[n] = fn
-                self.methods[n + "_"] = fn  # in-place variants tie the same coordinates
-            return fn
-        return deco
-
-    def module(self, *types: type) -> Callable[[Rule], Rule]:
-        def deco(fn: Rule) -> Rule:
-            for t in types:
-                self.modules.append((t, fn))
-            return fn
-        return deco
-
-    def find(self, s: Step) -> Rule | None:
-        n = s.node
-        if n.op == "call_function":
-            return self.functions.get(n.target)
-        if n.op == "call_method":
-            return self.methods.get(n.target)
-        if n.op == "call_module":
-            mod = s.lab.module.get_submodule(n.target)
-            for t, fn in self.modules:
-                if isinstance(mod, t):
-                    return fn
-        return None
-
-    def label(self, s: Step) -> Any:
-        if s.node.op in self.always:
-            return self.always[s.node.op](s)
-        rule = self.find(s)
-        if rule is not None and getattr(rule, "always", False):
-            return rule(s)
-        if not s.has_labels():
-            return None
-        if rule is None:
-            return self.fallback(s) if self.fallback else None
-        return rule(s)
-
-
-def always(fn: Rule) -> Rule:
-    """Mark a rule that runs even when no input carries ids (producers start ids)."""
-    fn.always = True  # type: ignore[attr-defined]
-    return fn
-
-

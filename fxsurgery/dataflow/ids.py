@@ -63,7 +63,7 @@ def reshape_blocks(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tu
     return blocks
 
 
-def reshape(ids: torch.Tensor, in_shape: Sequence[int], out_shape: Sequence[int]) -> torch.Tensor:
+def reshape_ids(ids: torch.Tensor, in_shape: Sequence[int], out_shape: Sequence[int]) -> torch.Tensor:
     """Reshape ids like a value of ``in_shape`` reshaped to ``out_shape``, expanding only the runs of
     dims that actually carry varying ids."""
     src, dst = list(ids.shape), [1] * len(out_shape)

@@ -10,12 +10,11 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
+from zoo import masked_copy
 
 from barter.conformance import Conformance, check_surgery, check_training
 from fxsurgery import Surgeon
-
-from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
-from zoo import masked_copy
 
 WIDTH = 12
 
@@ -27,18 +26,21 @@ class Encoder(nn.Module):
         super().__init__()
         self.batch_first = batch_first
         self.embed = nn.Linear(5, WIDTH)
-        layer = nn.TransformerEncoderLayer(WIDTH, heads, ffn, dropout=0.2, batch_first=batch_first, norm_first=norm_first)
+        layer = nn.TransformerEncoderLayer(WIDTH, heads, ffn, dropout=0.2, batch_first=batch_first,
+                                           norm_first=norm_first)
         self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
         self.head = nn.Linear(WIDTH, 3)
 
-    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(x) if self.batch_first else self.embed(x).transpose(0, 1)
         h = self.encoder(h, mask=mask, src_key_padding_mask=padding)
         return self.head(h.mean(1 if self.batch_first else 0))
 
 
-shapes = st.fixed_dictionaries({"heads": st.sampled_from([2, 3, 4]), "ffn": st.integers(2, 6), "depth": st.integers(1, 2),
-                                "norm_first": st.booleans(), "batch_first": st.booleans()})
+shapes = st.fixed_dictionaries({"heads": st.sampled_from([2, 3, 4]), "ffn": st.integers(2, 6),
+                                "depth": st.integers(1, 2), "norm_first": st.booleans(),
+                                "batch_first": st.booleans()})
 
 
 def build(kw: dict, seed: int = 0) -> tuple[Encoder, torch.Tensor]:
@@ -54,7 +56,8 @@ def test_encoder_groups_clone_remove_and_modes(kw: dict, data: st.DataObject) ->
     s = Surgeon(model, (x,))
     groups = layer_groups(s)
     layers = [f"encoder.layers.{i}" for i in range(kw["depth"])]
-    assert sorted(groups) == sorted([f"{n}.self_attn.out_proj.weight" for n in layers] + [f"{n}.linear2.weight" for n in layers])
+    assert sorted(groups) == sorted([f"{n}.self_attn.out_proj.weight" for n in layers]
+                                    + [f"{n}.linear2.weight" for n in layers])
     assert [g.name for g in s.groups if g.kind == "head"] == [f"{n}.self_attn:head" for n in layers]
     assert all(g.exact for g in s.groups)
     for mode in ("train", "eval"):  # same seed: the same dropout draws as torch's own forward
@@ -107,7 +110,8 @@ class CrossBlock(nn.Module):
         self.cross = nn.MultiheadAttention(WIDTH, 3, kdim=7, vdim=5, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(WIDTH, 8), nn.GELU(), nn.Linear(8, WIDTH))
 
-    def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
+    def forward(self, x: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> tuple[torch.Tensor, ...] | torch.Tensor:
         a, weights = self.self_attn(x, x, x)
         x = x + a
         x = x + self.cross(x, keys, values, need_weights=False)[0]

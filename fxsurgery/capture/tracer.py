@@ -1,22 +1,21 @@
-"""torch.fx tracing of whole models and of the submodules that host units."""
+"""torch.fx tracing of whole models, of the submodules that host units, and of plain helper functions."""
 from __future__ import annotations
 
 import copy
 import functools
 import importlib
-import itertools
-import operator
 import importlib.util
 import inspect
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+import operator
+from typing import Any, Callable
 
 import torch
 import torch.fx
 import torch.nn as nn
 
+from ..errors import TraceError
+from .calls import training_mode
 from .decompositions import DECOMPOSITIONS
-from .errors import TraceError
 from .graph_forward import GraphForward
 
 
@@ -96,78 +95,6 @@ def _decomposed_class(cls: type, forward: Callable[..., Any]) -> type:
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
 
 
-@contextmanager
-def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
-    """Temporarily put ``module`` (recursively) in train or eval mode, then restore every flag."""
-    flags = [(m, m.training) for m in module.modules()]
-    module.train(mode)
-    try:
-        yield
-    finally:
-        for m, f in flags:
-            m.training = f
-
-
-@contextmanager
-def forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
-    """Analysis runs forwards; the user's random streams must not notice."""
-    devices = sorted({t.device.index or 0 for t in tensors if torch.is_tensor(t) and t.is_cuda})
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-def materialize(obj: Any, seed: int = 0) -> Any:
-    """Real tensors for meta ones (random floats, zeros otherwise); real tensors pass as they are."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def real(t: Any) -> Any:
-        if not (torch.is_tensor(t) and t.is_meta):
-            return t
-        if t.is_floating_point():
-            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
-        return torch.zeros(t.shape, dtype=t.dtype)
-
-    return torch.utils._pytree.tree_map(real, obj)
-
-
-def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) -> dict[str, tuple[tuple, dict]]:
-    """Run ``model`` once on the meta device (shapes only) and record the (args, kwargs) of the
-    first call of each named submodule; falls back to a real run for data-dependent models."""
-    seen: dict[str, tuple[tuple, dict]] = {}
-    handles = []
-    for name in names:
-        mod = model.get_submodule(name)
-
-        def hook(m, args, kwargs, name=name):
-            seen.setdefault(name, (args, kwargs))
-
-        handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
-    state = meta_state(model)
-    meta_inputs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example_inputs)
-    try:
-        with torch.no_grad(), forked_rng(_tensors(example_inputs)):
-            try:
-                torch.func.functional_call(model, state, meta_inputs)
-            except Exception:
-                seen.clear()
-                model(*example_inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
-def meta_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of ``module`` on the meta device, under every name it has: a module shared
-    by two parents must be swapped under both names, or ``functional_call`` leaves a plain tensor behind."""
-    named = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
-    return {k: v.to("meta") for k, v in named}
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t)]
-
-
 def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a call into traced tensor inputs and concrete values frozen at what the call passed
     (defaults for omitted optional arguments)."""
@@ -203,80 +130,24 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
     return torch.fx.GraphModule(module, graph, type(module).__name__), values
 
 
-def pack(value: Any) -> Any:
-    """The structure a helper returned, as one graph value (its inlined body yields several nodes)."""
-    return value
-
-
-def inline_helpers(graph: torch.fx.Graph, kind_of: Callable[[torch.fx.Node], str]) -> bool:
-    """Replace each call of a wrapped helper function whose non-tensor arguments are literals of the graph
-    by its traced body, so counts it takes (``num_heads``) become the graph's own constants, rewritten on
-    every edit. ``kind_of(node)`` says what a node held in a run: "tensor", "none" or "other". A helper that
-    does not trace, or takes values computed at run time, stays a call. Returns whether anything was inlined."""
-    changed = False
-    for node in list(graph.nodes):
-        fn = node.target
-        if node.op != "call_function" or not inspect.isfunction(fn) or fn.__module__.split(".")[0] in ("torch", __package__):
-            continue
-        try:
-            bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
-        except TypeError:
-            continue
-        bound.apply_defaults()
-        arguments = {k: (None if isinstance(v, torch.fx.Node) and kind_of(v) == "none" else v)
-                     for k, v in bound.arguments.items()}  # a node that was None at run time is None
-        literal = {k: v for k, v in arguments.items() if not isinstance(v, torch.fx.Node)}
-        if any(isinstance(v, torch.fx.Node) for v in torch.utils._pytree.tree_leaves(list(literal.values()))) or \
-                any(kind_of(v) != "tensor" for v in arguments.values() if isinstance(v, torch.fx.Node)):
-            continue
-        try:
-            body = Tracer().trace(fn, concrete_args=literal or None)
-        except Exception:  # control flow on tensors: the call stays opaque (its inside is labelled when it can be)
-            continue
-        if pytree_info(body) is not None or any(n.op == "get_attr" for n in body.nodes):
-            continue
-        val_map = {}
-        for p in (n for n in body.nodes if n.op == "placeholder"):
-            name = p.target if p.target in bound.arguments else p.target.rpartition("_")[0]
-            val_map[p] = arguments[name]
-        with graph.inserting_before(node):
-            out = graph.graph_copy(body, val_map)
-        for copied in val_map.values():
-            if isinstance(copied, torch.fx.Node) and "nn_module_stack" in node.meta:
-                copied.meta.setdefault("nn_module_stack", node.meta["nn_module_stack"])
-        if isinstance(out, torch.fx.Node):
-            node.replace_all_uses_with(out)
-        elif all(u.target is operator.getitem and u.args[0] is node and type(u.args[1]) is int for u in node.users):
-            for u in list(node.users):  # unpacked at once: each part (a node, a literal, a list of sizes) in place
-                _substitute(u, out[u.args[1]])
-        else:
-            with graph.inserting_before(node):
-                result = graph.call_function(pack, (out,))
-            result.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-            node.replace_all_uses_with(result)
-        graph.erase_node(node)
-        changed = True
-    return changed
-
-
-def _substitute(node: torch.fx.Node, value: Any) -> None:
-    """Put ``value`` wherever ``node`` is used, then drop ``node``."""
-    for user in list(node.users):
-        user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
-        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
-    node.graph.erase_node(node)
-
-
 def _with_literal_counts(graph: torch.fx.Graph, module: nn.Module) -> torch.fx.Graph:
     """Put the current values of an operated graph's count attributes (plain ints on the host) back as
     literals, as tracing would have baked them."""
     for node in list(graph.nodes):
         if node.op == "get_attr" and type(value := getattr(module, node.target, None)) is int:
-            for user in list(node.users):
-                user.args = torch.fx.node.map_arg(user.args, lambda n: value if n is node else n)
-                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n: value if n is node else n)
-            graph.erase_node(node)
+            substitute(node, value)
     return graph
+
+
+def substitute(node: torch.fx.Node, value: Any) -> None:
+    """Put ``value`` wherever ``node`` is used, then drop ``node``."""
+    def swap(n: torch.fx.Node) -> Any:
+        return value if n is node else n
+
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, swap)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, swap)
+    node.graph.erase_node(node)
 
 
 _function_graphs: dict[tuple, torch.fx.GraphModule] = {}

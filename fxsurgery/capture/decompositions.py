@@ -17,7 +17,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import TraceError
+from ..errors import TraceError
 
 DECOMPOSITIONS: dict[type, Callable[..., Any]] = {}
 # Modules whose units are hosted by their caller's graph: callers pass one tensor as query, key and value
@@ -108,8 +108,9 @@ def multihead_attention(self: nn.MultiheadAttention, query: torch.Tensor, key: t
 
 
 @decomposes(nn.TransformerEncoderLayer)
-def transformer_encoder_layer(self: nn.TransformerEncoderLayer, src: torch.Tensor, src_mask: torch.Tensor | None = None,
-                              src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+def transformer_encoder_layer(self: nn.TransformerEncoderLayer, src: torch.Tensor,
+                              src_mask: torch.Tensor | None = None, src_key_padding_mask: torch.Tensor | None = None,
+                              is_causal: bool = False) -> torch.Tensor:
     """The layer without its fused inference path (the same function)."""
     x = src
     if self.norm_first:
@@ -121,7 +122,8 @@ def transformer_encoder_layer(self: nn.TransformerEncoderLayer, src: torch.Tenso
 
 @decomposes(nn.TransformerEncoder)
 def transformer_encoder(self: nn.TransformerEncoder, src: torch.Tensor, mask: torch.Tensor | None = None,
-                        src_key_padding_mask: torch.Tensor | None = None, is_causal: bool | None = None) -> torch.Tensor:
+                        src_key_padding_mask: torch.Tensor | None = None,
+                        is_causal: bool | None = None) -> torch.Tensor:
     """The layers in turn (no nested-tensor path: padded positions keep their values instead of zeros). A
     mask not declared causal is applied as given, which is the same function as the causal hint."""
     for layer in self.layers:

@@ -1,0 +1,84 @@
+"""One host module's analysis: its train and eval graphs and the groups found in both; a fingerprint
+says which hosts are built alike, so one analysis (copied) serves them all."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..capture.calls import training_mode
+from ..capture.tracer import trace
+from ..dataflow.constants import ConstantSpec
+from ..dataflow.grouping import GroupSpec, Refusal
+from .find import find_groups
+
+
+@dataclass
+class HostGroup:
+    """A group found in both graphs of a host: its spec and the constants of both graphs."""
+
+    spec: GroupSpec
+    constants: list[ConstantSpec]
+
+
+@dataclass
+class HostAnalysis:
+    """The graphs and groups found for one host module; a copy serves any host built alike."""
+
+    graphs: dict[bool, torch.fx.Graph]
+    groups: list[HostGroup]
+    refusals: list[Refusal]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # constants tracing created
+
+    def copy(self) -> HostAnalysis:
+        """Fresh graphs, with every constant re-pointed to the same-named node of its graph's copy."""
+        copies = {id(g): copy.deepcopy(g) for g in self.graphs.values()}
+        by_name = {gid: {n.name: n for n in g.nodes} for gid, g in copies.items()}
+        groups = [HostGroup(hg.spec, [ConstantSpec(by_name[id(c.node.graph)][c.node.name], c.path, c.per_unit)
+                                      for c in hg.constants])
+                  for hg in self.groups]
+        return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, groups, self.refusals, self.tensors)
+
+
+def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Everything tracing and analysis read: module types, plain attributes, parameter shapes,
+    integer buffer contents, and the call's input shapes and frozen values."""
+    parts = []
+    for name, m in module.named_modules():
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+                             if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))))
+        params = tuple((k, tuple(p.shape), p.dtype) for k, p in m.named_parameters(recurse=False))
+        buffers = tuple((k, tuple(b.shape), b.dtype, None if b.is_floating_point() else hash(b.cpu().numpy().tobytes()))
+                        for k, b in m.named_buffers(recurse=False))
+        parts.append((name, type(m), attrs, params, buffers))
+    call = tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
+                 for t in pytree.tree_leaves((args, kwargs)))
+    return tuple(parts), call
+
+
+def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> HostAnalysis:
+    """Trace the host in train and eval mode and find its groups in both graphs."""
+    graphs, results, tensors = {}, {}, {}
+    for mode in (True, False):
+        gm, values = trace(module, host, args, kwargs, mode)
+        tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
+                        if n.op == "get_attr" and n.target.startswith("_tensor_constant")})
+        if mode is False and gm.code == graphs[True].owning_module.code:
+            graphs[False], results[False] = graphs[True], results[True]
+            break
+        graphs[mode] = gm.graph
+        with training_mode(module, mode):
+            results[mode] = find_groups(gm, values, host)
+    eval_specs = {s.sink: s for s in results[False].groups}
+    groups, refusals = [], list(results[True].refusals)
+    for spec in results[True].groups:
+        other = eval_specs.get(spec.sink)
+        if other is None or other.count != spec.count:
+            refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
+            continue
+        groups.append(HostGroup(spec, spec.constants + ([] if other is spec else other.constants)))
+    return HostAnalysis(graphs, groups, refusals, tensors)

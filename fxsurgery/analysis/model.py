@@ -1,0 +1,111 @@
+"""Analysing a whole model: trace its regions, locate the hosts, install each host's rewritten graphs,
+and offer every group that passes the self-check."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from ..capture.calls import capture_inputs
+from ..capture.graph_forward import GraphForward
+from ..dataflow.grouping import GroupSpec, common_module
+from ..editing import Editor, bind_constants
+from ..errors import AnalysisError, TraceError
+from ..groups import ConstantSlot, GroupPlumbing, LeftOut, TapLayout, UnitGroup
+from ..slicing import ParamSlice
+from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
+from .regions import find_regions, join_path, locate_hosts
+from .verify import self_check
+
+_PROJECTIONS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # output projections a tap can hook
+
+
+@dataclass
+class Findings:
+    """The groups offered and the parts left out, in the order found."""
+
+    groups: list[UnitGroup] = field(default_factory=list)
+    left_out: list[LeftOut] = field(default_factory=list)
+
+    def leave_out(self, module: str, reasons: list[str]) -> None:
+        """Report ``module`` as left out (once: a region and its host may find the same refusal)."""
+        if LeftOut(module, reasons) not in self.left_out:
+            self.left_out.append(LeftOut(module, reasons))
+
+
+def analyse_model(model: nn.Module, example_inputs: tuple, editor: Editor) -> Findings:
+    """Find, install and check the groups of ``model``; their plumbing goes to ``editor``."""
+    findings = Findings()
+    regions, failures = find_regions(model, example_inputs, findings.leave_out)
+    hosts = locate_hosts(model, regions, findings.leave_out)
+    if hosts:
+        inputs = capture_inputs(model, example_inputs, [h for h in hosts if h])
+        if "" in hosts:
+            inputs[""] = (example_inputs, {})
+        installer = _Installer(model, editor, findings)
+        for host in hosts:
+            installer.install(host, inputs[host])
+    # modules that did not trace: their parts were analysed on their own where they traced
+    for name, err in failures:
+        findings.leave_out(name, [str(err)])
+    if not findings.groups:
+        if failures:
+            raise TraceError("; ".join(str(err) for _, err in failures))
+        why = "; ".join(f"{lo.module}: {', '.join(lo.reasons)}" for lo in findings.left_out) \
+            or "no attention heads or FFN channels"
+        raise AnalysisError(f"no unit groups found in {type(model).__name__}: {why}")
+    return findings
+
+
+class _Installer:
+    """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
+
+    def __init__(self, model: nn.Module, editor: Editor, findings: Findings):
+        self.model, self.editor, self.findings = model, editor, findings
+        self.templates: dict[tuple, HostAnalysis] = {}
+        self.checked: dict[tuple, str | None] = {}
+
+    def install(self, host: str, inputs: tuple[tuple, dict]) -> None:
+        module = self.model.get_submodule(host) if host else self.model
+        args, kwargs = inputs
+        key = fingerprint(module, args, kwargs)
+        if key not in self.templates:  # hosts built alike (every block of a ViT) are analysed once
+            self.templates[key] = analyse_host(module, host, args, kwargs)
+        found = self.templates[key].copy()
+        for r in found.refusals:
+            self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
+        module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
+        slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
+        GraphForward(module, found.graphs).install()
+        for hg, group_slots in zip(found.groups, slots):
+            g = self.make_group(host, hg.spec)
+            self.editor.plumbing[g] = self.plumbing(host, hg, group_slots)
+            # identical code, layout and inputs give identical self-check outcomes
+            check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
+            if check not in self.checked:
+                self.checked[check] = self_check(self.editor, g, inputs)
+            if self.checked[check]:
+                self.findings.leave_out(g.module, [f"self-check failed: {self.checked[check]}"])
+                del self.editor.plumbing[g]
+            else:
+                self.findings.groups.append(g)
+
+    def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
+        module = join_path(host, common_module(spec.modules))
+        base = f"{module or type(self.model).__name__}:{spec.kind}"
+        name = base
+        for k in itertools.count(1):
+            if all(g.name != name for g in self.findings.groups):
+                break
+            name = f"{base}{k}"
+        slices = tuple(ParamSlice(join_path(host, m.name), m.dim, m.outer, m.inner, m.output) for m in spec.members)
+        return UnitGroup(name=name, kind=spec.kind, module=module, count=spec.count, max_count=spec.count,
+                         exact=spec.exact, slices=slices, notes=tuple(spec.notes), min_count=spec.min_count)
+
+    def plumbing(self, host: str, hg: HostGroup, slots: list[ConstantSlot]) -> GroupPlumbing:
+        sink = join_path(host, hg.spec.sink.rsplit(".", 1)[0])
+        tappable = isinstance(self.editor.submodule(sink), _PROJECTIONS)
+        return GroupPlumbing(host=host, sink_module=sink if tappable else None,
+                             tap=TapLayout(hg.spec.tap_outer, hg.spec.tap_inner, hg.spec.tap_dim),
+                             constants=hg.constants, slots=slots)

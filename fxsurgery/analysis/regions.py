@@ -1,0 +1,109 @@
+"""Which graphs to trace: the whole model if it traces (plus the modules the tracer keeps opaque),
+else the largest submodules that do; and which modules host the groups found there."""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch.fx
+import torch.nn as nn
+
+from ..capture.calls import capture_inputs
+from ..capture.decompositions import CALLER_HOSTED
+from ..capture.tracer import trace
+from ..dataflow.grouping import common_module
+from ..errors import TraceError
+from .find import find_groups
+
+LeaveOut = Callable[[str, list[str]], None]  # report a module as left out, with reasons
+
+
+class Region(NamedTuple):
+    """A traced graph of the module at ``prefix`` ("" for the model) and its placeholders' values."""
+
+    prefix: str
+    gm: torch.fx.GraphModule
+    values: list
+
+
+class TraceFailure(NamedTuple):
+    module: str
+    error: TraceError
+
+
+def join_path(prefix: str, name: str) -> str:
+    """Dotted module path ``prefix.name`` ("" stands for the root)."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def find_regions(model: nn.Module, example_inputs: tuple,
+                 leave_out: LeaveOut) -> tuple[list[Region], list[TraceFailure]]:
+    """The whole model if it traces (plus the modules it keeps as opaque fx leaves), else the
+    largest submodules that do."""
+    try:
+        gm, values = trace(model, "", example_inputs, {}, model.training)
+    except TraceError as e:
+        return _submodule_regions(model, example_inputs, [TraceFailure("", e)])
+    leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"
+              and not type(gm.get_submodule(n.target)).__module__.startswith("torch.")]
+    regions = [Region("", gm, values)]
+    calls = capture_inputs(model, example_inputs, leaves) if leaves else {}
+    for name in leaves:
+        if name in calls:
+            try:
+                regions.append(Region(name, *trace(model.get_submodule(name), name, *calls[name], model.training)))
+            except TraceError as err:
+                leave_out(name, [f"kept opaque by the tracer and not traceable: {err}"])
+    return regions, []
+
+
+def _submodule_regions(model: nn.Module, example_inputs: tuple,
+                       failures: list[TraceFailure]) -> tuple[list[Region], list[TraceFailure]]:
+    names = [n for n, _ in model.named_modules() if n]
+    calls = capture_inputs(model, example_inputs, names)
+    regions = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child, sub in module.named_children():
+            q = join_path(prefix, child)
+            if q not in calls:  # containers such as ModuleList are never called themselves
+                visit(q, sub)
+                continue
+            try:
+                regions.append(Region(q, *trace(sub, q, *calls[q], sub.training)))
+            except TraceError as err:
+                failures.append(TraceFailure(q, err))
+                visit(q, sub)
+
+    visit("", model)
+    return regions, failures
+
+
+def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -> list[str]:
+    """The outermost modules that host a candidate group (each is traced again on its own)."""
+    found: list[str] = []
+    for prefix, gm, values in regions:
+        result = find_groups(gm, values, prefix, locate=True)
+        for modules in result.located:
+            found.append(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))))
+        for r in result.refusals:
+            leave_out(join_path(prefix, common_module(r.modules)), r.reasons)
+    hosts = sorted(set(found))
+    return [h for h in hosts if not any(h.startswith(o + ".") or (o == "" and h) for o in hosts if o != h)]
+
+
+def _host_within(model: nn.Module, prefix: str, gm: torch.fx.GraphModule, path: str) -> str:
+    """The module of ``gm`` (a region traced at ``prefix``) that hosts a group found at ``path``: the
+    module itself, or for a caller-hosted torch module the nearest module that called it."""
+    while path and type(model.get_submodule(join_path(prefix, path))) in CALLER_HOSTED:
+        path = _caller(gm, path)
+    return path
+
+
+def _caller(gm: torch.fx.GraphModule, path: str) -> str:
+    """The module that called the module ``path`` in ``gm``'s trace ("" for the traced root)."""
+    for node in gm.graph.nodes:
+        stack = [p for p, _ in node.meta.get("nn_module_stack", {}).values()]
+        if path in stack:
+            i = stack.index(path)
+            return stack[i - 1] if i else ""
+    return ""

@@ -1,0 +1,70 @@
+"""The one self-check every group passes on the live model before it is offered: a clone must leave
+the host's outputs unchanged, and a removal must equal masking the unit (and keep output shapes)."""
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..capture.calls import forked_rng, materialize, training_mode
+from ..editing import Editor
+from ..groups import UnitGroup
+from ..slicing import clone_unit
+
+
+def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str | None:
+    """Clone and remove unit 0 on the live host, compare its outputs, and restore everything. Returns
+    what went wrong, or None."""
+    module = editor.host(g)
+    args, kwargs = materialize(inputs)
+    saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
+    count = g.count
+    dtype = saved[0][1].dtype if saved else torch.float32
+    tol = {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
+
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
+
+    def restore() -> None:
+        for t, data, grad in saved:
+            t.data, t.grad = data, grad
+        editor.settle(g, count)
+
+    try:
+        with training_mode(module, False), forked_rng(pytree.tree_leaves((args, kwargs))):
+            y0 = run()
+            if g.exact:
+                noise = editor.noise(g, 0, 0.5, None, True)
+                editor.edit(g, count + 1, lambda sl, t: clone_unit(t, sl, count, 0, noise.get(sl.name)), None)
+                err = _max_rel_diff(y0, run())
+                restore()
+                if err > tol:
+                    return f"a clone changed the outputs by {err:.2e}"
+            out = next(sl for sl in g.slices if sl.output)
+            w = editor.tensor(out.name)
+            w.data = w.data.clone()
+            out.unit(w.data, count, 0).zero_()
+            y_mask = run()
+            restore()
+            rest = torch.arange(1, count)
+            editor.edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
+            y_rm = run()
+            err = _max_rel_diff(y_mask, y_rm)
+            if g.exact and err > tol:
+                return f"a removal differs from masking by {err:.2e}"
+            if [y.shape for y in y_rm] != [y.shape for y in y0]:
+                return "a removal changed the output shapes"
+    except Exception as e:  # report the group, keep the model usable
+        return f"{type(e).__name__}: {e}"
+    finally:
+        restore()
+    return None
+
+
+def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    if [x.shape for x in a] != [y.shape for y in b]:
+        return float("inf")
+    scale = max([1.0] + [float(x.abs().max()) for x in a if x.numel()])
+    return max([0.0] + [float((x - y).abs().max()) for x, y in zip(a, b) if x.numel()]) / scale

@@ -1,0 +1,84 @@
+"""Running a model for the analysis without side effects: train/eval mode and random streams restored,
+the calls of submodules recorded on the meta device, meta values made real where code needs data."""
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+
+@contextmanager
+def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
+    """Temporarily put ``module`` (recursively) in train or eval mode, then restore every flag."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train(mode)
+    try:
+        yield
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+@contextmanager
+def forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Analysis runs forwards; the user's random streams must not notice."""
+    devices = sorted({t.device.index or 0 for t in tensors if torch.is_tensor(t) and t.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def materialize(obj: Any, seed: int = 0) -> Any:
+    """Real tensors for meta ones (random floats, zeros otherwise); real tensors pass as they are."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def real(t: Any) -> Any:
+        if not (torch.is_tensor(t) and t.is_meta):
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        return torch.zeros(t.shape, dtype=t.dtype)
+
+    return torch.utils._pytree.tree_map(real, obj)
+
+
+def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) -> dict[str, tuple[tuple, dict]]:
+    """Run ``model`` once on the meta device (shapes only) and record the (args, kwargs) of the
+    first call of each named submodule; falls back to a real run for data-dependent models."""
+    seen: dict[str, tuple[tuple, dict]] = {}
+    handles = [model.get_submodule(name).register_forward_pre_hook(_recorder(seen, name), with_kwargs=True)
+               for name in names]
+    state = meta_state(model)
+    meta_inputs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example_inputs)
+    try:
+        with torch.no_grad(), forked_rng(_tensors(example_inputs)):
+            try:
+                torch.func.functional_call(model, state, meta_inputs)
+            except Exception:
+                seen.clear()
+                model(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _recorder(seen: dict[str, tuple[tuple, dict]], name: str) -> Any:
+    """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with."""
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault(name, (args, kwargs))
+    return hook
+
+
+def meta_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``module`` on the meta device, under every name it has: a module shared
+    by two parents must be swapped under both names, or ``functional_call`` leaves a plain tensor behind."""
+    named = itertools.chain(module.named_parameters(remove_duplicate=False),
+                            module.named_buffers(remove_duplicate=False))
+    return {k: v.to("meta") for k, v in named}
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t)]

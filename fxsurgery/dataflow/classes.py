@@ -1,0 +1,41 @@
+"""Classes of ids: connected components of the ties, and parameters joined to the one class they serve."""
+from __future__ import annotations
+
+import torch
+
+from .ids import unique_pairs
+
+
+def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
+    """Class representative (smallest id) of each of ``n`` ids: connected components of the (k, 2) edges,
+    by vectorised min-label propagation with pointer jumping (a few passes over the edge list)."""
+    rep = torch.arange(n)
+    if not edges:
+        return rep
+    e = unique_pairs(torch.cat(edges))
+    a, b = e[:, 0], e[:, 1]
+    while True:
+        low = torch.minimum(rep[a], rep[b])
+        new = rep.scatter_reduce(0, a, low, "amin").scatter_reduce(0, b, low, "amin")
+        new = torch.minimum(new, new[new])
+        while not torch.equal(new, new[new]):
+            new = new[new]
+        if torch.equal(new, rep):
+            return rep
+        rep = new
+
+
+def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
+    """A parameter element used with one class only joins it (a per-unit parameter); one used with
+    several classes is shared by them and stays out (e.g. a norm weight over the head dim)."""
+    tent = [t for t in tentative if t.numel()]
+    if not tent:
+        return rep
+    t = torch.cat(tent)
+    pc = unique_pairs(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1))
+    pc = pc[pc[:, 0] != pc[:, 1]]
+    ids, counts = torch.unique(pc[:, 0], return_counts=True)
+    single = pc[torch.isin(pc[:, 0], ids[counts == 1])]
+    remap = torch.arange(rep.numel())
+    remap[single[:, 0]] = single[:, 1]
+    return remap[rep]

@@ -1,0 +1,114 @@
+"""What labelling a graph learns, in terms of ids: one NamedTuple per kind of fact, kept in ``Records``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch.fx.node import Node
+
+
+class Pin(NamedTuple):
+    """Coordinates that cannot be sliced. ``benign``: they simply are no unit axis (residual stream,
+    model output). ``dim`` set: only if the unit axis turns out to be that dim."""
+
+    ids: torch.Tensor
+    reason: str
+    benign: bool = False
+    dim: int | None = None
+
+
+class Mix(NamedTuple):
+    """(k, 2) id pairs normalised or reduced together: removing one coordinate changes the others."""
+
+    pairs: torch.Tensor
+    reason: str
+
+
+class Space(NamedTuple):
+    """The ids ``start`` to ``stop`` a linear map (graph node ``node``) gave its output features."""
+
+    start: int
+    stop: int
+    node: str
+
+
+class Member(NamedTuple):
+    """Ids (broadcastable to the parameter or buffer ``name``) naming the coordinates of its elements."""
+
+    name: str
+    ids: torch.Tensor
+
+
+class Sink(NamedTuple):
+    """A linear map (graph node ``node``) reading coordinates ``columns`` with its weight's columns, over
+    feature dim ``dim`` of its input."""
+
+    weight: str
+    node: str
+    columns: torch.Tensor
+    dim: int
+
+
+class NonEmpty(NamedTuple):
+    """Coordinates an op cannot have zero of."""
+
+    ids: torch.Tensor
+    reason: str
+
+
+class Act(NamedTuple):
+    """A labelled value: output ``index`` of ``node`` (None for a single output) and its ids."""
+
+    node: Node
+    index: int | None
+    ids: torch.Tensor
+    param: bool
+
+
+class Opaque(NamedTuple):
+    """A call that takes parameters and has no rule: whatever units it holds are not analysed."""
+
+    node: Node
+    reason: str
+
+
+@dataclass
+class Records:
+    """Everything the labelling learns; ``next_id`` is the number of ids handed out."""
+
+    next_id: int = 0
+    ties: list[torch.Tensor] = field(default_factory=list)  # (k, 2) id pairs of one unit
+    tentative: list[torch.Tensor] = field(default_factory=list)  # (param id, activation id) uses
+    mixes: list[Mix] = field(default_factory=list)
+    pins: list[Pin] = field(default_factory=list)
+    contracted: list[torch.Tensor] = field(default_factory=list)  # ids contracted against activations
+    spaces: list[Space] = field(default_factory=list)
+    members: list[Member] = field(default_factory=list)
+    sinks: list[Sink] = field(default_factory=list)
+    nonempty: list[NonEmpty] = field(default_factory=list)
+    acts: list[Act] = field(default_factory=list)
+    size_reads: set[Node] = field(default_factory=set)
+    opaque: list[Opaque] = field(default_factory=list)
+
+    def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        out = torch.arange(self.next_id, self.next_id + n).reshape(shape)
+        self.next_id += n
+        return out
+
+    def tie(self, p: torch.Tensor) -> None:
+        if p.numel():
+            self.ties.append(p)
+
+    def member(self, name: str, ids: torch.Tensor) -> None:
+        """A weight is listed once for its rows and once for its columns."""
+        self.members.append(Member(name, ids))
+
+    def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None) -> None:
+        self.pins.append(Pin(ids, reason, benign, dim))
+
+    def mix(self, pairs: torch.Tensor, reason: str) -> None:
+        self.mixes.append(Mix(pairs, reason))

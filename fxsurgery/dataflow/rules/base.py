@@ -1,0 +1,87 @@
+"""The op table of the labelling and the helpers its rules share.
+
+A rule gets a ``Step`` (real argument values, their labels, the real output) and returns the output's
+``Label`` (or a tuple of them), recording ties, pins and mixes on the way. Anything that receives ids
+and has no rule pins them: the analysis never guesses.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ..ids import align, broadcast, merge, pairs, unique_pairs
+from ..labeller import Label, Step
+from ..rule_table import RuleTable
+
+RULES = RuleTable()
+
+
+def first_tensor(s: Step) -> tuple[torch.Tensor, Label | None]:
+    """The first tensor argument and its label."""
+    return next(iter(s.tensors()))
+
+
+def wrap_dim(d: int, ndim: int) -> int:
+    """``d`` as a non-negative dim of a rank-``ndim`` value."""
+    return d % ndim if ndim else 0
+
+
+def pin_all(s: Step, reason: str, benign: bool = False) -> None:
+    """Pin the ids of every labelled tensor argument."""
+    for _, lab in s.tensors():
+        if lab is not None:
+            s.rec.pin(lab.ids, f"{s.name}: {reason}", benign)
+
+
+def defer_pins(s: Step, ids: torch.Tensor, other: Sequence[int], what: str, benign: bool = True) -> None:
+    """A tensor we cannot slice lines up with ``ids``: fine unless the unit axis is one of those dims (then
+    the axis is no unit axis, or, with ``benign`` False, its units are refused)."""
+    ids = align(ids, max(ids.dim(), len(other)))
+    other = (1,) * (ids.dim() - len(other)) + tuple(other)
+    for d in range(ids.dim()):
+        if ids.shape[d] > 1 and other[d] > 1:
+            s.rec.pin(ids, f"{s.name}: {what} lines up with the unit axis (dim {d})", benign, d)
+
+
+def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: int) -> Label | None:
+    """Output label of an elementwise op over tensor ``operands`` broadcast to rank ``ndim``."""
+    acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
+    params = [align(lab.ids, ndim) for _, lab in operands if lab is not None and lab.param]
+    plain = [tuple(v.shape) for v, lab in operands if lab is None and torch.is_tensor(v)]
+    if not acts:
+        if plain and any(any(n > 1 for n in sh) for sh in plain):
+            for p in params:  # a parameter combined with an unsliceable activation
+                s.rec.pin(p, f"{s.name}: parameter combined with a plain activation", True)
+            return None
+        ids = params[0]
+        for p in params[1:]:
+            ids, tie = merge(ids, p)
+            s.rec.tie(tie)
+        return Label(ids, True)
+    ids = acts[0]
+    for a in acts[1:]:
+        ids, tie = merge(ids, a)
+        s.rec.tie(tie)
+    for p in params:
+        s.rec.tentative.append(pairs(p, ids))
+    for sh in plain:
+        defer_pins(s, ids, sh, "a plain tensor")
+    return Label(ids)
+
+
+def mix(s: Step, ids: torch.Tensor, dims: Sequence[int], what: str) -> None:
+    """Coordinates normalised or reduced together: removing one changes the others (not exact)."""
+    dims = [d for d in dims if ids.shape[d] > 1]
+    if dims:
+        rep = ids.amax(dim=dims, keepdim=True)
+        a, b = broadcast(ids, rep)
+        p = unique_pairs(torch.stack([a.flatten(), b.flatten()], 1))
+        s.rec.mix(p, f"{s.name}: {what}")
+
+
+def param_label(s: Step, name: str, p: torch.Tensor) -> Label:
+    """Fresh ids, one per element, for a parameter or buffer; it is a member candidate."""
+    ids = s.rec.fresh(tuple(p.shape))
+    s.rec.member(name, ids)
+    return Label(ids, True)

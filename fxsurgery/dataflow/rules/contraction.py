@@ -1,0 +1,198 @@
+"""Contractions (matmul, einsum, attention) on ids: what two activations contract is a head."""
+from __future__ import annotations
+
+import operator
+import string
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ids import NO_ID, align, compact, fold, merge, pairs, varies
+from ..labeller import Label, Step
+from .base import RULES, defer_pins, elementwise_labels, mix, pin_all
+
+
+class Operand(NamedTuple):
+    """One operand of a contraction: its shape and subscripts, its label, and its ids laid out over
+    all the contraction's letters (size 1 where it lacks a letter; None when it has no label)."""
+
+    shape: Sequence[int]
+    label: Label | None
+    subs: str
+    ids: torch.Tensor | None
+
+    @property
+    def activation(self) -> bool:
+        return self.label is not None and not self.label.param
+
+    @property
+    def parameter(self) -> bool:
+        return self.label is not None and self.label.param
+
+
+def _operand(shape: Sequence[int], lab: Label | None, sub: str, letters: list[str]) -> Operand:
+    if lab is None:
+        return Operand(shape, None, sub, None)
+    ids = align(lab.ids, len(sub))
+    ids = ids.permute([sub.index(c) for c in letters if c in sub])
+    full = [1] * len(letters)
+    for c, n in zip([c for c in letters if c in sub], ids.shape):
+        full[letters.index(c)] = n
+    return Operand(shape, lab, sub, ids.reshape(full))
+
+
+def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: list[str],
+             out_sub: str) -> Label | None:
+    """Einsum-style contraction on ids. A contracted letter that two activations carry ties all its
+    coordinates (q·kᵀ makes a head); against a parameter it is a sink; shared batch letters tie
+    positions; against a plain tensor the letter may not be the unit axis."""
+    letters = sorted(set("".join(subs)) | set(out_sub))
+    pos = {c: i for i, c in enumerate(letters)}
+    views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
+    reps = [v.ids for v in views]
+    consumed: list[set[int]] = [set() for _ in views]
+    for c in letters:
+        if c in out_sub:
+            continue
+        ax = pos[c]
+        holders = [i for i, v in enumerate(views) if c in v.subs]
+        labelled = [i for i in holders if views[i].label is not None and reps[i].shape[ax] > 1]
+        if not labelled:
+            continue
+        acts = [i for i in holders if views[i].activation]
+        params = [i for i in holders if views[i].parameter]
+        plain = [i for i in holders if views[i].label is None and views[i].shape[views[i].subs.index(c)] > 1]
+        if len(acts) >= 2:
+            for i in acts:
+                s.rec.contracted.append(reps[i])
+                reps[i], tie = fold(reps[i], [ax])
+                s.rec.tie(tie)
+        elif len(acts) == 1 and params:
+            a = acts[0]
+            for p in params:
+                s.rec.tentative.append(pairs(reps[p], reps[a]))
+            if any(varies(reps[a], pos[k]) for k in out_sub):
+                # units kept on another axis (heads) contract their coordinates against a parameter they
+                # share (a relative-position table): each unit's coordinates go together and it stays a unit
+                reps[a], tie = fold(reps[a], [ax])
+                s.rec.tie(tie)
+            else:
+                consumed[a].add(ax)
+        elif len(acts) == 1 and plain:
+            s.rec.pin(reps[acts[0]], f"{s.name}: contracted against a plain tensor", False, ax)
+            consumed[acts[0]].add(ax)
+        elif len(acts) == 1:
+            mix(s, reps[acts[0]], [ax], "sum over a unit axis")
+            consumed[acts[0]].add(ax)
+        else:
+            s.rec.pin(reps[labelled[0]], f"{s.name}: contraction of parameters")
+            return None
+    return _output_label(s, views, reps, consumed, letters, out_sub)
+
+
+def _output_label(s: Step, views: list[Operand], reps: list[torch.Tensor | None], consumed: list[set[int]],
+                  letters: list[str], out_sub: str) -> Label | None:
+    """The activations' ids with contracted letters dropped (a letter consumed by a sink carries no
+    coordinate any more), merged, in the order of ``out_sub``."""
+    pos = {c: i for i, c in enumerate(letters)}
+    out = None
+    for i, v in enumerate(views):
+        if not v.activation:
+            continue
+        r = reps[i]
+        for c in letters:
+            if c in out_sub:
+                continue
+            ax = pos[c]
+            if ax in consumed[i] and r.shape[ax] > 1:
+                r = torch.full_like(r.narrow(ax, 0, 1), NO_ID)
+            elif r.shape[ax] > 1:
+                r = r.amax(dim=ax, keepdim=True)
+        if out is None:
+            out = r
+        else:
+            out, tie = merge(out, r)
+            s.rec.tie(tie)
+    if out is None:
+        return None
+    for v in views:
+        if v.label is None:
+            full = [1] * len(letters)
+            for c, n in zip(v.subs, v.shape):
+                if c in out_sub:
+                    full[pos[c]] = n
+            defer_pins(s, out, full, "a plain operand", benign=False)
+    out = out.permute([pos[c] for c in out_sub] + [pos[c] for c in letters if c not in out_sub])
+    out = out.reshape(out.shape[: len(out_sub)])
+    if (out == NO_ID).all():
+        return None
+    return Label(compact(out))
+
+
+_BATCH = string.ascii_lowercase[:20]
+
+
+def matmul_subs(ra: int, rb: int) -> tuple[str, str, str]:
+    """Einsum subscripts of ``a @ b`` for operand ranks ``ra`` and ``rb`` (batch dims broadcast)."""
+    n, k, m = "xyz"
+    nb = max(ra, rb) - 2
+    batch = _BATCH[:max(nb, 0)]
+    a = (batch[len(batch) - (ra - 2):] if ra > 2 else "") + (n + k if ra >= 2 else k)
+    b = (batch[len(batch) - (rb - 2):] if rb > 2 else "") + (k + m if rb >= 2 else k)
+    out = batch + (n if ra >= 2 else "") + (m if rb >= 2 else "")
+    return a, b, out
+
+
+@RULES.function(torch.matmul, operator.matmul, torch.bmm, torch.mm)
+@RULES.method("matmul", "bmm", "mm")
+def matmul(s: Step) -> Label | None:
+    (a, la), (b, lb) = list(s.tensors())[:2]
+    sa, sb, so = matmul_subs(a.dim(), b.dim())
+    return contract(s, [(a.shape, la), (b.shape, lb)], [sa, sb], so)
+
+
+def parse_einsum(eq: str, ranks: Sequence[int]) -> tuple[list[str], str]:
+    eq = eq.replace(" ", "")
+    lhs, _, rhs = eq.partition("->")
+    subs = lhs.split(",")
+    spare = iter(c for c in string.ascii_uppercase if c not in eq)
+    ell = ""
+    if "..." in eq:
+        n_ell = max(r - (len(sub) - 3) for r, sub in zip(ranks, subs) if "..." in sub)
+        ell = "".join(next(spare) for _ in range(n_ell))
+        subs = [sub.replace("...", ell[len(ell) - (r - (len(sub) - 3)):]) if "..." in sub else sub
+                for sub, r in zip(subs, ranks)]
+    if not _:
+        counts = {c: "".join(subs).count(c) for c in set("".join(subs))}
+        rhs = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    else:
+        rhs = rhs.replace("...", ell)
+    return subs, rhs
+
+
+@RULES.function(torch.einsum)
+def einsum(s: Step) -> Label | None:
+    eq = s.args[0]
+    ops = list(s.tensors())
+    subs, out_sub = parse_einsum(eq, [v.dim() for v, _ in ops])
+    return contract(s, [(v.shape, lab) for v, lab in ops], subs, out_sub)
+
+
+@RULES.function(F.scaled_dot_product_attention)
+def sdpa(s: Step) -> Label | None:
+    (q, lq), (k, lk), (v, lv) = s.arg(0, "query"), s.arg(1, "key"), s.arg(2, "value")
+    mask, lmask = s.arg(3, "attn_mask")
+    if q.dim() != k.dim() or k.shape[:-3] != q.shape[:-3] or q.shape[-3:-2] != k.shape[-3:-2]:
+        pin_all(s, "attention with a different number of query and key heads has no rule yet")
+        return None
+    nb = q.dim() - 2
+    batch = _BATCH[:nb]
+    scores_shape = tuple(q.shape[:-1]) + (k.shape[-2],)
+    scores = contract(s, [(q.shape, lq), (k.shape, lk)], [batch + "le", batch + "se"], batch + "ls")
+    if torch.is_tensor(mask):
+        ops = [(torch.empty(scores_shape, device="meta"), scores), (mask, lmask)]
+        scores = elementwise_labels(s, ops, len(scores_shape)) if scores or lmask else None
+    if scores is not None:
+        mix(s, align(scores.ids, len(scores_shape)), [len(scores_shape) - 1], "softmax over keys")
+    return contract(s, [(scores_shape, scores), (v.shape, lv)], [batch + "ls", batch + "sv"], batch + "lv")

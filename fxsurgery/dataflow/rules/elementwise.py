@@ -1,0 +1,58 @@
+"""Elementwise ops, activations, dropout and copies: the operands' coordinates are tied position by position."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..labeller import Label, Step
+from .base import RULES, elementwise_labels, first_tensor
+
+_UNARY_FUNCS = [
+    torch.relu, F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.hardswish, F.hardsigmoid, F.mish,
+    F.softplus, F.relu6, torch.sigmoid, torch.tanh, F.dropout, torch.exp, torch.neg, torch.abs,
+    torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.erf, torch.log, torch.square, torch.clamp,
+    torch.clone, torch.detach, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
+    torch.rand_like, torch.randn_like, operator.neg, torch.nan_to_num, F.sigmoid, F.tanh,
+]
+_BINARY_FUNCS = [
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.iadd,
+    operator.imul, operator.isub, operator.itruediv, torch.add, torch.sub, torch.mul, torch.div,
+    torch.where, torch.maximum, torch.minimum, torch.pow, torch.lerp, torch.addcmul,
+]
+_ELEMENTWISE_METHODS = [
+    "relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "sin", "cos", "erf", "log",
+    "square", "clamp", "clip", "pow", "add", "sub", "mul", "div", "masked_fill", "where", "lerp",
+    "zero", "fill", "nan_to_num", "softplus", "addcmul", "maximum", "minimum",
+]
+_PASSTHROUGH_METHODS = [
+    "contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as",
+    "requires_grad_", "cpu", "cuda",
+]
+_ELEMENTWISE_MODULES = (
+    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.AlphaDropout, nn.Identity, nn.GELU, nn.ReLU, nn.ReLU6,
+    nn.SiLU, nn.Sigmoid, nn.Tanh, nn.Hardswish, nn.Hardsigmoid, nn.LeakyReLU, nn.ELU, nn.Mish,
+    nn.Softplus,
+)
+
+
+@RULES.function(*_UNARY_FUNCS, *_BINARY_FUNCS)
+@RULES.method(*_ELEMENTWISE_METHODS)
+def elementwise(s: Step) -> Label | None:
+    if not torch.is_tensor(s.out):
+        return None
+    return elementwise_labels(s, list(s.tensors()), s.out.dim())
+
+
+@RULES.method(*_PASSTHROUGH_METHODS)
+def passthrough(s: Step) -> Label | None:
+    """Copies and dtype/device moves: the first tensor's ids (later tensor arguments only give a dtype)."""
+    x, xl = first_tensor(s)
+    return xl if torch.is_tensor(s.out) else None
+
+
+@RULES.module(*_ELEMENTWISE_MODULES)
+def elementwise_module(s: Step) -> Label | None:
+    return elementwise(s)

@@ -1,0 +1,180 @@
+"""Picking parts along a dim: split, chunk, unbind, narrow, select, indexing and item assignment."""
+from __future__ import annotations
+
+import operator
+from typing import Any, NamedTuple
+
+import torch
+from torch.fx.node import Node
+
+from ..constants import ConstantSpec, Site, Unsupported
+from ..ids import align, compact, expand_dims, pairs
+from ..labeller import Label, Step
+from ..rule_table import always
+from .base import RULES, first_tensor, pin_all, wrap_dim
+
+
+def _slice_like(s: Step, dim: int) -> Any:
+    """Ops that pick parts along one dim (split, chunk, unbind, narrow, select): run them on ids
+    expanded along that dim."""
+    x, xl = first_tensor(s)
+    ids = align(xl.ids, x.dim())
+    d = wrap_dim(dim, x.dim())
+    ids = expand_dims(ids, x.shape, [d])
+    fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
+    res = fn(*s.args[1:], **s.kwargs)
+    if isinstance(res, (tuple, list)):
+        return tuple(Label(compact(r), xl.param) for r in res)
+    return Label(compact(res), xl.param)
+
+
+@RULES.function(torch.split, torch.chunk, torch.tensor_split)
+@RULES.method("split", "chunk", "tensor_split")
+def split(s: Step) -> Any:
+    dim = s.arg(2, "dim", 0)[0]
+    return _slice_like(s, dim)
+
+
+@RULES.constants(functions=[torch.split], methods=["split"])
+def split_constants(site: Site) -> list[ConstantSpec]:
+    if site.in_dim is None:
+        return []
+    n = site.node
+    dim = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % len(site.in_shape)
+    if dim != site.in_dim:
+        return []
+    sizes = n.args[1] if len(n.args) > 1 else n.kwargs.get("split_size_or_sections", n.kwargs.get("split_size"))
+    if isinstance(sizes, int) or isinstance(sizes, Node):
+        return [site.constant(("args", 1), _literal_size(site, sizes))]
+    return [site.constant(("args", 1, k), _literal_size(site, v)) for k, v in enumerate(sizes)]
+
+
+def _literal_size(site: Site, v: Any) -> int:
+    if isinstance(v, Node):
+        raise Unsupported(f"{site.node.name}: split size computed at run time on the unit axis")
+    return v
+
+
+@RULES.function(torch.unbind)
+@RULES.method("unbind")
+def unbind(s: Step) -> Any:
+    return _slice_like(s, s.arg(1, "dim", 0)[0])
+
+
+@RULES.function(torch.narrow, torch.select, torch.index_select)
+@RULES.method("narrow", "select", "index_select")
+def narrow(s: Step) -> Any:
+    return _slice_like(s, s.arg(1, "dim", 0)[0])
+
+
+@RULES.constants(functions=[torch.narrow], methods=["narrow"])
+def narrow_constants(site: Site) -> list[ConstantSpec]:
+    if site.in_dim is None:
+        return []
+    dim = site.node.args[1] % len(site.in_shape)
+    if dim != site.in_dim:
+        return []
+    return [site.constant(("args", 2), site.node.args[2]), site.constant(("args", 3), site.node.args[3])]
+
+
+class IndexEntry(NamedTuple):
+    """One entry of a ``__getitem__`` index and the input dim it applies to (None: a new axis)."""
+
+    dim: int | None
+    entry: Any
+
+
+def _is_mask(e: Any) -> bool:
+    return torch.is_tensor(e) and e.dtype == torch.bool
+
+
+def index_dims(index: Any, ndim: int) -> list[IndexEntry]:
+    """Pair each entry of a ``__getitem__`` index (Ellipsis expanded away) with its input dim."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    used = sum(1 for e in index if e is not None and e is not Ellipsis and not _is_mask(e))
+    used += sum(e.dim() for e in index if _is_mask(e))
+    out, d = [], 0
+    for e in index:
+        if e is Ellipsis:
+            d += ndim - used
+        elif e is None:
+            out.append(IndexEntry(None, e))
+        else:
+            out.append(IndexEntry(d, e))
+            d += e.dim() if _is_mask(e) else 1
+    return out
+
+
+@RULES.function(operator.getitem)
+@always
+def getitem(s: Step) -> Any:
+    src, idx = s.args[0], s.args[1]
+    if s.node.args[0] in s.rec.size_reads:
+        s.rec.size_reads.add(s.node)
+    if isinstance(s.largs[0], tuple):  # an element of a multi-output op
+        return s.largs[0][idx]
+    if not torch.is_tensor(src) or s.largs[0] is None:
+        return None
+    xl: Label = s.largs[0]
+    if isinstance(s.node.args[1], Node) and s.lab.labels.get(s.node.args[1]) is not None:
+        pin_all(s, "indexing by a labelled tensor")
+        return None
+    ids = align(xl.ids, src.dim())
+    touched = [d for d, e in index_dims(idx, src.dim()) if d is not None
+               and not (isinstance(e, slice) and e == slice(None))]
+    ids = expand_dims(ids, src.shape, touched)
+    res = ids[idx]
+    if tuple(res.shape) != tuple(s.out.shape) and res.dim() != s.out.dim():
+        pin_all(s, "index pattern not understood")
+        return None
+    return Label(compact(res), xl.param)
+
+
+@RULES.constants(functions=[operator.getitem])
+def getitem_constants(site: Site) -> list[ConstantSpec]:
+    if site.in_dim is None:
+        return []
+    idx = site.node.args[1]
+    entries = index_dims(idx, len(site.in_shape))
+    out = []
+    for k, (d, e) in enumerate(entries):
+        if d != site.in_dim:
+            continue
+        if isinstance(e, slice):
+            if e.step not in (None, 1):
+                raise Unsupported(f"{site.node.name}: strided slice on the unit axis")
+            base = ("args", 1, k) if isinstance(idx, tuple) else ("args", 1)
+            for part in ("start", "stop"):
+                v = getattr(e, part)
+                if v is None or v == 0:
+                    continue
+                if isinstance(v, int) and v < 0:
+                    raise Unsupported(f"{site.node.name}: negative slice bound on the unit axis")
+                out.append(site.constant(base + (part,), v if isinstance(v, int) else site.values[v]))
+        elif e is not None:
+            raise Unsupported(f"{site.node.name}: indexing picks single positions on the unit axis")
+    return out
+
+
+@RULES.function(operator.setitem)
+def setitem(s: Step) -> None:
+    """``target[index] = value``: the written region of a labelled target takes the value's coordinates
+    (tied); coordinates written into a plain tensor cannot be followed."""
+    target, index, _ = s.args
+    tl, vl = s.largs[0], s._label_at(s.node.args[2], s.largs[2])
+    if tl is None:
+        if vl is not None:
+            s.rec.pin(vl.ids, f"{s.name}: units written into a plain tensor")
+        return None
+    if vl is None:
+        return None
+    ids = align(tl.ids, target.dim())
+    entries = index_dims(index, target.dim())
+    touched = [d for d, e in entries if d is not None and ids.shape[d] == 1 and not isinstance(e, slice)]
+    ids = expand_dims(ids, target.shape, touched)
+    compact_index = tuple(slice(None) if d is not None and isinstance(e, slice) and ids.shape[d] == 1 else e
+                          for d, e in entries)
+    region = ids[compact_index]
+    s.rec.tie(pairs(region, align(vl.ids, region.dim())))
+    return None

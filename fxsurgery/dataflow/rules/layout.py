@@ -1,0 +1,77 @@
+"""Concatenation, padding and reordering of positions."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..ids import NO_ID, align, compact, expand_dims
+from ..labeller import Label, Step
+from .base import RULES, defer_pins, first_tensor, wrap_dim
+
+
+class Piece(NamedTuple):
+    """One input of a concatenation, shaped as it stands in the output (ids None: a plain tensor)."""
+
+    ids: torch.Tensor | None
+    param: bool
+    shape: list[int]
+
+
+@RULES.function(torch.cat, torch.concat, torch.stack)
+def cat(s: Step) -> Label | None:
+    tensors, dim = s.args[0], s.arg(1, "dim", 0)[0]
+    labels = s.largs[0]
+    stack = s.node.target is torch.stack
+    nd = s.out.dim()
+    d = wrap_dim(dim, nd)
+    pieces, plain_shapes = [], []
+    for v, lab in zip(tensors, labels):
+        shape = list(v.shape)
+        if stack:
+            shape.insert(d, 1)
+        if isinstance(lab, Label):
+            ids = align(lab.ids, v.dim())
+            ids = ids.unsqueeze(d) if stack else ids
+            pieces.append(Piece(ids, lab.param, shape))
+        else:
+            pieces.append(Piece(None, False, shape))
+            plain_shapes.append(shape)
+    labelled = [p for p in pieces if p.ids is not None]
+    if all(p.param for p in labelled) and plain_shapes:
+        for p in labelled:
+            s.rec.pin(p.ids, f"{s.name}: parameter concatenated with a plain activation", True)
+        return None
+    others = [max([p.ids.shape[k] for p in labelled] + [1]) if k != d else None for k in range(nd)]
+    parts = []
+    for p in pieces:
+        target = [p.shape[k] if k == d else others[k] for k in range(nd)]
+        if p.ids is None:
+            parts.append(torch.full(target, NO_ID, dtype=torch.long))
+        else:
+            parts.append(p.ids.expand(target))
+    out = compact(torch.cat(parts, dim=d))
+    for shape in plain_shapes:
+        defer_pins(s, out, [1 if k == d else shape[k] for k in range(nd)], "a concatenated plain tensor")
+    return Label(out, all(p.param for p in labelled))
+
+
+@RULES.function(F.pad)
+def pad(s: Step) -> Label:
+    """Padding adds positions that carry no unit coordinate."""
+    x, xl = first_tensor(s)
+    widths = s.arg(1, "pad")[0]
+    dims = [x.dim() - 1 - k // 2 for k in range(len(widths))]
+    ids = expand_dims(align(xl.ids, x.dim()), x.shape, dims)
+    return Label(compact(F.pad(ids, tuple(widths), value=NO_ID)), xl.param)
+
+
+@RULES.function(torch.roll, torch.flip)
+@RULES.method("roll", "flip")
+def reorder(s: Step) -> Any:
+    """Shifts and flips move positions: run them on ids expanded along the dims they touch."""
+    x, xl = first_tensor(s)
+    ids = expand_dims(align(xl.ids, x.dim()), x.shape, range(x.dim()))
+    fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
+    return Label(compact(fn(*s.args[1:], **s.kwargs)), xl.param)

@@ -1,0 +1,136 @@
+"""Linear maps (Linear, F.linear, pointwise convolutions) start spaces and read sinks; depthwise
+convolutions and pooling keep channels apart."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..ids import align, fold, pairs
+from ..labeller import Label, Step
+from ..records import NonEmpty, Sink, Space
+from ..rule_table import always
+from .base import RULES, defer_pins, first_tensor, param_label
+from .opaque import fallback
+
+
+def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None, bias: Any,
+                  dim: int = -1, computed: Label | None = None) -> Label:
+    """``y = x Wᵀ + b`` over feature dim ``dim`` (last for a Linear, 1 for a pointwise convolution):
+    x's feature coordinates are consumed (W's columns are the sink); y's feature dim is a new space
+    of coordinates, W's rows and b's entries belong to them. A weight ``computed`` from a parameter (a
+    chunk of a packed one) lends its rows to the space but cannot be the sink."""
+    w_rank = 2 if weight is None else s.lab.module.get_parameter(weight).dim()
+    kernel = (1,) * (w_rank - 2)
+    if xl is not None:
+        xi = align(xl.ids, x.dim())
+        if xl.param or weight is None:
+            s.rec.pin(xl.ids, f"{s.name}: linear map of a parameter or by a computed weight")
+        else:
+            lead = [d for d in range(x.dim()) if d != dim % x.dim()]
+            col, tie = fold(xi, lead)
+            s.rec.tie(tie)
+            col = col.reshape(1, -1, *kernel)
+            s.rec.member(weight, col)
+            s.rec.sinks.append(Sink(weight, s.name, col.flatten(), dim))
+    d_out = dim % s.out.dim()
+    n_out = s.out.shape[d_out]
+    space = s.rec.fresh((n_out,))
+    s.rec.spaces.append(Space(int(space[0]) if n_out else s.rec.next_id, s.rec.next_id, s.name))
+    if weight is not None:
+        s.rec.member(weight, space.reshape(n_out, 1, *kernel))
+    elif computed is not None and computed.param:
+        s.rec.tentative.append(pairs(align(computed.ids, 2), space.reshape(n_out, 1)))
+    bias_val, bias_lab, bias_name = bias
+    if bias_name is not None:
+        s.rec.member(bias_name, space)
+    elif bias_lab is not None and bias_lab.param:
+        s.rec.tentative.append(pairs(bias_lab.ids, space))
+    elif torch.is_tensor(bias_val):
+        defer_pins(s, space, tuple(bias_val.shape), "a computed bias")
+    return Label(align(space.reshape(n_out, *(1,) * (s.out.dim() - d_out - 1)), s.out.dim()))
+
+
+@RULES.module(nn.Linear)
+@always
+def linear_module(s: Step) -> Label:
+    x, xl = first_tensor(s)
+    mod = s.lab.module.get_submodule(s.node.target)
+    bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
+    return linear_labels(s, x, xl, f"{s.node.target}.weight", bias)
+
+
+@RULES.function(F.linear)
+@always
+def linear_function(s: Step) -> Label:
+    x, xl = s.arg(0, "input")
+    raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
+    weight = raw_w.target if getattr(raw_w, "op", None) == "get_attr" else None
+    bval, blab = s.arg(2, "bias")
+    raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")
+    bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
+    return linear_labels(s, x, xl, weight, (bval, blab, bname), computed=s.arg(1, "weight")[1])
+
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@RULES.module(*_CONVS)
+@always
+def conv_module(s: Step) -> Label | None:
+    """A pointwise convolution is a Linear over channels (dim 1); a depthwise one keeps channels
+    apart; any other convolution mixes channels with space and has no rule."""
+    x, xl = first_tensor(s)
+    mod = s.lab.module.get_submodule(s.node.target)
+    weight = f"{s.node.target}.weight"
+    bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
+    if mod.groups == 1 and all(k == 1 for k in mod.kernel_size):
+        out = linear_labels(s, x, xl, weight, bias, dim=1)
+    elif xl is None:
+        return None
+    elif mod.groups == mod.in_channels == mod.out_channels:
+        out = depthwise_labels(s, x, xl, [(weight, mod.weight), (bias[2], mod.bias)])
+    else:
+        return fallback(s)
+    for lab in (xl, out):
+        if lab is not None:
+            s.rec.nonempty.append(NonEmpty(lab.ids, f"{s.name}: a convolution cannot have zero channels"))
+    return out
+
+
+def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str | None, Any]]) -> Label:
+    """Channel c of the output reads channel c of the input only: channel ids pass through (space
+    is tied within a channel; batch items stay apart, heads folded into the batch too), and every
+    element of the per-channel ``params`` joins its channel (unless heads share it)."""
+    ch, tie = fold(align(xl.ids, x.dim()), list(range(2, x.dim())))
+    s.rec.tie(tie)
+    per_channel = ch.reshape(ch.shape[0], ch.shape[1], 1)
+    for name, p in params:
+        if name is not None:
+            ids = param_label(s, name, p).ids.reshape(1, p.shape[0], -1)
+            s.rec.tentative.append(pairs(ids, per_channel))
+    return Label(ch)
+
+
+_POOL_MODULES = (
+    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+)
+_POOL_FUNCS = (
+    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+)
+
+
+@RULES.module(*_POOL_MODULES)
+@RULES.function(*_POOL_FUNCS)
+def pool(s: Step) -> Label | None:
+    """Pooling over space keeps channels (dim 1) apart, like a depthwise convolution without weights."""
+    x, xl = first_tensor(s)
+    if not torch.is_tensor(s.out) or x.dim() < 3:  # indices returned too, or an unbatched input
+        return fallback(s)
+    return depthwise_labels(s, x, xl, [])

@@ -1,0 +1,113 @@
+"""Normalisations and reductions mix the coordinates they normalise or reduce over."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..constants import ConstantSpec, Site
+from ..ids import align
+from ..labeller import Label, Step
+from .base import RULES, elementwise_labels, first_tensor, mix, param_label, wrap_dim
+
+
+def _normalise(s: Step, x: torch.Tensor, xl: Label | None, dims: Sequence[int], what: str,
+               affine: Sequence[Any] = ()) -> Label | None:
+    if xl is not None:
+        mix(s, align(xl.ids, x.dim()), dims, what)
+    operands = [(x, xl)] + [a for a in affine if a is not None]
+    return elementwise_labels(s, operands, x.dim())
+
+
+@RULES.function(F.softmax, torch.softmax, F.log_softmax, torch.log_softmax)
+@RULES.method("softmax", "log_softmax")
+def softmax(s: Step) -> Label:
+    x, xl = first_tensor(s)
+    d = s.arg(1, "dim")[0]
+    return _normalise(s, x, xl, [wrap_dim(d, x.dim())], "softmax")
+
+
+@RULES.module(nn.Softmax)
+def softmax_module(s: Step) -> Label:
+    x, xl = first_tensor(s)
+    mod = s.lab.module.get_submodule(s.node.target)
+    return _normalise(s, x, xl, [wrap_dim(mod.dim, x.dim())], "softmax")
+
+
+@RULES.function(F.layer_norm, F.rms_norm)
+def layer_norm(s: Step) -> Label:
+    x, xl = s.arg(0, "input")
+    shape = s.arg(1, "normalized_shape")[0]
+    dims = list(range(x.dim() - len(shape), x.dim()))
+    w, b = s.arg(2, "weight"), s.arg(3, "bias") if s.node.target is F.layer_norm else (None, None)
+    affine = [a for a in (w, b) if torch.is_tensor(a[0])]
+    return _normalise(s, x, xl, dims, "normalisation", affine)
+
+
+@RULES.constants(functions=[F.layer_norm, F.rms_norm])
+def layer_norm_constants(site: Site) -> list[ConstantSpec]:
+    if site.in_dim is None:
+        return []
+    shape = site.node.args[1]
+    first = len(site.in_shape) - len(shape)
+    if site.in_dim < first:
+        return []
+    return [site.constant(("args", 1, site.in_dim - first), site.in_shape[site.in_dim])]
+
+
+@RULES.module(nn.LayerNorm, nn.RMSNorm)
+def layer_norm_module(s: Step) -> Label:
+    x, xl = first_tensor(s)
+    mod = s.lab.module.get_submodule(s.node.target)
+    dims = list(range(x.dim() - len(mod.normalized_shape), x.dim()))
+    affine = []
+    for pname in ("weight", "bias"):
+        p = getattr(mod, pname, None)
+        if p is not None:
+            affine.append((p, param_label(s, f"{s.node.target}.{pname}", p)))
+    return _normalise(s, x, xl, dims, "normalisation", affine)
+
+
+@RULES.module(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+def batch_norm_module(s: Step) -> Label | None:
+    """Statistics are per channel (dim 1): channels stay separate, and the affine weights and running
+    statistics are per-channel members."""
+    x, xl = first_tensor(s)
+    if xl is None:
+        return None
+    mod = s.lab.module.get_submodule(s.node.target)
+    ids = align(xl.ids, x.dim())
+    mix(s, ids, [d for d in range(x.dim()) if d != 1], "batch normalisation")
+    operands = [(x, Label(ids))]
+    for pname in ("weight", "bias", "running_mean", "running_var"):
+        p = getattr(mod, pname, None)
+        if torch.is_tensor(p) and p.is_floating_point():
+            per_channel = (-1, *([1] * (x.dim() - 2)))
+            pid = param_label(s, f"{s.node.target}.{pname}", p).ids
+            operands.append((p.reshape(per_channel), Label(pid.reshape(per_channel), True)))
+    return elementwise_labels(s, operands, x.dim())
+
+
+@RULES.function(F.normalize)
+def normalize(s: Step) -> Label:
+    x, xl = first_tensor(s)
+    d = s.arg(2, "dim", 1)[0]
+    return _normalise(s, x, xl, [wrap_dim(d, x.dim())], "normalisation")
+
+
+@RULES.function(torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.norm, torch.var, torch.std)
+@RULES.method("sum", "mean", "amax", "amin", "logsumexp", "norm", "var", "std")
+def reduce(s: Step) -> Label | None:
+    x, xl = first_tensor(s)
+    ids = align(xl.ids, x.dim())
+    dim = s.arg(2 if s.node.target in ("norm",) or s.node.target is torch.norm else 1, "dim")[0]
+    listed = dim if isinstance(dim, (tuple, list)) else [dim]
+    dims = list(range(x.dim())) if dim is None else [wrap_dim(d, x.dim()) for d in listed]
+    mix(s, ids, dims, "reduction")
+    if any(ids.shape[d] > 1 for d in dims):
+        return None
+    keep = s.out.dim() == x.dim()
+    out = ids if keep else ids.reshape([n for k, n in enumerate(ids.shape) if k not in dims])
+    return Label(out, xl.param)

@@ -1,0 +1,88 @@
+"""Reshapes, dim moves and expands act on ids as on the value; reshape and expand hold unit-axis sizes."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.fx.node import Node
+
+from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
+from ..ids import align, compact, reshape_ids
+from ..labeller import Label, Step
+from .base import RULES, first_tensor
+
+
+@RULES.function(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten)
+@RULES.method("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as")
+@RULES.module(nn.Flatten)  # no sizes of its own (nn.Unflatten holds one: no rule, so it is refused)
+def reshape(s: Step) -> Label | None:
+    x, xl = first_tensor(s)
+    if xl is None:  # only the shape source (view_as / reshape_as) carries ids
+        return None
+    ids = align(xl.ids, x.dim())
+    return Label(compact(reshape_ids(ids, x.shape, s.out.shape)), xl.param)
+
+
+@RULES.constants(functions=[torch.reshape])
+def view_constants(site: Site) -> list[ConstantSpec]:
+    if site.out_dim is None:
+        return []
+    paths = shape_paths(site.node, 1)
+    shape = site.node.args[1] if len(site.node.args) == 2 else None
+    if not paths and isinstance(shape, Node) and site.follows_units(shape):
+        return []
+    if len(paths) != len(site.out_shape):
+        raise Unsupported(f"{site.node.name}: shape built at run time; cannot rewrite the unit axis")
+    return [site.constant(paths[site.out_dim], site.out_shape[site.out_dim])]
+
+
+@RULES.constants(methods=["view", "reshape"])
+def view_method_constants(site: Site) -> list[ConstantSpec]:
+    """As ``view_constants``; a ``-1`` beside the unit axis would take the whole size at zero units."""
+    found = view_constants(site)
+    if site.out_dim is not None:
+        paths = shape_paths(site.node, 1)
+        if any(get_path(site.node, p) == -1 for k, p in enumerate(paths) if k != site.out_dim):
+            site.notes.append(f"{site.node.name}: a -1 beside the unit axis is ambiguous at zero units")
+    return found
+
+
+@RULES.constants(functions=[torch.unflatten], methods=["unflatten"])
+def unflatten_constants(site: Site) -> list[ConstantSpec]:
+    if site.out_dim is None or site.in_dim is None:
+        return []
+    dim = site.node.args[1] % len(site.in_shape)
+    if site.in_dim != dim:
+        return []
+    k = site.out_dim - dim
+    return [site.constant(("args", 2, k), site.out_shape[site.out_dim])]
+
+
+@RULES.function(torch.permute, torch.transpose, torch.movedim, torch.swapaxes, torch.t)
+@RULES.method("permute", "transpose", "movedim", "swapaxes", "t", "swapdims")
+def move_dims(s: Step) -> Label:
+    """Dim moves act on ids exactly as on the value."""
+    x, xl = first_tensor(s)
+    ids = align(xl.ids, x.dim())
+    rest_args = s.args[1:]
+    if s.node.op == "call_method":
+        out = getattr(ids, s.node.target)(*rest_args, **s.kwargs)
+    else:
+        out = s.node.target(ids, *rest_args, **s.kwargs)
+    return Label(out, xl.param)
+
+
+@RULES.method("expand", "expand_as", "broadcast_to")
+@RULES.function(torch.broadcast_to)
+def expand(s: Step) -> Label:
+    x, xl = first_tensor(s)
+    return Label(align(xl.ids, s.out.dim()), xl.param)
+
+
+@RULES.constants(methods=["expand"])
+def expand_constants(site: Site) -> list[ConstantSpec]:
+    if site.out_dim is None:
+        return []
+    paths = shape_paths(site.node, 1)
+    if get_path(site.node, paths[site.out_dim]) == -1:
+        return []
+    return view_constants(site)

@@ -1,0 +1,39 @@
+"""Whether unit indices along a tensor dim follow the regular ``[outer][unit][inner]`` layout a
+``ParamSlice`` can cut, and why not, for humans."""
+from __future__ import annotations
+
+import torch
+
+
+def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
+    """(outer, inner) when unit indices ``u`` along a dim follow ``[outer][n][inner]``."""
+    size = u.numel()
+    if n == 0 or size % n or (u < 0).any():
+        return None
+    inner = 1
+    while inner < size and u[inner] == u[0]:
+        inner += 1
+    if size % (n * inner):
+        return None
+    expected = (torch.arange(size) // inner) % n
+    return (size // (n * inner), inner) if torch.equal(u, expected) else None
+
+
+def describe_layout(u: torch.Tensor, n: int) -> str:
+    """Why unit indices ``u`` along a dim are no ``[outer][unit][inner]`` layout, for humans."""
+    present = torch.unique(u[u >= 0]).tolist()
+    if len(present) < n:
+        spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in _runs(present))
+        return (f"holds units {spans} of {n} only (each part of the units has a parameter of its own, "
+                f"so the units cannot be sliced as one layer)")
+    return f"holds all {n} units, but not in an [outer][unit][inner] order"
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs

@@ -1,0 +1,124 @@
+"""The edit transaction: a group's parameters, optimizer state, host constants and module sizes change
+together, and a failure leaves the model untouched."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .dataflow.constants import ConstantSpec, set_path
+from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
+from .module_sizes import sync_sizes
+from .slicing import ParamSlice, clone_state, clone_unit, state_tensors
+
+TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
+
+
+class Editor:
+    """Operates on the groups of one model; keeps each group's plumbing and the attached optimizers."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.plumbing: dict[UnitGroup, GroupPlumbing] = {}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:
+            return self.model.get_buffer(name)
+
+    def submodule(self, name: str) -> nn.Module | None:
+        """The module ``name`` ("" for the model), or None if there is none of that name."""
+        try:
+            return self.model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def host(self, g: UnitGroup) -> nn.Module:
+        host = self.plumbing[g].host
+        return self.model.get_submodule(host) if host else self.model
+
+    def keep(self, g: UnitGroup, idx: torch.Tensor) -> None:
+        """Only the units ``idx``, in that order: parameters and optimizer state alike."""
+        if idx.numel() < g.min_count:
+            why = "; ".join(g.notes) if g.kind == "head" else "a layer keeps at least one channel"
+            raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s) ({why})")
+        count = g.count
+        self.edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx), lambda sl, t: sl.keep(t, count, idx))
+
+    def clone(self, g: UnitGroup, parent: int, noise: dict[str, torch.Tensor]) -> None:
+        """Append a copy of unit ``parent`` (``noise`` by output slice name splits its output weights)."""
+        count = g.count
+        self.edit(g, count + 1,
+                  lambda sl, t: clone_unit(t, sl, count, parent, noise.get(sl.name)),
+                  lambda sl, t: clone_state(t, sl, count, parent))
+
+    def noise(self, g: UnitGroup, parent: int, std: float, generator: torch.Generator | None,
+              relative: bool) -> dict[str, torch.Tensor]:
+        """ε ~ N(0, σ²) for each output slice of unit ``parent`` (σ relative to its weights' std if asked)."""
+        out = {}
+        if std == 0:
+            return out
+        for sl in g.slices:
+            if not sl.output:
+                continue
+            w = sl.unit(self.tensor(sl.name).data, g.count, parent)
+            sigma = std * (float(w.float().std()) if relative and w.numel() > 1 else 1.0)
+            dev = generator.device if generator is not None else w.device
+            out[sl.name] = (torch.randn(w.shape, generator=generator, device=dev, dtype=torch.float32) * sigma).to(w)
+        return out
+
+    def edit(self, g: UnitGroup, new_count: int, data_fn: TensorEdit, state_fn: TensorEdit | None) -> None:
+        """Compute every new tensor first, then swap them in: a failure leaves the model untouched.
+        Without ``state_fn`` optimizer state is left alone (the self-check's trial edits)."""
+        tensors = [(sl, self.tensor(sl.name)) for sl in g.slices]
+        optimizers = self.optimizers if state_fn is not None else []
+        states = [(sl, st, k) for sl, t in tensors for st, k in state_tensors(optimizers, t)]
+        new_data = [(t, data_fn(sl, t.data)) for sl, t in tensors]
+        new_state = [(st, k, state_fn(sl, st[k])) for sl, st, k in states]
+        for t, d in new_data:
+            replace_data(t, d)
+        for st, k, v in new_state:
+            st[k] = v
+        self.settle(g, new_count)
+
+    def settle(self, g: UnitGroup, count: int) -> None:
+        """Set the count, and the host constants and module sizes that follow it."""
+        set_count(g, count)
+        host = self.host(g)
+        for slot in self.plumbing[g].slots:
+            host.__dict__[slot.attr] = slot.per_unit * count
+        for sl in g.slices:
+            owner, _, pname = sl.name.rpartition(".")
+            sync_sizes(self.submodule(owner) if owner else self.model, pname)
+
+
+def bind_constants(module: nn.Module, consts: list[ConstantSpec], count: int) -> list[ConstantSlot]:
+    """Make each count-dependent argument (a literal, or a size read that follows the units) a read of
+    a plain attribute of the host, so an edit sets attributes instead of regenerating the host's code."""
+    slots, seen = [], set()
+    for c in consts:
+        if (c.node, c.path) in seen:
+            continue
+        seen.add((c.node, c.path))
+        attr = f"_fxsurgery_constant{sum(k.startswith('_fxsurgery_constant') for k in module.__dict__)}"
+        module.__dict__[attr] = c.per_unit * count
+        with c.node.graph.inserting_before(c.node):
+            read = c.node.graph.create_node("get_attr", attr, name=attr)
+        set_path(c.node, c.path, read)
+        slots.append(ConstantSlot(attr, c.per_unit))
+    return slots
+
+
+def replace_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Swap in resized data, keeping the tensor object (optimizers and EMA copies point at it).
+
+    autograd caches a parameter's gradient accumulator with the old shape and only drops it when
+    dtype or device change, so pass through another dtype first; the stale ``.grad`` goes too."""
+    if isinstance(t, nn.Parameter):
+        t.grad = None
+        other = torch.float16 if data.dtype != torch.float16 else torch.float32
+        t.data = torch.empty(0, dtype=other, device=data.device)
+    t.data = data

@@ -1,0 +1,74 @@
+"""Unit groups as users see them (``UnitGroup``, ``LeftOut``), and the plumbing the engine keeps per group."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .dataflow.constants import ConstantSpec
+from .slicing import ParamSlice
+
+
+class UnitGroup:
+    """Interchangeable units (attention heads or FFN channels) of one layer, operated on together.
+
+    ``count`` is always current; ``max_count`` is the count in the model as analysed. ``exact`` is
+    True when clone and remove are function-preserving for this group."""
+
+    def __init__(self, *, name: str, kind: str, module: str, count: int, max_count: int, exact: bool,
+                 slices: tuple[ParamSlice, ...], notes: tuple[str, ...] = (), min_count: int = 0):
+        self.name = name
+        self.kind = kind
+        self.module = module
+        self._count = count
+        self.max_count = max_count
+        self.min_count = min_count
+        self.exact = exact
+        self.slices = slices
+        self.notes = notes
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def __repr__(self) -> str:
+        return f"UnitGroup({self.name!r}, {self.kind}, {self.count}/{self.max_count}, exact={self.exact})"
+
+
+def set_count(group: UnitGroup, count: int) -> None:
+    """The engine's write of a group's count (users read ``count`` only)."""
+    group._count = count
+
+
+@dataclass
+class LeftOut:
+    """A part of the model the analysis did not turn into a group, and why."""
+
+    module: str
+    reasons: list[str]
+
+
+class TapLayout(NamedTuple):
+    """The output projection's input features are laid out ``[outer][unit][inner]`` along ``dim``."""
+
+    outer: int
+    inner: int
+    dim: int
+
+
+class ConstantSlot(NamedTuple):
+    """A host attribute that holds ``per_unit`` × the count (a rewritten graph constant)."""
+
+    attr: str
+    per_unit: int
+
+
+@dataclass(kw_only=True)
+class GroupPlumbing:
+    """What the engine needs to operate on one group: its host module (whose graph it rewrites), the
+    output projection module it taps, the graph constants that follow the count, and their slots."""
+
+    host: str
+    sink_module: str | None
+    tap: TapLayout
+    constants: list[ConstantSpec]
+    slots: list[ConstantSlot] = field(default_factory=list)

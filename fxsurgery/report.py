@@ -1,0 +1,43 @@
+"""``Surgeon.explain``: a table of the groups and of what was left out and why."""
+from __future__ import annotations
+
+from .dataflow.constants import ConstantSpec
+from .groups import GroupPlumbing, LeftOut, UnitGroup
+from .slicing import ParamSlice
+
+
+def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
+            plumbing: dict[UnitGroup, GroupPlumbing]) -> str:
+    """Each group's count / max, exactness, sliced tensors and rewritten constants; then the left out."""
+    lines = [f"fxsurgery: {len(groups)} unit groups in {model_name}"]
+    w = max([len(g.name) for g in groups] + [5])
+    lines.append(f"{'group':<{w}}  {'kind':<7}  {'module':<{w}}  {'units':>9}  exact")
+    for g in groups:
+        lines.append(f"{g.name:<{w}}  {g.kind:<7}  {g.module:<{w}}  {f'{g.count}/{g.max_count}':>9}  "
+                     f"{'yes' if g.exact else 'no'}")
+        lines.append("    slices: " + ", ".join(_describe(sl) for sl in g.slices))
+        if plumbing[g].constants:
+            lines.append("    constants: " + ", ".join(c.describe() for c in _unique_constants(plumbing[g].constants)))
+        for note in g.notes:
+            lines.append(f"    note: {note}")
+    if left_out:
+        lines.append("left out:")
+        for lo in left_out:
+            lines.append(f"  {lo.module or '(model)'}: " + "; ".join(lo.reasons))
+    return "\n".join(lines)
+
+
+def _describe(sl: ParamSlice) -> str:
+    lay = "·".join(([str(sl.outer)] if sl.outer > 1 else []) + ["n"] + ([str(sl.inner)] if sl.inner > 1 else []))
+    return f"{sl.name}[dim {sl.dim}: {lay}{' out' if sl.output else ''}]"
+
+
+def _unique_constants(consts: list[ConstantSpec]) -> list[ConstantSpec]:
+    """One entry per node name and argument (the train and eval graphs hold alike-named copies)."""
+    seen, out = set(), []
+    for c in consts:
+        key = (c.node.name, c.path)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out

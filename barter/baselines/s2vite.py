@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from barter.wrap import default_example_inputs
 from fxsurgery import Surgeon, UnitGroup
 
+from ..analysis import default_example_inputs
 from .snfs import cosine_prune_rate
 
 
@@ -36,7 +36,7 @@ class StructuredSparse:
     its contribution exactly (what `Surgeon.remove` does physically); their gradients are masked on ordinary
     steps and the weights re-zeroed after every step. Its input-side slices keep their values: they receive no
     gradient while the unit is dead, and their activations make the dense gradient of the dead output columns
-    the regrowth signal. Update steps follow the RigL driver (`barter.sparse.dynamic`): the update replaces the
+    the regrowth signal. Update steps follow the RigL driver (`barter.baselines.dynamic`): the update replaces the
     optimizer step (the pre-step hook records the scores and clears every gradient). Per update, each group
     drops ceil(rate * live) live units of lowest importance and revives as many of highest |gradient| among
     the dead (the just-dropped included); revived output columns start at zero with zero optimizer moments.
@@ -57,6 +57,11 @@ class StructuredSparse:
       the reference uses the fc1 row and fc2 column weights.
     * Update steps replace the optimizer step (the reference takes it, then updates); moments of dead and
       revived units' output columns are zeroed (the reference zeroes SGD momentum only).
+
+    Training FLOPs (`barter.training.flops`) are those of the executed masked full-width model, as for the
+    unstructured baselines: the meter counts the shapes that run, and dead units still run under their masks.
+    The compact cost of the live units is what `export_compact` gives (its parameter count is in the run's
+    metrics).
     """
 
     def __init__(self, model: nn.Module, groups: list[UnitGroup], optimizer: torch.optim.Optimizer, *,
@@ -112,6 +117,10 @@ class StructuredSparse:
     def density(self) -> float:
         """Live fraction of the units of all groups."""
         return sum(self.live.values()) / sum(g.count for g in self.groups.values())
+
+    def metrics(self) -> dict[str, Any]:
+        """What a training run logs of the driver each epoch: the live fraction of the units."""
+        return {"density": self.density}
 
     @torch.no_grad()
     def apply_masks(self) -> None:

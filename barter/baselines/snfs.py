@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from barter.sparse.dynamic import DynamicSparse
-
-from .targets import check_optimized, sparse_targets
+from .build import sparse_targets
+from .dynamic import DynamicSparse
 
 ADAM_EPS = 1e-8  # the reference's eps in exp_avg / (sqrt(exp_avg_sq) + eps)
 
@@ -92,16 +91,17 @@ class SparseMomentum(DynamicSparse):
     * The optimizer step is taken on update steps too (as in the reference), then the masks update in `step()`.
     """
 
+    methods = ("snfs",)
+
     def __init__(self, weights: dict[str, nn.Parameter], counts: dict[str, int], optimizer: torch.optim.Optimizer,
                  *, total_steps: int, update_interval: int, end_fraction: float, prune_rate: float,
                  min_prune_rate: float, generator: torch.Generator) -> None:
         if not 0 <= min_prune_rate <= prune_rate <= 1:
             raise ValueError(f"need 0 <= min_prune_rate <= prune_rate <= 1, got {min_prune_rate}, {prune_rate}")
         check_has_momentum(optimizer, list(weights.values()))
-        super().__init__(weights, counts, optimizer, method="rigl", total_steps=total_steps,
+        super().__init__(weights, counts, optimizer, method="snfs", total_steps=total_steps,
                          update_interval=update_interval, end_fraction=end_fraction, drop_fraction=prune_rate,
                          generator=generator)
-        self.method = "snfs"
         self.min_prune_rate = min_prune_rate
         self.counts = dict(counts)  # per-layer counts move with the redistribution; their sum does not
 
@@ -111,6 +111,11 @@ class SparseMomentum(DynamicSparse):
 
     def drop_fraction(self, step: int) -> float:
         return self.prune_rate(step)
+
+    def metrics(self) -> dict[str, Any]:
+        """The overall density and each layer's, which the momentum redistribution moves."""
+        return {**super().metrics(),
+                "layer_density": {n: self.counts[n] / w.numel() for n, w in self.weights.items()}}
 
     @torch.no_grad()
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -187,9 +192,8 @@ def build_snfs(model: nn.Module, optimizer: torch.optim.Optimizer, *, density: f
     every `optimizer.step()`; the optimizer needs momentum). Layer densities start from `distribution` (the
     paper's uniform by default) and then move with the momentum redistribution. To resume, build again with the
     same arguments and call `sp.load_state_dict(sd)`."""
-    weights, counts = sparse_targets(model, density=density, total_steps=total_steps, distribution=distribution,
-                                     example_inputs=example_inputs)
-    check_optimized(optimizer, list(weights.values()))
+    weights, counts = sparse_targets(model, optimizer, density=density, total_steps=total_steps,
+                                     distribution=distribution, example_inputs=example_inputs)
     return SparseMomentum(weights, counts, optimizer, total_steps=total_steps, update_interval=update_interval,
                           end_fraction=end_fraction, prune_rate=prune_rate, min_prune_rate=min_prune_rate,
                           generator=torch.Generator().manual_seed(seed))

@@ -13,9 +13,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from barter.sparse.dynamic import DynamicSparse
-
-from .targets import check_optimized, sparse_targets
+from .build import sparse_targets
+from .dynamic import DynamicSparse
 
 
 class Condensed(NamedTuple):
@@ -126,6 +125,8 @@ class ConstantFanInSparse(DynamicSparse):
       before an update.
     """
 
+    methods = ("srigl",)
+
     def __init__(self, weights: dict[str, nn.Parameter], targets: dict[str, int], optimizer: torch.optim.Optimizer,
                  *, total_steps: int, update_interval: int, end_fraction: float, drop_fraction: float,
                  gamma_sal: float, generator: torch.Generator) -> None:
@@ -136,10 +137,9 @@ class ConstantFanInSparse(DynamicSparse):
             raise ValueError(f"gamma_sal must be in [0, 1], got {gamma_sal}")
         self.targets = dict(targets)
         self.gamma_sal = gamma_sal
-        super().__init__(weights, targets, optimizer, method="rigl", total_steps=total_steps,
+        super().__init__(weights, targets, optimizer, method="srigl", total_steps=total_steps,
                          update_interval=update_interval, end_fraction=end_fraction, drop_fraction=drop_fraction,
                          generator=generator)
-        self.method = "srigl"
         self.counts = {n: int(m.sum()) for n, m in self.masks.items()}
 
     def _random_mask(self, weight: Tensor, count: int) -> Tensor:
@@ -165,6 +165,10 @@ class ConstantFanInSparse(DynamicSparse):
         """The fraction of each layer's output neurons that are ablated (no active input)."""
         return {n: float((m.sum(1) == 0).float().mean()) for n, m in self.masks.items()}
 
+    def metrics(self) -> dict[str, Any]:
+        """The overall density and each layer's fraction of ablated output neurons."""
+        return {**super().metrics(), "ablated_fraction": self.ablated_fraction()}
+
     def fan_in(self) -> dict[str, int]:
         """Each layer's constant fan-in (active inputs of every neuron that is not ablated)."""
         return {n: int(m.sum(1).max()) for n, m in self.masks.items()}
@@ -187,9 +191,8 @@ def build_srigl(model: nn.Module, optimizer: torch.optim.Optimizer, *, density: 
     (the RigL protocol: call `sp.step()` right after every `optimizer.step()`). `gamma_sal` = 0 turns neuron
     ablation off. Layer densities follow `distribution` (the reference's uniform by default). To resume, build
     again with the same arguments and call `sp.load_state_dict(sd)`."""
-    weights, targets = sparse_targets(model, density=density, total_steps=total_steps, distribution=distribution,
-                                      example_inputs=example_inputs)
-    check_optimized(optimizer, list(weights.values()))
+    weights, targets = sparse_targets(model, optimizer, density=density, total_steps=total_steps,
+                                      distribution=distribution, example_inputs=example_inputs)
     return ConstantFanInSparse(weights, targets, optimizer, total_steps=total_steps, update_interval=update_interval,
                                end_fraction=end_fraction, drop_fraction=drop_fraction, gamma_sal=gamma_sal,
                                generator=torch.Generator().manual_seed(seed))

@@ -6,8 +6,9 @@ mean +- std over seeds of the final test accuracy and macro-F1, the training FLO
 per-layer widths (heads and FFN channels; BARTER's moved, Static's as initialised, the others full).
 
 Matched compute: each BARTER run is then continued with its topology fixed (`TrainConfig.continue_from`) up to
-the F_total of the reference run with the same seed, `--matched-to dense` by default. RigL and SET train dense
-tensors under masks, so their executed F_total equals Dense's and the default reference is their budget too.
+the F_total of the reference run with the same seed, `--matched-to dense` by default. The baselines (RigL, SET,
+SNFS, SRigL, S²ViTE) train full-width tensors under masks, so their executed F_total equals Dense's and the default
+reference is their budget too. S²ViTE's widths are the live units of its compact export (`<run>/compact`).
 
 Runs live in `<out>/runs/<preset>-<method>-rho<density>-seed<seed>[-matched]`; a run found there with a
 checkpoint is resumed (a finished one is only read back), so an interrupted study continues where it stopped.
@@ -29,16 +30,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from barter.baselines import METHODS as BASELINES
 from barter.training import METHODS, ConfigError, RunResult, TrainConfig, train
 from barter.training.data import DatasetNotFoundError
 from barter.training.presets import DEFAULT_PRESET, PRESETS, preset
 from barter.training.runlog import CheckpointError, RunDir
 
-DEFAULT_METHODS = ("dense", "static", "barter", "rigl", "set")
+DEFAULT_METHODS = ("dense", "static", "barter", *BASELINES)
 DEFAULT_DENSITIES = (0.1, 0.3, 0.5, 0.7)
 DEFAULT_SEEDS = (0, 1, 2)
 MATCHED = "barter (matched)"
-REFERENCES = ("dense", "rigl", "set")  # runs whose F_total a matched BARTER continuation may reach
+REFERENCES = ("dense", *BASELINES)  # runs whose F_total a matched BARTER continuation may reach
 _AFTER_BARTER = METHODS.index("barter") + 1
 ROW_ORDER = (*METHODS[:_AFTER_BARTER], MATCHED, *METHODS[_AFTER_BARTER:])  # table rows: the continuation after BARTER
 CSV_FIELDS = ("method", "density", "seed", "epochs", "steps", "acc", "macro_f1", "best_acc", "flops", "wall_s",
@@ -53,7 +55,7 @@ class Row:
     density: float
     seed: int
     result: RunResult
-    widths: dict[str, dict[str, int]] | None  # topology.json of a wrapped run; None: full widths
+    widths: dict[str, dict[str, int]] | None  # topology.json of a wrapped run, S²ViTE's live units; None: full
 
     def csv(self) -> dict[str, object]:
         r = self.result
@@ -70,9 +72,20 @@ def run(config: TrainConfig) -> RunResult:
     return train(config, resume=RunDir(path).last.exists())
 
 
+def compact_widths(run_dir: Path) -> dict[str, dict[str, int]] | None:
+    """Per-module unit counts of a run's compact export (`<run>/compact/topology.json`), as topology.json has them."""
+    topology = run_dir / "compact" / "topology.json"
+    if not topology.is_file():
+        return None
+    widths: dict[str, dict[str, int]] = {}
+    for group in json.loads(topology.read_text())["groups"]:
+        widths.setdefault(group["module"], {})[group["kind"]] = group["count"]
+    return widths
+
+
 def record(method: str, config: TrainConfig, result: RunResult) -> Row:
     topology = result.run_dir / "topology.json"
-    widths = json.loads(topology.read_text()) if topology.is_file() else None
+    widths = json.loads(topology.read_text()) if topology.is_file() else compact_widths(result.run_dir)
     print(f"{method:>16} rho {config.density:g} seed {config.seed}: acc {result.acc:.4f}  macro-F1 "
           f"{result.macro_f1:.4f}  F_total {result.flops:.4g}  {result.steps} steps  {result.wall_s:.0f}s",
           flush=True)
@@ -129,7 +142,7 @@ def markdown(rows: list[Row], base: TrainConfig, matched_to: str | None) -> str:
     dense = [r.result.flops for r in rows if r.method == "dense"]
     lines = [f"Preset `{base.preset}` ({base.model} on {base.dataset}), epochs per run: {base.epochs}; test "
              f"accuracy and macro-F1 at the end of training, mean ± std over seeds. F_total: executed training "
-             f"FLOPs (RigL/SET run dense kernels under masks)."
+             f"FLOPs (the baselines run dense kernels under masks; S²ViTE's widths: its compact export's live units)."
              + (f" {MATCHED}: BARTER continued with its topology fixed up to the F_total of {matched_to} "
                 f"(same seed)." if any(r.method == MATCHED for r in rows) else ""),
              "",

@@ -1,4 +1,5 @@
-"""Training-step time and peak memory of Dense, Static, BARTER, RigL and SET on CCT-7/3x1 and the paper's ViT.
+"""Training-step time and peak memory of Dense, Static, BARTER and the baselines (RigL, SET, SNFS, SRigL, S²ViTE) on
+CCT-7/3x1 and the paper's ViT.
 
 For each model and density rho in {0.1, 0.3, 0.5, 0.7}, one run times the median training step (forward, loss,
 backward, AdamW step, method step) of every configuration, interleaved step by step after warm-up so that
@@ -6,8 +7,13 @@ drifting machine load hits them alike. "barter" runs with a long horizon, so its
 taps are on (a step inside its transfer window); "barter-after" is built with a one-step horizon, so every
 transfer runs after its first warm-up step and its taps are gone (a step after the window). Blocks of one
 model have equal widths, so moving units leaves the FLOPs unchanged: barter-after and Static execute the same
-FLOPs per step (the GFLOP column, counted by `barter.training.flops` on the last warm-up step, shows it). RigL/SET
-medians are ordinary steps (a mask update replaces one optimizer step in 100).
+FLOPs per step (the GFLOP column, counted by `barter.training.flops` on the last warm-up step, shows it). The
+baselines' medians are ordinary steps (no mask update falls in the timed steps; one step in 100 is an update).
+Their step times sit beside BARTER's as ratios to Dense ("x dense", and one line per model at density 0.5).
+
+SRigL keeps a constant fan-in, so a layer can run condensed (`barter.baselines.condensed_linear`: each output
+reads only its k inputs). One line per model and density times the forward of its largest sparse layer on
+CONDENSED_ROWS input rows, condensed against the masked dense matmul that training runs, as a ratio.
 
 Threads: on CPU, torch runs `--threads` threads (default 1: on a shared machine one thread per process keeps the
 interleaved timings steady, as in the tests); the ratios are those of single-thread compute.
@@ -40,14 +46,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter
 import models  # noqa: F401  (registers the models)
-from barter.baselines import build_sparse
+from barter.baselines import METHODS as BASELINES
+from barter.baselines import build_baseline, condensed_linear
 from barter.training.flops import StepFlops, run_step
 
 MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
-METHODS = ("dense", "static", "barter", "barter-after", "rigl", "set")
+METHODS = ("dense", "static", "barter", "barter-after", *BASELINES)
 DENSITIES = (0.1, 0.3, 0.5, 0.7)
-HORIZON = 1_000_000  # total steps given to every method: BARTER's taps stay on, no RigL/SET update is timed
+HORIZON = 1_000_000  # total steps given to every method: BARTER's taps stay on, no baseline's update is timed
 AFTER_HORIZON = 1  # window [rnd(0.1 T), rnd(0.4 T)] = [0, 0]: every proposal runs right after step 1
+CONDENSED_ROWS = 256  # input rows (tokens) of the condensed-layer timing
+CONDENSED_REPEATS = 20
 
 
 @dataclass
@@ -64,8 +73,8 @@ def build(arch: str, method: str, density: float, device: str) -> Run:
     torch.manual_seed(0)
     model = timm.create_model(arch).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
-    if method in ("rigl", "set"):
-        sp = build_sparse(model, opt, method=method, density=density, total_steps=HORIZON)
+    if method in BASELINES:
+        sp = build_baseline(method, model, opt, density=density, total_steps=HORIZON)
         return Run(model, opt, sp.step)
     if method in ("static", "barter"):
         barter.wrap(model, opt, total_steps=HORIZON, density=density, method=method)
@@ -138,6 +147,36 @@ def peak_memory_cpu(arch: str, method: str, density: float, batch_size: int, war
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def median_seconds(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> float:
+    """Median wall time of `fn()` after one warm-up call (synchronised on CUDA)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def condensed_layer(arch: str, density: float, device: str) -> tuple[str, str, float]:
+    """(layer, "out x in, fan-in k", condensed / masked forward time) of SRigL's largest sparse layer."""
+    torch.manual_seed(0)
+    model = timm.create_model(arch).to(device)
+    sp = build_baseline("srigl", model, torch.optim.AdamW(model.parameters()), density=density, total_steps=HORIZON)
+    name = max(sp.weights, key=lambda n: sp.weights[n].numel())
+    weight, mask = sp.weights[name], sp.masks[name]
+    x = torch.randn(CONDENSED_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(device)
+    condensed = sp.condensed(name)
+    masked = median_seconds(lambda: torch.nn.functional.linear(x, weight * mask), device, CONDENSED_REPEATS)
+    packed = median_seconds(lambda: condensed_linear(x, condensed), device, CONDENSED_REPEATS)
+    return name, f"{weight.shape[0]}x{weight.shape[1]}, fan-in {sp.fan_in()[name]}", packed / masked
+
+
 def configs(densities: tuple[float, ...]) -> list[tuple[str, float]]:
     """(method, density) pairs; Dense once (its density is 1)."""
     return [("dense", 1.0)] + [(m, d) for d in densities for m in METHODS[1:]]
@@ -182,6 +221,9 @@ def report(name: str, results: dict[tuple[str, float], dict], densities: tuple[f
         r = results[m, d]
         print(f"{d:7.1f} {m:>12} {r['time'] * 1e3:9.1f} {r['time'] / dense['time']:8.3f} {r['flops'] / 1e9:8.2f} "
               f"{_mib(r):>9}")
+    if 0.5 in densities:
+        print("x dense at 0.5: " + ", ".join(f"{m} {results[m, 0.5]['time'] / dense['time']:.3f}"
+                                             for m in ("barter", *BASELINES)))
     print(f"{'density':>7} {'BARTER/RigL time':>17} {'BARTER/Static time':>19} {'after/Static time':>18} "
           f"{'BARTER/RigL mem':>16} {'BARTER/Static mem':>18}")
     ratios = {}
@@ -226,6 +268,12 @@ def main() -> None:
           f"{torch.get_num_threads()} CPU threads; memory: "
           + ("off" if not args.memory else "CUDA max allocated" if args.device == "cuda" else "peak RSS growth"))
     ratios = {name: report(name, measure(arch, densities, args), densities) for name, arch in MODELS.items()}
+    print()
+    for name, arch in MODELS.items():
+        for d in densities:
+            layer, shape, ratio = condensed_layer(arch, d, args.device)
+            print(f"SRigL condensed/masked forward, {name} {layer} ({shape}, {CONDENSED_ROWS} rows) at {d:g}: "
+                  f"{ratio:.3f}")
     at_half = {label: [r[0.5][i] for r in ratios.values()] for i, label in enumerate(("BARTER/RigL", "after/Static"))}
     print()
     for label, values in at_half.items():

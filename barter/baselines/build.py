@@ -1,4 +1,4 @@
-"""`build_sparse`: find the weights BARTER compacts and make them dynamically sparse (RigL or SET)."""
+"""The weights the unstructured baselines sparsify (those BARTER compacts), and `build_sparse` for RigL / SET."""
 from __future__ import annotations
 
 import copy
@@ -30,6 +30,29 @@ def sparse_weight_names(model: nn.Module, example_inputs: tuple | None = None) -
     return names
 
 
+def sparse_targets(model: nn.Module, optimizer: torch.optim.Optimizer, *, density: float, total_steps: int,
+                   distribution: str, example_inputs: tuple | None = None
+                   ) -> tuple[dict[str, nn.Parameter], dict[str, int]]:
+    """(weights by name, active count by name) of `model`'s projection weights at overall `density`.
+
+    Raises ValueError for a density outside (0, 1], no steps, no projection weights, or an optimizer that does
+    not step every one of them.
+    """
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    params = dict(model.named_parameters())
+    weights = {n: params[n] for n in sparse_weight_names(model, example_inputs)}
+    if not weights:
+        raise ValueError("no attention or FFN projection weights found to sparsify")
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if any(id(w) not in stepped for w in weights.values()):
+        raise ValueError("the optimizer does not step every sparsified parameter")
+    counts = layer_counts([tuple(w.shape) for w in weights.values()], density, distribution)
+    return weights, dict(zip(weights, counts))
+
+
 def build_sparse(model: nn.Module, optimizer: torch.optim.Optimizer, *, method: str = "rigl", density: float = 0.5,
                  total_steps: int, seed: int = 0, distribution: str = "erk", update_interval: int = 100,
                  end_fraction: float = 0.75, drop_fraction: float = 0.3,
@@ -40,15 +63,8 @@ def build_sparse(model: nn.Module, optimizer: torch.optim.Optimizer, *, method: 
     each layer's count. See `barter.baselines.dynamic` for the optimizer protocol: call `sp.step()` right after
     every `optimizer.step()`. To resume, build again with the same arguments and call `sp.load_state_dict(sd)`.
     """
-    if not 0 < density <= 1:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    params = dict(model.named_parameters())
-    weights = {n: params[n] for n in sparse_weight_names(model, example_inputs)}
-    if not weights:
-        raise ValueError("no attention or FFN projection weights found to sparsify")
-    counts = layer_counts([tuple(w.shape) for w in weights.values()], density, distribution)
-    return DynamicSparse(weights, dict(zip(weights, counts)), optimizer, method=method, total_steps=total_steps,
+    weights, counts = sparse_targets(model, optimizer, density=density, total_steps=total_steps,
+                                     distribution=distribution, example_inputs=example_inputs)
+    return DynamicSparse(weights, counts, optimizer, method=method, total_steps=total_steps,
                          update_interval=update_interval, end_fraction=end_fraction, drop_fraction=drop_fraction,
                          generator=torch.Generator().manual_seed(seed))

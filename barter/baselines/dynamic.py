@@ -29,21 +29,21 @@ from torch import Tensor, nn
 
 from .update import cosine_drop_fraction, drop_and_grow
 
-METHODS = ("rigl", "set")
-
 
 class DynamicSparse:
     """Masks of the sparse weights, the update schedule, and the drop/grow rule of `method` ("rigl" or "set").
 
     `masks[name]` is a float tensor (1 active, 0 inactive) shaped like the weight; `counts[name]` its active
-    count, constant through training.
+    count, constant through training. A subclass that changes the drop/grow rule names its own `methods`.
     """
+
+    methods: tuple[str, ...] = ("rigl", "set")  # the values of `method` this driver implements
 
     def __init__(self, weights: dict[str, nn.Parameter], counts: dict[str, int], optimizer: torch.optim.Optimizer,
                  *, method: str, total_steps: int, update_interval: int, end_fraction: float, drop_fraction: float,
                  generator: torch.Generator) -> None:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+        if method not in self.methods:
+            raise ValueError(f"unknown method {method!r} for {type(self).__name__}; expected one of {self.methods}")
         self.method = method
         self.weights = weights
         self.counts = counts
@@ -78,6 +78,10 @@ class DynamicSparse:
     def density(self) -> float:
         """Active fraction of the sparse weights."""
         return sum(self.counts.values()) / sum(w.numel() for w in self.weights.values())
+
+    def metrics(self) -> dict[str, Any]:
+        """What a training run logs of the driver each epoch: the active fraction of the sparse weights."""
+        return {"density": self.density}
 
     @torch.no_grad()
     def apply_masks(self) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..serialization import export
 from .config import TrainConfig
 from .recipe import WarmupCosine
 from .runlog import CheckpointError, RunDir, find_checkpoint, load_checkpoint
@@ -70,6 +71,20 @@ def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: Run
                         example_inputs=example_batch(data, torch.device("cpu")))
     if improved:
         run.copy_checkpoint(run.last, run.best)
+
+
+def save_compact(session: Session, config: TrainConfig, data: Data, run: RunDir) -> int:
+    """Export the selected model (the best checkpoint) with its dead units removed to `run.compact`, so that
+    `barter.load(run / "compact")` gives it as it gives BARTER's checkpoints; return its parameter count. The
+    session ends holding the best checkpoint's weights and masks."""
+    best = load_checkpoint(run.best)
+    session.model.load_state_dict(best["model"])
+    session.sparse.load_state_dict(best["sparse"])
+    device = next(session.model.parameters()).device
+    compact = session.sparse.export_compact(example_batch(data, device))
+    export(compact, run.compact, example_inputs=example_batch(data, torch.device("cpu")), architecture=config.model,
+           model_kwargs=model_arguments(config, data))
+    return sum(p.numel() for p in compact.parameters())
 
 
 def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:

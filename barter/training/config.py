@@ -1,7 +1,8 @@
 """What a training run depends on: `TrainConfig`, its checks, and the methods it can train.
 
 Methods: "dense" (no wrap at all), the methods of `barter.wrap` ("static", "barter" and the random ablations),
-and the baselines of `barter.baselines` ("rigl", "set"). A bad value raises `ConfigError` naming the field.
+and the baselines of `barter.baselines` ("rigl", "set", "snfs", "srigl", "s2vite"). A bad value raises
+`ConfigError` naming the field.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import timm
 import models  # noqa: F401  (registers the project's models with timm)
 
 from ..baselines import METHODS as BASELINE_METHODS
+from ..baselines import baseline_options
 from ..selection import METHODS as WRAP_METHODS
 from .data import DATASETS, RECIPES
 from .recipe import DECAYS
@@ -31,9 +33,11 @@ class TrainConfig:
 
     Data: `val_size` training images (a fixed split) are held out to select the best checkpoint; with 0 the
     test split selects it. An epoch is `passes` shuffled passes; `drop_last` drops the final incomplete batch
-    (an odd one is always dropped when batches are mixed). Optimisation: see `barter.training.recipe`; `decay` is
-    "after" (CCT) or "before" (ViT). Compute: `flop_budget` stops at that cumulative F_total (a final partial
-    epoch allowed); `continue_from` continues a finished run's endpoint up to `flop_budget` (matched compute).
+    (an odd one is always dropped when batches are mixed). Method: `barter_options` go to `barter.wrap`,
+    `baseline_options` to the baseline's factory (`barter.baselines.baseline_options(method)` lists them).
+    Optimisation: see `barter.training.recipe`; `decay` is "after" (CCT) or "before" (ViT). Compute:
+    `flop_budget` stops at that cumulative F_total (a final partial epoch allowed); `continue_from` continues a
+    finished run's endpoint up to `flop_budget` (matched compute).
     """
 
     preset: str = "custom"
@@ -62,6 +66,7 @@ class TrainConfig:
     method: str = "barter"
     density: float = 0.3
     barter_options: dict[str, Any] = field(default_factory=dict)
+    baseline_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     device: str = "auto"
     flop_budget: float | None = None
@@ -90,12 +95,19 @@ class TrainConfig:
             (self.continue_from is None or self.flop_budget is not None,
              "continue_from needs flop_budget (the baseline's cumulative training FLOPs)"),
             (self.continue_from is None or self.method not in BASELINE_METHODS,
-             "continue_from fixes a BARTER topology; it does not apply to rigl/set"),
+             f"continue_from fixes a BARTER topology; it does not apply to {self.method}"),
+            (not self.baseline_options or self.method in BASELINE_METHODS,
+             f"baseline_options apply to the baselines ({', '.join(BASELINE_METHODS)}), not to {self.method}"),
             (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.method in BASELINE_METHODS:
+            unknown = sorted(set(self.baseline_options) - set(baseline_options(self.method)))
+            if unknown:
+                raise ConfigError(f"baseline_options: {self.method} has no option(s) {', '.join(unknown)} "
+                                  f"(it takes {', '.join(baseline_options(self.method))})")
         if self.model not in timm.list_models():
             raise ConfigError(f"unknown model {self.model!r} (not in timm's registry)")
 

@@ -15,10 +15,11 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from ..baselines import CompactExport
 from ..controller import Controller
 from . import processes
 from .batches import epoch_batches, granule, steps_per_epoch
-from .checkpoint import restore, save_checkpoints, seed_all, source_checkpoint
+from .checkpoint import restore, save_checkpoints, save_compact, seed_all, source_checkpoint
 from .config import ConfigError, TrainConfig
 from .evaluation import evaluate
 from .recipe import WarmupCosine, build_criterion
@@ -207,7 +208,9 @@ def widths_text(controller: Controller | None) -> str:
 
 def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, device: torch.device,
                train_stats: dict[str, float]) -> None:
-    """Evaluate, log the epoch, keep the best and the last checkpoint, and write events and topology."""
+    """Evaluate, log the epoch (with the baseline driver's `metrics()`), keep the best and the last checkpoint,
+    and write events and topology. At the end of a run whose baseline removes whole units (S²ViTE), the selected
+    model's compact export goes to `run/compact` and its parameter count into the last record."""
     test = evaluate(session.model, data.test, data.num_classes, device, config.workers)
     val = evaluate(session.model, data.val, data.num_classes, device, config.workers) if data.val is not None else None
     record = {"epoch": session.epoch, "step": session.step, **train_stats,
@@ -217,11 +220,15 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
               "wall_s": session.wall_s}
     if val is not None:
         record.update(val_loss=val["loss"], val_acc=val["acc"], val_macro_f1=val["macro_f1"])
+    if session.sparse is not None:
+        record["sparse"] = session.sparse.metrics()
     selected = (val or test)["acc"]
     improved = selected > session.best_acc
     if improved:
         session.best_acc, session.best_epoch = selected, session.epoch
     save_checkpoints(session, config, data, run, improved)
+    if session.finished and isinstance(session.sparse, CompactExport):
+        record["compact_parameters"] = save_compact(session, config, data, run)
     run.append_metrics(record)
     if session.controller is not None:
         run.write_events(session.controller.events)

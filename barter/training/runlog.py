@@ -1,9 +1,12 @@
-"""A run's directory: config.json, metrics.jsonl, events.jsonl, topology.json, checkpoints and widths.png.
+"""A run's directory: config.json, metrics.jsonl, events.jsonl, topology.json, checkpoints, widths.png, and
+for S²ViTE `compact/`.
 
 The checkpoints `best/` and `last/` are `barter.export` directories (`barter.load(run / "best")` gives the trained
 compact model) with the trainer state beside the weights in `trainer.pt`, a `torch.save` dictionary read back
-with `weights_only=True`. Each is written atomically (a temporary directory, then renames); anything
-unreadable or incomplete raises `CheckpointError` with the path and the reason.
+with `weights_only=True`. S²ViTE's `best/` and `last/` hold its masked full-width model (resuming needs the
+dead units' input weights); `compact/` is the best one with the dead units removed. Each is written
+atomically (a temporary directory, then renames); anything unreadable or incomplete raises `CheckpointError`
+with the path and the reason.
 """
 from __future__ import annotations
 
@@ -40,6 +43,11 @@ class RunDir:
     @property
     def best(self) -> Path:
         return self.path / "best"
+
+    @property
+    def compact(self) -> Path:
+        """The physically compact export of a baseline that trains under unit masks (S²ViTE)."""
+        return self.path / "compact"
 
     def write_json(self, name: str, data: Any) -> None:
         _atomic(self.path / name, lambda f: f.write_text(json.dumps(data, indent=2) + "\n"))

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset, Subset
 
 import models  # noqa: F401  (registers the project's models with timm)
 
-from ..baselines import build_sparse
+from ..baselines import SparseTraining, build_baseline
 from ..controller import Controller
 from ..ddp import DistributedModel
 from ..wrapping import wrap
@@ -43,7 +43,7 @@ class Session:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     controller: Controller | None
-    sparse: Any
+    sparse: SparseTraining | None
     meter: FlopMeter
     schedule: WarmupCosine
     ddp: DistributedModel | None = None  # what training steps run through in a multi-process run
@@ -92,12 +92,12 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
                                 decay=config.decay)
     controller = sparse = None
     if config.method in WRAP_METHODS:
-        example = example_batch(data, device)
-        controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
-                          method=config.method, seed=config.seed, example_inputs=example, **config.barter_options)
+        controller = wrap(model, optimizer, total_steps=total_steps, density=config.density, method=config.method,
+                          seed=config.seed, example_inputs=example_batch(data, device), **config.barter_options)
     elif config.method in BASELINE_METHODS:
-        sparse = build_sparse(model, optimizer, method=config.method, density=config.density,
-                                               total_steps=total_steps, seed=config.seed)
+        sparse = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
+                                seed=config.seed, example_inputs=example_batch(data, device),
+                                **config.baseline_options)
     warmup = round(config.warmup_epochs * total_steps / config.epochs)
     schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
     ddp = None
@@ -105,8 +105,6 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedModel(model, controller, device_ids=device_ids)
     return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp)
-
-
 
 
 def load_pretrained(model: nn.Module, source: str) -> None:

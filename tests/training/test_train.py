@@ -15,7 +15,7 @@ from barter.training.batches import epoch_batches, steps_per_epoch
 from barter.training.data import DatasetNotFoundError
 from barter.training.evaluation import macro_f1
 from barter.training.recipe import WarmupCosine, build_optimizer
-from barter.training.runlog import CheckpointError, load_checkpoint, width_history
+from barter.training.runlog import CheckpointError, RunDir, load_checkpoint, width_history
 from barter.training.session import build_data, build_session
 
 MODELS = {
@@ -23,6 +23,8 @@ MODELS = {
     "vit": {"model": "vit_paper_p8_64_tiny", "img_size": 16, "model_kwargs": {"patch_size": 4}},
 }
 WRAPPED = ("static", "barter", "random_receiver", "random_donor", "random_pair")
+BASELINES = ("rigl", "set", "snfs", "srigl", "s2vite")
+UPDATES = {"update_interval": 2}  # mask updates at steps 2, 4 and 6 of a baseline's 8
 
 
 def config(tmp_path, arch="cct", **kw) -> TrainConfig:
@@ -34,9 +36,10 @@ def config(tmp_path, arch="cct", **kw) -> TrainConfig:
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
-@pytest.mark.parametrize("method", ["dense", *WRAPPED, "rigl", "set"])
+@pytest.mark.parametrize("method", ["dense", *WRAPPED, *BASELINES])
 def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
-    result = train(config(tmp_path, arch, method=method, name="run"))
+    options = UPDATES if method in BASELINES else {}
+    result = train(config(tmp_path, arch, method=method, name="run", baseline_options=options))
     run = tmp_path / "run"
     assert result.run_dir == run and result.epochs == 2 and result.steps == 8
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -58,6 +61,13 @@ def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
             assert len({sum(s[0][1] for s in layers.values()), sum(s[-1][1] for s in layers.values())}) == 1
     else:
         assert not (run / "events.jsonl").exists()
+    if method in BASELINES:
+        assert last["sparse"]["step"] == 8 and all(0 < m["sparse"]["density"] <= 0.5 + 1e-9 for m in metrics)
+    if method == "srigl":  # every epoch logs each sparse layer's fraction of ablated neurons
+        assert all(set(m["sparse"]["ablated_fraction"]) == set(last["sparse"]["masks"]) for m in metrics)
+        assert all(0 <= f < 1 for m in metrics for f in m["sparse"]["ablated_fraction"].values())
+    assert (run / "compact").is_dir() == (method == "s2vite")
+    assert ("compact_parameters" in metrics[-1]) == (method == "s2vite")
 
 
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
@@ -87,6 +97,69 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert a["flops"] == b["flops"]
     lines = (resumed.run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [1, 2]
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_baseline_resume_equals_uninterrupted(tmp_path, monkeypatch, method):
+    """A baseline cut in the second epoch's evaluation and resumed: same weights, masks, optimizer and FLOPs."""
+    whole = train(config(tmp_path, method=method, name="whole", baseline_options=UPDATES))
+    real_evaluate, calls = loop_module.evaluate, []
+
+    def crash_on_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "evaluate", crash_on_second)
+    cut = config(tmp_path, method=method, name="cut", baseline_options=UPDATES)
+    with pytest.raises(KeyboardInterrupt):
+        train(cut)
+    monkeypatch.setattr(loop_module, "evaluate", real_evaluate)
+    assert load_checkpoint(tmp_path / "cut" / "last")["epoch"] == 1
+    resumed = train(cut, resume=True)
+    a, b = load_checkpoint(whole.run_dir / "last"), load_checkpoint(resumed.run_dir / "last")
+    masks = "unit_masks" if method == "s2vite" else "masks"
+    assert a["sparse"][masks].keys() == b["sparse"][masks].keys() and a["sparse"]["step"] == b["sparse"]["step"]
+    assert all(torch.equal(m, b["sparse"][masks][n]) for n, m in a["sparse"][masks].items())
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    for key, state in a["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["optimizer"]["state"][key][k]) for k, v in state.items())
+    assert a["flops"] == b["flops"]
+    assert RunDir(whole.run_dir).metrics() == [{**m, "wall_s": w["wall_s"]} for m, w in
+                                               zip(RunDir(resumed.run_dir).metrics(), RunDir(whole.run_dir).metrics())]
+
+
+def test_masked_baselines_count_the_dense_flops(tmp_path):
+    """Every baseline trains full-width tensors under masks: the FLOP meter counts Dense's executed step."""
+    dense = train(config(tmp_path, method="dense", name="dense", epochs=1))
+    for method in BASELINES:
+        result = train(config(tmp_path, method=method, name=method, epochs=1, baseline_options=UPDATES))
+        assert result.flops == dense.flops > 0, method
+
+
+def test_s2vite_compact_export_equals_its_masked_model(tmp_path):
+    """run/compact is the best checkpoint without its dead units: fewer parameters, the same outputs."""
+    result = train(config(tmp_path, "vit", method="s2vite", name="run", baseline_options=UPDATES))
+    masked, compact = barter.load(result.run_dir / "best").eval(), barter.load(result.run_dir / "compact").eval()
+    parameters = sum(p.numel() for p in compact.parameters())
+    assert parameters == RunDir(result.run_dir).metrics()[-1]["compact_parameters"]
+    assert parameters < sum(p.numel() for p in masked.parameters())
+    topology = json.loads((result.run_dir / "compact" / "topology.json").read_text())
+    assert topology["parameters"] == parameters and any(g["count"] < g["max_count"] for g in topology["groups"])
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(compact(x), masked(x), rtol=1e-4, atol=1e-5)
+
+
+def test_baseline_options_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="no option.*gamma"):
+        train(config(tmp_path, method="snfs", baseline_options={"gamma_sal": 0.1}))
+    with pytest.raises(ConfigError, match="baseline_options apply"):
+        train(config(tmp_path, method="barter", baseline_options=UPDATES))
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("method", ["dense", "barter"])

@@ -1,0 +1,262 @@
+"""S²ViTE (Chen et al. 2021, structured): attention heads and FFN channels explored under unit masks, each
+layer keeping a fixed number of live units; dead units are removed for good by `export_compact`.
+
+    sp = build_s2vite(model, optimizer, density=0.5, total_steps=T, seed=0)
+    ... loss.backward(); optimizer.step(); sp.step()
+    compact = sp.export_compact()
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fxsurgery import Surgeon, UnitGroup
+
+from ..analysis import default_example_inputs
+from .snfs import cosine_prune_rate
+
+
+def unit_reduce(group: UnitGroup, tensors: dict[str, Tensor], fn: Any) -> Tensor:
+    """Sum over the group's slices of fn(slice view with the unit axis moved first).flatten(1).sum(1): (count,)."""
+    total = torch.zeros(group.count, dtype=torch.float64)
+    for sl in group.slices:
+        units = sl.units(tensors[sl.name], group.count).movedim(sl.dim + 1, 0).flatten(1)
+        total += fn(units, sl).double().sum(1).cpu()
+    return total
+
+
+class StructuredSparse:
+    """Unit masks over fxsurgery's exact head and channel groups, with S²ViTE's prune-and-grow of units.
+
+    A dead unit's output slices (the output projection's columns, `ParamSlice.output`) are zero, which removes
+    its contribution exactly (what `Surgeon.remove` does physically); their gradients are masked on ordinary
+    steps and the weights re-zeroed after every step. Its input-side slices keep their values: they receive no
+    gradient while the unit is dead, and their activations make the dense gradient of the dead output columns
+    the regrowth signal. Update steps follow the RigL driver (`barter.baselines.dynamic`): the update replaces the
+    optimizer step (the pre-step hook records the scores and clears every gradient). Per update, each group
+    drops ceil(rate * live) live units of lowest importance and revives as many of highest |gradient| among
+    the dead (the just-dropped included); revived output columns start at zero with zero optimizer moments.
+    Importance: heads by first-order Taylor |sum(grad * w)| over their output columns (equal to the reference's
+    |grad . activation| of the head output), channels by the L1 norm of their weights. Rate: the reference's
+    cosine decay from `death_rate` to 0.005 over all training steps; updates every `update_interval` steps
+    before end_fraction (the reference's t_end) of training.
+
+    Differences from the reference (VITA-Group/SViTE, SViTE/dst_utils/core.py, pruning_type "structure_new",
+    and the Attention score hooks in SViTE/vision_transformer.py):
+    * Units come from fxsurgery's groups (any architecture), not from `attn.qkv` / `mlp.fc1` names; the
+      reference masks a dead head's qkv rows and a dead channel's fc1 row and fc2 column, here only the output
+      columns are masked (same function, exact removal; the input side carries the growth signal).
+    * The head Taylor score sums grad * activation over the batch before the absolute value (the reference
+      averages per-image absolute values); head growth reads the gradient of the head's output columns rather
+      than of its output activation (zero there once the columns are masked).
+    * Channel L1 norms and gradient norms run over all the unit's slices (biases and any other sliced tensor);
+      the reference uses the fc1 row and fc2 column weights.
+    * Update steps replace the optimizer step (the reference takes it, then updates); moments of dead and
+      revived units' output columns are zeroed (the reference zeroes SGD momentum only).
+
+    Training FLOPs (`barter.training.flops`) are those of the executed masked full-width model, as for the
+    unstructured baselines: the meter counts the shapes that run, and dead units still run under their masks.
+    The compact cost of the live units is what `export_compact` gives (its parameter count is in the run's
+    metrics).
+    """
+
+    def __init__(self, model: nn.Module, groups: list[UnitGroup], optimizer: torch.optim.Optimizer, *,
+                 live: dict[str, int], total_steps: int, update_interval: int, end_fraction: float,
+                 death_rate: float, min_death_rate: float, generator: torch.Generator) -> None:
+        self.model = model
+        self.groups = {g.name: g for g in groups}
+        self.optimizer = optimizer
+        self.tensors = dict(model.named_parameters())
+        self.live = dict(live)
+        self.total_steps = total_steps
+        self.update_interval = update_interval
+        self.end_step = int(end_fraction * total_steps)
+        self.death_rate = death_rate
+        self.min_death_rate = min_death_rate
+        self.generator = generator
+        self.step_count = 0
+        self.unit_masks = {name: self._random_units(g.count, live[name]) for name, g in self.groups.items()}
+        self._pending = False
+        self._scores: dict[str, tuple[Tensor, Tensor]] | None = None
+        self._refresh_masks()
+        self.apply_masks()
+        optimizer.register_step_pre_hook(self._before_step)
+
+    def _random_units(self, count: int, live: int) -> Tensor:
+        mask = torch.zeros(count, dtype=torch.bool)
+        mask[torch.rand(count, generator=self.generator).topk(live, sorted=False).indices] = True
+        return mask
+
+    def _refresh_masks(self) -> None:
+        """Element masks of the output slices' tensors from the unit masks."""
+        self.masks: dict[str, Tensor] = {}
+        for name, g in self.groups.items():
+            for sl in g.slices:
+                if not sl.output:
+                    continue
+                t = self.tensors[sl.name]
+                mask = self.masks.get(sl.name, torch.ones_like(t, requires_grad=False))
+                view = sl.units(mask, g.count)
+                for i in (~self.unit_masks[name]).nonzero().flatten().tolist():
+                    view.select(sl.dim + 1, i).zero_()
+                self.masks[sl.name] = mask
+
+    def is_update_step(self, step: int) -> bool:
+        """Whether 1-based optimizer step `step` is a unit update."""
+        return step % self.update_interval == 0 and step < self.end_step
+
+    def rate(self, step: int) -> float:
+        """The fraction of each group's live units dropped at update step `step`."""
+        return cosine_prune_rate(step, self.death_rate, self.min_death_rate, self.total_steps)
+
+    @property
+    def density(self) -> float:
+        """Live fraction of the units of all groups."""
+        return sum(self.live.values()) / sum(g.count for g in self.groups.values())
+
+    def metrics(self) -> dict[str, Any]:
+        """What a training run logs of the driver each epoch: the live fraction of the units."""
+        return {"density": self.density}
+
+    @torch.no_grad()
+    def apply_masks(self) -> None:
+        """Zero the output slices of dead units."""
+        torch._foreach_mul_([self.tensors[n] for n in self.masks], list(self.masks.values()))
+
+    @torch.no_grad()
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._pending:
+            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
+        self._pending = True
+        if self.is_update_step(self.step_count + 1):
+            self._scores = {name: self._unit_scores(g) for name, g in self.groups.items()}
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        else:
+            for name, mask in self.masks.items():
+                if self.tensors[name].grad is not None:
+                    self.tensors[name].grad.mul_(mask)
+
+    def _unit_scores(self, g: UnitGroup) -> tuple[Tensor, Tensor]:
+        """(importance, growth) of every unit of `g` from the current weights and dense gradients."""
+        missing = [sl.name for sl in g.slices if self.tensors[sl.name].grad is None]
+        if missing:
+            raise RuntimeError(f"S²ViTE scores units by gradient, but these have none at an update step: {missing}")
+        weights = {sl.name: self.tensors[sl.name].detach() for sl in g.slices}
+        grads = {sl.name: self.tensors[sl.name].grad for sl in g.slices}
+        growth = unit_reduce(g, grads, lambda u, sl: u.abs())
+        if g.kind == "head":
+            products = {n: weights[n] * grads[n] for n in weights}
+            importance = unit_reduce(g, products, lambda u, sl: u if sl.output else torch.zeros_like(u)).abs()
+        else:
+            importance = unit_reduce(g, weights, lambda u, sl: u.abs())
+        return importance, growth
+
+    def step(self) -> None:
+        """Count the optimizer step just taken; on an update step drop and revive units; then apply the masks."""
+        if not self._pending:
+            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
+        self._pending = False
+        self.step_count += 1
+        if self._scores is not None:
+            self._update(self._scores, self.rate(self.step_count))
+            self._scores = None
+        self.apply_masks()
+
+    @torch.no_grad()
+    def _update(self, scores: dict[str, tuple[Tensor, Tensor]], rate: float) -> None:
+        for name, (importance, growth) in scores.items():
+            self.unit_masks[name] = drop_and_revive(self.unit_masks[name], importance, growth, rate)
+        self._refresh_masks()
+        for name, mask in self.masks.items():
+            t = self.tensors[name]
+            for value in self.optimizer.state.get(t, {}).values():
+                if isinstance(value, Tensor) and value.shape == t.shape:
+                    value.mul_(mask)
+
+    def active_units(self) -> dict[str, list[int]]:
+        """The live units of every group, by group name."""
+        return {name: m.nonzero().flatten().tolist() for name, m in self.unit_masks.items()}
+
+    def export_compact(self, example_inputs: tuple | None = None) -> nn.Module:
+        """A copy of the model with the dead units removed (physically smaller, same outputs)."""
+        return export_compact(self.model, self.active_units(), example_inputs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, unit masks and RNG state."""
+        return {"method": "s2vite", "step": self.step_count, "rng": self.generator.get_state(),
+                "unit_masks": {n: m.clone() for n, m in self.unit_masks.items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore a saved state into a `build_s2vite` of a freshly built model with the same arguments."""
+        if sd.get("method") != "s2vite" or set(sd["unit_masks"]) != set(self.unit_masks):
+            raise ValueError("state_dict comes from another method or another set of unit groups")
+        self.unit_masks = {n: m.clone().bool() for n, m in sd["unit_masks"].items()}
+        self.step_count = sd["step"]
+        self.generator.set_state(sd["rng"])
+        self._refresh_masks()
+        self.apply_masks()
+
+
+def drop_and_revive(live: Tensor, importance: Tensor, growth: Tensor, rate: float) -> Tensor:
+    """New live mask: drop the ceil(rate * live) live units of lowest importance, then revive as many of the
+    highest growth among the units left dead (the just-dropped included); the live count is unchanged."""
+    n_live = int(live.sum())
+    n_drop = min(n_live, math.ceil(rate * n_live))
+    kept = torch.zeros_like(live)
+    kept[importance.masked_fill(~live, math.inf).topk(n_drop, largest=False).indices] = True
+    kept = live & ~kept
+    revived = torch.zeros_like(live)
+    revived[growth.masked_fill(kept, -math.inf).topk(n_drop).indices] = True
+    return kept | revived
+
+
+def export_compact(model: nn.Module, active: dict[str, list[int]], example_inputs: tuple | None = None) -> nn.Module:
+    """A deep copy of `model` keeping only the `active` units of each named group (fxsurgery group names)."""
+    compact = copy.deepcopy(model)
+    surgeon = Surgeon(compact, tuple(example_inputs or default_example_inputs(compact)))
+    for name, units in active.items():
+        group = surgeon.group(name)
+        if len(units) < group.count:
+            surgeon.keep(group, units)
+    return compact
+
+
+def unit_groups(model: nn.Module, example_inputs: tuple | None = None) -> list[UnitGroup]:
+    """fxsurgery's exact head and channel groups of `model` (analysed on a copy; the names refer to `model`)."""
+    probe = copy.deepcopy(model)
+    surgeon = Surgeon(probe, tuple(example_inputs or default_example_inputs(probe)))
+    return [g for g in surgeon.groups if g.exact and g.kind in ("head", "channel")]
+
+
+def build_s2vite(model: nn.Module, optimizer: torch.optim.Optimizer, *, density: float = 0.5, total_steps: int,
+                 seed: int = 0, head_density: float | None = None, update_interval: int = 100,
+                 end_fraction: float = 0.8, death_rate: float = 0.5, min_death_rate: float = 0.005,
+                 example_inputs: tuple | None = None) -> StructuredSparse:
+    """Keep int(density * count) random units (at least the group's minimum, and one) of every FFN channel group,
+    int(head_density * count) of every head group (`head_density` defaults to `density`; the reference's
+    other_density and atten_density), and return the S²ViTE driver: call `sp.step()` right after every
+    `optimizer.step()`. To resume, build again with the same arguments and call `sp.load_state_dict(sd)`."""
+    head_density = density if head_density is None else head_density
+    for label, value in (("density", density), ("head_density", head_density)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{label} must be in (0, 1], got {value}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    groups = unit_groups(model, example_inputs)
+    if not groups:
+        raise ValueError("no exact attention-head or FFN-channel groups found")
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    tensors = dict(model.named_parameters())
+    if any(sl.name not in tensors or id(tensors[sl.name]) not in params for g in groups for sl in g.slices):
+        raise ValueError("the optimizer does not step every parameter of the unit groups")
+    live = {g.name: min(g.count, max(1, g.min_count, int((head_density if g.kind == "head" else density) * g.count)))
+            for g in groups}
+    return StructuredSparse(model, groups, optimizer, live=live, total_steps=total_steps,
+                            update_interval=update_interval, end_fraction=end_fraction, death_rate=death_rate,
+                            min_death_rate=min_death_rate, generator=torch.Generator().manual_seed(seed))

@@ -7,8 +7,9 @@ from .slicing import ParamSlice
 
 
 def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
-            plumbing: dict[UnitGroup, GroupPlumbing]) -> str:
-    """Each group's count / max, exactness, sliced tensors and rewritten constants; then the left out."""
+            plumbing: dict[UnitGroup, GroupPlumbing], *, front_ends: dict[str, str]) -> str:
+    """Each group's count / max, exactness, sliced tensors and rewritten constants; then the left out; then
+    the front end of each host module (hosts recorded alike and for the same reason share a line)."""
     lines = [f"fxsurgery: {len(groups)} unit groups in {model_name}"]
     w = max([len(g.name) for g in groups] + [5])
     lines.append(f"{'group':<{w}}  {'kind':<7}  {'module':<{w}}  {'units':>9}  exact")
@@ -24,6 +25,14 @@ def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
         lines.append("left out:")
         for lo in left_out:
             lines.append(f"  {lo.module or '(model)'}: " + "; ".join(lo.reasons))
+    if front_ends:
+        lines.append("front ends:")
+        hosts_of: dict[str, list[str]] = {}
+        for host, front_end in front_ends.items():
+            hosts_of.setdefault(front_end, []).append(host or "(model)")
+        for front_end, hosts in hosts_of.items():
+            shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
+            lines.append(f"  {shown}: {front_end}")
     return "\n".join(lines)
 
 

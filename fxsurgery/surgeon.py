@@ -27,6 +27,7 @@ class Surgeon:
         found = analyse_model(model, self.example_inputs, self._editor)
         self.groups: list[UnitGroup] = found.groups
         self.left_out: list[LeftOut] = found.left_out
+        self._front_ends = found.front_ends
 
     def group(self, name: str) -> UnitGroup:
         for g in self.groups:
@@ -104,8 +105,9 @@ class Surgeon:
 
     def explain(self) -> str:
         """A table of the groups (count / max, exactness, sliced tensors, rewritten constants) and of
-        what was left out and why."""
-        return explain(type(self.model).__name__, self.groups, self.left_out, self._editor.plumbing)
+        what was left out and why, and which front end recorded each host module."""
+        return explain(type(self.model).__name__, self.groups, self.left_out, self._editor.plumbing,
+                       front_ends=self._front_ends)
 
     def _own(self, group: UnitGroup) -> UnitGroup:
         if not any(group is g for g in self.groups):

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..capture.calls import training_mode
-from ..capture.tracer import trace
+from ..capture.front_ends import record
 from ..dataflow.constants import ConstantSpec
 from ..dataflow.grouping import GroupSpec, Refusal
 from .find import find_groups
@@ -33,6 +33,7 @@ class HostAnalysis:
     groups: list[HostGroup]
     refusals: list[Refusal]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # constants tracing created
+    front_end: str = ""  # which front end recorded the graphs, and why
 
     def copy(self) -> HostAnalysis:
         """Fresh graphs, with every constant re-pointed to the same-named node of its graph's copy."""
@@ -41,7 +42,8 @@ class HostAnalysis:
         groups = [HostGroup(hg.spec, [ConstantSpec(by_name[id(c.node.graph)][c.node.name], c.path, c.per_unit)
                                       for c in hg.constants])
                   for hg in self.groups]
-        return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, groups, self.refusals, self.tensors)
+        return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, groups, self.refusals, self.tensors,
+                            self.front_end)
 
 
 def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -64,7 +66,7 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> Hos
     """Trace the host in train and eval mode and find its groups in both graphs."""
     graphs, results, tensors = {}, {}, {}
     for mode in (True, False):
-        gm, values = trace(module, host, args, kwargs, mode)
+        gm, values, front_end = record(module, host, args, kwargs, mode)
         tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
                         if n.op == "get_attr" and n.target.startswith("_tensor_constant")})
         if mode is False and gm.code == graphs[True].owning_module.code:
@@ -81,4 +83,4 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> Hos
             refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
             continue
         groups.append(HostGroup(spec, spec.constants + ([] if other is spec else other.constants)))
-    return HostAnalysis(graphs, groups, refusals, tensors)
+    return HostAnalysis(graphs, groups, refusals, tensors, front_end)

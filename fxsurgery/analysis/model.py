@@ -27,6 +27,7 @@ class Findings:
 
     groups: list[UnitGroup] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
+    front_ends: dict[str, str] = field(default_factory=dict)  # host module -> the front end that recorded it
 
     def leave_out(self, module: str, reasons: list[str]) -> None:
         """Report ``module`` as left out (once: a region and its host may find the same refusal)."""
@@ -63,7 +64,7 @@ class _Installer:
 
     def __init__(self, model: nn.Module, editor: Editor, findings: Findings):
         self.model, self.editor, self.findings = model, editor, findings
-        self.templates: dict[tuple, HostAnalysis] = {}
+        self.templates: dict[tuple, HostAnalysis | str] = {}  # an analysis, or why it failed
         self.checked: dict[tuple, str | None] = {}
 
     def install(self, host: str, inputs: tuple[tuple, dict]) -> None:
@@ -71,8 +72,15 @@ class _Installer:
         args, kwargs = inputs
         key = fingerprint(module, args, kwargs)
         if key not in self.templates:  # hosts built alike (every block of a ViT) are analysed once
-            self.templates[key] = analyse_host(module, host, args, kwargs)
+            try:
+                self.templates[key] = analyse_host(module, host, args, kwargs)
+            except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
+                self.templates[key] = str(err)
+        if isinstance(self.templates[key], str):
+            self.findings.leave_out(host, [self.templates[key]])
+            return
         found = self.templates[key].copy()
+        self.findings.front_ends[host] = found.front_end
         for r in found.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys

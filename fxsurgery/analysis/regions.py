@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
-from ..capture.tracer import trace
+from ..capture.front_ends import record
 from ..dataflow.grouping import common_module
 from ..errors import TraceError
 from .find import find_groups
@@ -40,7 +40,7 @@ def find_regions(model: nn.Module, example_inputs: tuple,
     """The whole model if it traces (plus the modules it keeps as opaque fx leaves), else the
     largest submodules that do."""
     try:
-        gm, values = trace(model, "", example_inputs, {}, model.training)
+        gm, values, _ = record(model, "", example_inputs, {}, model.training)
     except TraceError as e:
         return _submodule_regions(model, example_inputs, [TraceFailure("", e)])
     leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"
@@ -50,7 +50,7 @@ def find_regions(model: nn.Module, example_inputs: tuple,
     for name in leaves:
         if name in calls:
             try:
-                regions.append(Region(name, *trace(model.get_submodule(name), name, *calls[name], model.training)))
+                regions.append(Region(name, *record(model.get_submodule(name), name, *calls[name], model.training)[:2]))
             except TraceError as err:
                 leave_out(name, [f"kept opaque by the tracer and not traceable: {err}"])
     return regions, []
@@ -69,7 +69,7 @@ def _submodule_regions(model: nn.Module, example_inputs: tuple,
                 visit(q, sub)
                 continue
             try:
-                regions.append(Region(q, *trace(sub, q, *calls[q], sub.training)))
+                regions.append(Region(q, *record(sub, q, *calls[q], sub.training)[:2]))
             except TraceError as err:
                 failures.append(TraceFailure(q, err))
                 visit(q, sub)

@@ -25,6 +25,11 @@ DECOMPOSITIONS: dict[type, Callable[..., Any]] = {}
 CALLER_HOSTED: set[type] = set()
 
 
+class NoDecomposition(TraceError):
+    """A torch module used in a way its decomposition does not cover: a refusal, not a tracing failure, so no
+    other front end is tried (it would lose the reason)."""
+
+
 def decomposes(cls: type, caller_hosted: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         DECOMPOSITIONS[cls] = fn
@@ -65,9 +70,9 @@ def multihead_attention(self: nn.MultiheadAttention, query: torch.Tensor, key: t
                         is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Batched inputs; the head count is whatever ``in_proj_weight`` (or ``q_proj_weight``) holds."""
     if self.bias_k is not None or self.add_zero_attn:
-        raise TraceError("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no decomposition")
+        raise NoDecomposition("nn.MultiheadAttention with add_bias_kv or add_zero_attn has no decomposition")
     if is_causal and attn_mask is None:
-        raise TraceError("nn.MultiheadAttention: is_causal needs attn_mask")
+        raise NoDecomposition("nn.MultiheadAttention: is_causal needs attn_mask")
     shared = query is key and key is value
     if self.batch_first:  # computed sequence-first as torch does, so outputs have its memory layout
         query = query.transpose(0, 1)

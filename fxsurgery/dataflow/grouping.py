@@ -201,8 +201,8 @@ class _Builder:
             hard = [sinks]
         if hard:
             out.refusals.append(Refusal(self.home_of(k, ut), hard))
-        else:
-            out.located.append(self.modules_of(k))
+        else:  # the output projection may sit in a sibling module (an "output" block beside "self" attention)
+            out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
 
     def hard_reasons(self, units: list[int]) -> list[str]:
         ut = torch.tensor(units)

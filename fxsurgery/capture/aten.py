@@ -1,0 +1,170 @@
+"""ATen graphs in torch-level ops, so the concrete-shape capture is read by the same op rules as a symbolic trace.
+
+``torch.export`` records ``aten.<op>.<overload>`` calls. Each becomes the torch function, tensor method or
+``torch.nn.functional`` call of the same meaning (same arguments, same result), chosen by a table of small
+lowerings; an op with no torch-level twin stays an ATen call, which the rules report as having no rule.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+Call = tuple[str, Any, tuple, dict]  # (fx op, target, args, kwargs)
+Lowering = Callable[[tuple, dict, torch.fx.Node], Call]
+LOWERINGS: dict[Any, Lowering] = {}
+
+# checks that export inserts and the rules have no use for
+DROPPED = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size,
+           aten._assert_async, aten.sym_constrain_range}
+
+
+def lowers(*packets: Any) -> Callable[[Lowering], Lowering]:
+    def register(fn: Lowering) -> Lowering:
+        for p in packets:
+            LOWERINGS[p] = fn
+        return fn
+    return register
+
+
+def _function(target: Callable[..., Any]) -> Lowering:
+    return lambda args, kwargs, node: ("call_function", target, args, kwargs)
+
+
+def _method(name: str) -> Lowering:
+    return lambda args, kwargs, node: ("call_method", name, args, kwargs)
+
+
+def _opname(node: torch.fx.Node) -> str:
+    return node.target.overloadpacket.__name__
+
+
+def _rank(node: Any) -> int:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
+    return val.dim() if torch.is_tensor(val) else 0
+
+
+for _packet, _target in [(aten.linear, F.linear), (aten.conv1d, F.conv1d), (aten.conv2d, F.conv2d),
+                         (aten.conv3d, F.conv3d), (aten.scaled_dot_product_attention, F.scaled_dot_product_attention),
+                         (aten.gelu, F.gelu), (aten.silu, F.silu), (aten.hardswish, F.hardswish),
+                         (aten.mish, F.mish), (aten.elu, F.elu), (aten.leaky_relu, F.leaky_relu),
+                         (aten.softplus, F.softplus), (aten.pad, F.pad),
+                         (aten.max_pool2d, F.max_pool2d), (aten.avg_pool2d, F.avg_pool2d),
+                         (aten.adaptive_avg_pool2d, F.adaptive_avg_pool2d),
+                         (aten.adaptive_avg_pool1d, F.adaptive_avg_pool1d),
+                         (aten.rms_norm, F.rms_norm), (aten.group_norm, F.group_norm)]:
+    LOWERINGS[_packet] = _function(_target)
+for _name in ("view", "reshape", "expand", "contiguous", "type_as", "expand_as", "view_as", "reshape_as", "repeat"):
+    LOWERINGS[getattr(aten, _name)] = _method(_name)
+LOWERINGS[aten._unsafe_view] = _method("view")
+LOWERINGS[aten.sym_size] = _method("size")
+
+
+@lowers(aten.layer_norm)
+def _layer_norm(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    return "call_function", F.layer_norm, args[:5], {}  # drops cudnn_enable
+
+
+@lowers(aten.dropout, aten.feature_dropout, aten.alpha_dropout)
+def _dropout(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    x, p, train = args
+    return "call_function", F.dropout, (x,), {"p": p, "training": train}
+
+
+@lowers(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
+def _softmax(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    fn = F.log_softmax if "log" in _opname(node) else F.softmax
+    dtype = args[2] if len(args) > 2 and not isinstance(args[2], bool) else kwargs.get("dtype")
+    return "call_function", fn, (args[0], args[1]), {"dtype": dtype} if dtype is not None else {}
+
+
+@lowers(aten.embedding)
+def _embedding(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    weight, indices, *rest = args
+    padding_idx = rest[0] if rest and rest[0] != -1 else None
+    return "call_function", F.embedding, (indices, weight), {"padding_idx": padding_idx}
+
+
+@lowers(aten.add, aten.sub)
+def _add(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    alpha = kwargs.get("alpha", 1)
+    op = operator.add if _opname(node) == "add" else operator.sub
+    if alpha != 1:
+        return "call_function", getattr(torch, _opname(node)), args, kwargs
+    return "call_function", op, args[:2], {}
+
+
+@lowers(aten.mul)
+def _mul(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    return "call_function", operator.mul, args, {}
+
+
+@lowers(aten.div)
+def _div(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    if kwargs.get("rounding_mode") is not None:
+        return "call_function", torch.div, args, kwargs
+    return "call_function", operator.truediv, args, {}
+
+
+@lowers(aten.slice)
+def _slice(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """``x[..., start:end:step]`` along one dim."""
+    x, dim, start, end, step = (list(args) + [0, None, None, 1][len(args) - 1:])[:5]
+    dim %= max(_rank(x), 1)
+    return "call_function", operator.getitem, (x, (slice(None),) * dim + (slice(start, end, step),)), {}
+
+
+@lowers(aten.index)
+def _index(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    x, indices = args
+    return "call_function", operator.getitem, (x, tuple(slice(None) if i is None else i for i in indices)), {}
+
+
+@lowers(aten.einsum)
+def _einsum(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    return "call_function", torch.einsum, (args[0], *args[1]), {}
+
+
+@lowers(aten._to_copy, aten.to)
+def _to(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    kept = {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
+    return "call_method", "to", (args[0], *args[1:2]) if len(args) > 1 and not kept else (args[0],), kept
+
+
+@lowers(aten.alias, aten.lift_fresh_copy, aten.detach)
+def _alias(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    return "call_method", "detach" if _opname(node) == "detach" else "clone", (args[0],), {}
+
+
+def _same_name(packet: Any) -> Lowering | None:
+    """An op whose torch function shares its name and schema (``aten.transpose`` and ``torch.transpose``)."""
+    name = packet._qualified_op_name.split("::")[-1]
+    target = getattr(torch, name, None)
+    return _function(target) if callable(target) and not name.startswith("_") else None
+
+
+def lower(graph: torch.fx.Graph) -> None:
+    """Rewrite ``graph``'s ATen calls as torch-level calls, in place; drop export's runtime checks."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        packet = node.target.overloadpacket
+        if packet in DROPPED:
+            graph.erase_node(node)
+            continue
+        lowering = LOWERINGS.get(packet) or _same_name(packet)
+        if lowering is None:
+            continue
+        op, target, args, kwargs = lowering(node.args, node.kwargs, node)
+        with graph.inserting_before(node):
+            new = graph.create_node(op, target, args, kwargs)
+        new.meta = node.meta
+        node.replace_all_uses_with(new)
+        name = node.name
+        graph.erase_node(node)
+        new._rename(name)

@@ -1,0 +1,116 @@
+"""The concrete-shape front end: record a module's computation with real example inputs (``torch.export``).
+
+Symbolic tracing sees proxies, so code that branches on shapes, checks tensor types (einops) or was written for
+``torch.export`` / ``torch.compile`` (Hugging Face transformers) cannot be traced. ``torch.export`` runs the
+Python code on fake tensors of the example shapes, with every input dim marked dynamic (``Dim.AUTO``): sizes
+that follow the batch and token counts stay symbolic in the graph (read from the inputs at run time), sizes
+fixed by the parameters become literals, and those that follow unit counts are rewritten like any constant.
+The ATen graph is lowered to torch-level ops (``aten``), so one op table reads both front ends.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.export import Dim
+from torch.utils import _pytree as pytree
+
+from ..errors import TraceError
+from .aten import lower
+from .calls import forked_rng, materialize, training_mode
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The batch dim of every tensor input dynamic, and the token dim of sequences (rank 2 or 3: ids, or
+    tokens by features), keyed like ``forward``'s parameters. Spatial dims stay as captured: a model's image
+    size is fixed by its patch grid, and symbolic image sizes make window arithmetic slow to capture."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+
+    def dims(t: Any) -> Any:
+        if not torch.is_tensor(t) or t.dim() == 0:
+            return None
+        return {d: Dim.AUTO for d in range(2 if t.dim() in (2, 3) else 1)}
+
+    return {name: pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
+
+
+def capture(module: nn.Module, name: str, args: tuple, kwargs: dict,
+            training: bool) -> tuple[torch.fx.GraphModule, list]:
+    """Capture ``module`` in the given mode; returns the graph module (rooted at ``module``, whose parameters
+    its ``get_attr`` nodes read) and the values of its placeholders."""
+    args, kwargs = materialize((args, kwargs))
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    try:
+        with training_mode(module, training), forked_rng(leaves):
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs),
+                                          strict=False)
+    except Exception as e:  # export raises many types; the user needs the module and the cause
+        label = name or "the model"
+        raise TraceError(f"cannot capture {label} ({type(module).__name__}) with torch.export: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    exported = program.module()
+    graph = exported.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and not node.users:  # the input guards export adds
+            graph.erase_node(node)
+    lower(graph)
+    _keep_constants(module, exported, graph)
+    graph.lint()
+    info = graph._codegen.pytree_info
+    values = torch.fx._pytree.tree_flatten_spec((args, kwargs), info.in_spec)
+    gm = torch.fx.GraphModule(module, graph, type(module).__name__)
+    _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
+    return gm, list(values)
+
+
+def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, training: bool,
+                  label: str) -> None:
+    """The captured graph must compute what the module computes on the example inputs (same random draws):
+    code that caches state between calls, or reads something the capture froze, is refused here."""
+    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    try:
+        with training_mode(module, training), forked_rng(leaves), torch.no_grad():
+            torch.manual_seed(0)
+            expected = [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
+            torch.manual_seed(0)
+            got = [t for t in pytree.tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
+    except Exception as e:  # the graph does not even run where the module does
+        raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not run: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    shapes_agree = [t.shape for t in got] == [t.shape for t in expected]
+    if not shapes_agree or any(not torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
+                               for a, b in zip(got, expected) if a.is_floating_point()):
+        raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not reproduce its "
+                         f"outputs on the example inputs")
+
+
+def _keep_constants(module: nn.Module, exported: torch.fx.GraphModule, graph: torch.fx.Graph) -> None:
+    """Tensors the capture lifted out of the code (not parameters or buffers of ``module``) become plain
+    attributes of ``module`` named like those of a symbolic trace, so the host keeps them and its state_dict
+    keeps its keys."""
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            _lookup(module, node.target)
+            continue
+        except AttributeError:
+            pass
+        value = _lookup(exported, node.target)
+        k = 0
+        while f"_tensor_constant{k}" in module.__dict__:
+            k += 1
+        module.__dict__[f"_tensor_constant{k}"] = value
+        node.target = f"_tensor_constant{k}"
+
+
+def _lookup(root: nn.Module, target: str) -> Any:
+    owner, _, attr = target.rpartition(".")
+    mod = root.get_submodule(owner)
+    if not hasattr(mod, attr):
+        raise AttributeError(target)
+    return getattr(mod, attr)
+

@@ -1,0 +1,48 @@
+"""Choosing the front end: symbolic tracing where it works, else the concrete-shape capture.
+
+Symbolic tracing (``tracer``) is tried first: it is proven on the conformance lists and keeps wrapped helpers
+as calls the analysis can inline. Code that it cannot trace (shape-dependent branches, type checks such as
+einops', models written for ``torch.export``) is captured with the example shapes (``concrete``). Both hand
+the analysis the same kind of torch-level graph; ``Recording.front_end`` says which one served and why.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.fx
+import torch.nn as nn
+
+from ..errors import TraceError
+from .concrete import capture
+from .decompositions import NoDecomposition
+from .tracer import trace
+
+SYMBOLIC = "torch.fx symbolic trace"
+
+
+class Recording(NamedTuple):
+    """A module's graph (rooted at the module), its placeholders' values, and which front end made it."""
+
+    gm: torch.fx.GraphModule
+    values: list
+    front_end: str
+
+
+def record(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool) -> Recording:
+    """Trace ``module`` symbolically, else capture it with the example inputs; a module neither front end
+    can record raises ``TraceError`` naming both failures."""
+    try:
+        return Recording(*trace(module, name, args, kwargs, training), SYMBOLIC)
+    except TraceError as symbolic:
+        if isinstance(symbolic.__cause__, NoDecomposition):
+            raise
+        try:
+            gm, values = capture(module, name, args, kwargs, training)
+        except TraceError as concrete:
+            raise TraceError(f"{symbolic}; {concrete}") from concrete
+        return Recording(gm, values, f"torch.export with the example shapes ({_first_line(symbolic)})")
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."

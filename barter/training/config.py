@@ -16,6 +16,7 @@ import models  # noqa: F401  (registers the project's models with timm)
 from ..baselines import METHODS as BASELINE_METHODS
 from ..selection import METHODS as WRAP_METHODS
 from .data import DATASETS, RECIPES
+from .precision import AMP_MODES
 from .recipe import DECAYS
 
 METHODS = ("dense", *WRAP_METHODS, *BASELINE_METHODS)
@@ -34,6 +35,7 @@ class TrainConfig:
     (an odd one is always dropped when batches are mixed). Optimisation: see `barter.training.recipe`; `decay` is
     "after" (CCT) or "before" (ViT). Compute: `flop_budget` stops at that cumulative F_total (a final partial
     epoch allowed); `continue_from` continues a finished run's endpoint up to `flop_budget` (matched compute).
+    `amp`: "fp32" (the paper's), "bf16" autocast, or "fp16" autocast with loss scaling (`barter.training.precision`).
     """
 
     preset: str = "custom"
@@ -64,6 +66,7 @@ class TrainConfig:
     barter_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     device: str = "auto"
+    amp: str = "fp32"
     flop_budget: float | None = None
     continue_from: str | None = None
     out_dir: str = "runs"
@@ -92,6 +95,7 @@ class TrainConfig:
             (self.continue_from is None or self.method not in BASELINE_METHODS,
              "continue_from fixes a BARTER topology; it does not apply to rigl/set"),
             (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
+            (self.amp in AMP_MODES, f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .averaging import AveragedCopy
 from .loss_scale import Scaler, current_scale
 from .options import Options
 from .schedule import KINDS, Schedule
@@ -62,6 +63,7 @@ class Controller:
         self._step_hook = None
         self._uncounted = 0  # optimizer steps run since the last counted `step`
         self.scaler: Scaler | None = None
+        self.averaged: list[AveragedCopy] = []
         self._install_taps()
 
     def _install_taps(self) -> None:
@@ -111,6 +113,12 @@ class Controller:
     def track_scaler(self, scaler: Scaler | None) -> None:
         """Divide the scores by `scaler`'s loss scale (a `torch.amp.GradScaler`), so they do not depend on it."""
         self.scaler = scaler
+
+    def track(self, averaged: nn.Module) -> None:
+        """Make an averaged copy of the model (timm ModelEmaV2/V3, torch AveragedModel) follow every transfer:
+        its donor unit is removed and its averaged parent cloned, output weights split (`barter.averaging`)."""
+        if all(a.wrapper is not averaged for a in self.averaged):
+            self.averaged.append(AveragedCopy(averaged, self.model, self.surgeon.example_inputs))
 
     @property
     def nonfinite_batches(self) -> dict[str, int]:
@@ -184,6 +192,9 @@ class Controller:
             event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
                                                     noise_std=self.options.noise_std, generator=self.noise_rng,
                                                     relative=self.options.noise_relative)
+            for averaged in self.averaged:
+                averaged.remove(groups[prop.donor_layer].name, prop.donor_index)
+                averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
             self.edits += 1
         self.events.append(event)
@@ -237,9 +248,13 @@ class Controller:
             target = sd["topology"][g.name]
             while g.count < target:
                 self.surgeon.clone(g, 0)
+                for averaged in self.averaged:
+                    averaged.clone(g.name, 0)
                 self.edits += 1
             while g.count > target:
                 self.surgeon.remove(g, g.count - 1)
+                for averaged in self.averaged:
+                    averaged.remove(g.name, g.count)
                 self.edits += 1
         for kind, table in self.tables.items():
             table.load_state_dict(sd["tables"][kind])

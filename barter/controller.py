@@ -1,15 +1,23 @@
 """The BARTER controller: collects scores, runs scheduled transfers after optimizer steps, saves/restores.
 
 It drives a `fxsurgery.Surgeon` through its public API only (groups, tap, remove, clone, attach_optimizer).
+
+Copies: the score taps are forward hooks, closures that `copy.deepcopy` shares rather than copies, so a copied
+model would feed the original's tables through the original's groups. While taps are live, the model carries
+an instance `__deepcopy__` that copies it without them (a plain compact model), and `copy.deepcopy(ctl)`
+gives a controller of a copy of the model and of its optimizer, with its own taps and step hook.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .averaging import AveragedCopy
+from .loss_scale import Scaler, current_scale
 from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
@@ -25,6 +33,9 @@ class Controller:
     position in that list. With `auto`, `step` runs from a post-step hook of the attached optimizer.
     `edits` counts the surgeries on the model (each resizes tensors and renews their gradient accumulators),
     so a DistributedDataParallel wrapper knows when to rebuild (`barter.DistributedModel`).
+    Mixed precision: `track_scaler(scaler)` makes the scores those of the unscaled loss; backwards with
+    non-finite scores are skipped and counted (`nonfinite_batches`); an optimizer step that did not run
+    (GradScaler skips it on inf gradients) is not a step of the schedule.
     """
 
     def __init__(self, surgeon, layers: dict[str, list], schedule: Schedule, *, method: str, auto: bool,
@@ -50,9 +61,76 @@ class Controller:
         self._taps: dict[str, list] = {kind: [] for kind in KINDS}
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_hook = None
+        self._uncounted = 0  # optimizer steps run since the last counted `step`
+        self.scaler: Scaler | None = None
+        self.averaged: list[AveragedCopy] = []
+        self._install_taps()
+
+    def _install_taps(self) -> None:
+        """Tap every group of the kinds with proposals ahead; the model then copies itself without the taps."""
         for kind in KINDS:
-            if schedule.steps[kind]:
-                self._taps[kind] = [surgeon.tap(g, self.tables[kind].tap(i)) for i, g in enumerate(layers[kind])]
+            if self.step_count < self._schedule.last(kind):
+                table = self.tables[kind]
+                self._taps[kind] = [self.surgeon.tap(g, table.tap(i, self._loss_scale))
+                                    for i, g in enumerate(self.layers[kind])]
+        if any(self._taps.values()):
+            self.model.__dict__["__deepcopy__"] = self._copy_model
+
+    def _copy_model(self, memo: dict) -> nn.Module:
+        """The model's instance `__deepcopy__`: a copy without this controller's taps."""
+        model = self.model
+        hook_dicts = {id(d): d for d in (h.hooks_dict_ref() for taps in self._taps.values() for h in taps)
+                      if d is not None}
+        saved = {key: list(d.items()) for key, d in hook_dicts.items()}
+        tap_ids = {h.id for taps in self._taps.values() for h in taps}
+        del model.__dict__["__deepcopy__"]
+        try:
+            for d in hook_dicts.values():
+                for hook_id in tap_ids & d.keys():
+                    del d[hook_id]
+            return copy.deepcopy(model, memo)
+        finally:
+            for key, d in hook_dicts.items():
+                d.clear()
+                d.update(saved[key])
+            model.__dict__["__deepcopy__"] = self._copy_model
+
+    def __deepcopy__(self, memo: dict) -> "Controller":
+        """A controller of a copy of the model (and of the attached optimizer), with its own taps and hook."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        skip = ("_taps", "_step_hook")
+        new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in skip}, memo))
+        new._taps, new._step_hook = {kind: [] for kind in KINDS}, None
+        new._install_taps()
+        if new._optimizer is not None:
+            new.follow_optimizer(new._optimizer)
+        return new
+
+    def _loss_scale(self) -> Tensor | float:
+        return current_scale(self.scaler)
+
+    def track_scaler(self, scaler: Scaler | None) -> None:
+        """Divide the scores by `scaler`'s loss scale (a `torch.amp.GradScaler`), so they do not depend on it."""
+        self.scaler = scaler
+
+    def track(self, averaged: nn.Module) -> None:
+        """Make an averaged copy of the model (timm ModelEmaV2/V3, torch AveragedModel) follow every transfer:
+        its donor unit is removed and its averaged parent cloned, output weights split (`barter.averaging`)."""
+        if all(a.wrapper is not averaged for a in self.averaged):
+            self.averaged.append(AveragedCopy(averaged, self.model, self.surgeon.example_inputs))
+
+    @property
+    def nonfinite_batches(self) -> dict[str, int]:
+        """{kind: backwards whose scores were not finite and left the running scores untouched}."""
+        for table in self.tables.values():
+            table.fold()
+        return {kind: int(table.nonfinite) for kind, table in self.tables.items()}
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer whose steps this controller follows."""
+        return self._optimizer
 
     @property
     def model(self) -> nn.Module:
@@ -70,15 +148,27 @@ class Controller:
             self.follow_optimizer(optimizer)
 
     def follow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Remember `optimizer` (already attached to the surgeon); with `auto`, hook `step` after its steps."""
+        """Remember `optimizer` (already attached to the surgeon) and count its steps; with `auto`, run `step`
+        after each of them."""
         self._optimizer = optimizer
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        self._step_hook = optimizer.register_step_post_hook(self._after_optimizer_step)
+
+    def _after_optimizer_step(self, *_: Any) -> None:
+        self._uncounted += 1
         if self.auto:
-            if self._step_hook is not None:
-                self._step_hook.remove()
-            self._step_hook = optimizer.register_step_post_hook(lambda *_: self.step())
+            self.step()
 
     def step(self) -> None:
-        """Count one optimizer step and attempt the proposals scheduled after it (heads, then channels)."""
+        """Count one optimizer step and attempt the proposals scheduled after it (heads, then channels).
+
+        With an optimizer followed, a call when it has not stepped since the last counted call (GradScaler
+        skipped its step) does nothing: the schedule counts the optimizer steps that ran."""
+        if self._optimizer is not None:
+            if self._uncounted == 0:
+                return
+            self._uncounted = 0
         self.step_count += 1
         for kind in KINDS:
             table = self.tables[kind]
@@ -102,6 +192,9 @@ class Controller:
             event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
                                                     noise_std=self.options.noise_std, generator=self.noise_rng,
                                                     relative=self.options.noise_relative)
+            for averaged in self.averaged:
+                averaged.remove(groups[prop.donor_layer].name, prop.donor_index)
+                averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
             self.edits += 1
         self.events.append(event)
@@ -113,6 +206,8 @@ class Controller:
                 for handle in self._taps[kind]:
                     handle.remove()
                 self._taps[kind] = []
+        if not any(self._taps.values()):
+            self.model.__dict__.pop("__deepcopy__", None)
 
     def topology(self) -> dict[str, dict[str, int]]:
         """{host module: {kind: current unit count}} for every unit group of the model."""
@@ -153,9 +248,13 @@ class Controller:
             target = sd["topology"][g.name]
             while g.count < target:
                 self.surgeon.clone(g, 0)
+                for averaged in self.averaged:
+                    averaged.clone(g.name, 0)
                 self.edits += 1
             while g.count > target:
                 self.surgeon.remove(g, g.count - 1)
+                for averaged in self.averaged:
+                    averaged.remove(g.name, g.count)
                 self.edits += 1
         for kind, table in self.tables.items():
             table.load_state_dict(sd["tables"][kind])

@@ -12,16 +12,25 @@ over the world size. With equal shares and mean losses these are the scores one 
 global batch, every rank holds the same bits, and a rank's non-finite score makes every rank's non-finite.
 The all-reduce makes `fold` collective whenever scores are pending: every rank runs the same forwards and
 backwards, and the controller folds at every optimizer step, so nothing is pending between steps.
+
+Mixed precision: a backward whose scores are not all finite (an fp16 overflow, which makes GradScaler skip the
+step) leaves the running scores as they are and is counted in `nonfinite`, without a device sync (the EMA
+update is a `torch.where` on the finiteness test). Under loss scaling the gradients the taps see are the loss
+scale times the true ones, and d and s are linear in the gradient, so `record` divides by the scale the
+backward ran with (`scale`, read as a device tensor): the scores are those of the unscaled loss, bit for bit
+when the scale is a power of two, as GradScaler's are.
 """
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 from torch import Tensor
 
 from .ddp import global_batch_scores, world_size
+
+LossScale = Callable[[], Union[Tensor, float]]  # the factor this backward's gradients carry (1.0 unscaled)
 
 
 def unit_scores(a: Tensor, g: Tensor) -> Tensor:
@@ -48,6 +57,7 @@ class ScoreTable:
         self.samples = 0  # batch size of the pending scores
         self.dirty = False
         self.cool_until = torch.full((n,), -1, dtype=torch.long)  # last step at which a unit may not donate
+        self.nonfinite = torch.zeros((), dtype=torch.long, device=device)  # backwards skipped, not finite
         self._offsets = [0, *accumulate(self.counts)]
 
     @property
@@ -63,10 +73,12 @@ class ScoreTable:
         lo, hi = self._offsets[layer], self._offsets[layer + 1]
         return self.ema[0, lo:hi], self.ema[1, lo:hi]
 
-    def record(self, layer: int, a: Tensor, g: Tensor) -> None:
-        """Store this backward pass's (d, s) of `layer`; called from the activation's gradient hook."""
+    def record(self, layer: int, a: Tensor, g: Tensor, scale: Tensor | float = 1.0) -> None:
+        """Store this backward pass's (d, s) of `layer` for gradients `g` multiplied by the loss `scale`;
+        called from the activation's gradient hook."""
         lo, hi = self._offsets[layer], self._offsets[layer + 1]
-        self.pending[:, lo:hi] = unit_scores(a, g)
+        scores = unit_scores(a, g)
+        self.pending[:, lo:hi] = scores if isinstance(scale, float) and scale == 1.0 else scores / scale
         self.samples = a.shape[0]
         self.dirty = True
 
@@ -75,17 +87,20 @@ class ScoreTable:
         if self.dirty:
             if world_size() > 1:
                 self.pending = global_batch_scores(self.pending, self.samples)
-            self.ema.mul_(self.beta).add_(self.pending, alpha=1 - self.beta)
+            finite = torch.isfinite(self.pending).all()
+            self.ema = torch.where(finite, self.ema.mul(self.beta).add_(self.pending, alpha=1 - self.beta), self.ema)
+            self.nonfinite += ~finite
             self.pending.zero_()
             self.dirty = False
 
-    def tap(self, layer: int) -> Callable[[Tensor], None]:
-        """Forward tap for `layer`: folds the previous backward's scores, then hooks this one's gradient."""
+    def tap(self, layer: int, scale: LossScale | None = None) -> Callable[[Tensor], None]:
+        """Forward tap for `layer`: folds the previous backward's scores, then hooks this one's gradient
+        (whose loss scale `scale()` gives, read when the gradient arrives)."""
         def fn(a: Tensor) -> None:
             self.fold()
             if a.requires_grad and a.shape[-2]:
                 act = a.detach()
-                a.register_hook(lambda g: self.record(layer, act, g))
+                a.register_hook(lambda g: self.record(layer, act, g, 1.0 if scale is None else scale()))
         return fn
 
     def blocked(self, step: int) -> Tensor:
@@ -118,7 +133,8 @@ class ScoreTable:
 
     def state_dict(self) -> dict:
         self.fold()
-        return {"counts": list(self.counts), "ema": self.ema.clone(), "cool_until": self.cool_until.clone()}
+        return {"counts": list(self.counts), "ema": self.ema.clone(), "cool_until": self.cool_until.clone(),
+                "nonfinite": int(self.nonfinite)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.counts = list(sd["counts"])
@@ -126,4 +142,5 @@ class ScoreTable:
         self.pending = torch.zeros_like(self.ema)
         self.dirty = False
         self.cool_until = sd["cool_until"].clone()
+        self.nonfinite.fill_(sd.get("nonfinite", 0))
         self._offsets = [0, *accumulate(self.counts)]

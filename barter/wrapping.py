@@ -12,6 +12,7 @@ from fxsurgery import Surgeon
 from .analysis import default_example_inputs, record_analysis
 from .compact_init import compact
 from .controller import Controller
+from .loss_scale import Scaler
 from .options import Options
 from .schedule import KINDS, make_schedule, transfer_count
 from .selection import METHODS
@@ -19,14 +20,15 @@ from .selection import METHODS
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, total_steps: int,
          density: float = 0.5, example_inputs: tuple | None = None, method: str = "barter", seed: int = 0,
-         auto: bool = True, **options: Any) -> Controller:
+         auto: bool = True, scaler: Scaler | None = None, **options: Any) -> Controller:
     """Make `model` compact in place (n_l,0 units per layer) and return its BARTER controller.
 
     method: "barter", "static" (never transfers), "random_receiver", "random_donor" or "random_pair".
     options: see `barter.options.Options` (beta, window, head_ratio, channel_ratio, noise_std,
     noise_relative, init). An optimizer passed here (made before wrap) is attached before the model shrinks;
     one made later goes through `ctl.attach_optimizer`. With `auto`, transfers run from the optimizer's
-    post-step hook; otherwise call `ctl.step()` right after every `optimizer.step()`.
+    post-step hook; otherwise call `ctl.step()` right after every `optimizer.step()` (or `scaler.step`).
+    scaler: the `torch.amp.GradScaler` of fp16 training (also `ctl.track_scaler`): scores are unscaled by it.
     To resume, wrap a freshly built model with the same arguments, then call `ctl.load_state_dict(sd)` before
     `model.load_state_dict` and `optimizer.load_state_dict` (it restores the saved widths first).
     """
@@ -60,6 +62,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
                      options=opts, select_rng=select_rng, noise_rng=noise_rng)
     if optimizer is not None:
         ctl.follow_optimizer(optimizer)
+    ctl.track_scaler(scaler)
     return ctl
 
 

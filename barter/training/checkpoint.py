@@ -54,6 +54,7 @@ def restore(session: Session, state: dict[str, Any]) -> None:
         if session.sparse is not None:
             session.sparse.load_state_dict(state["sparse"])
         session.meter.load_state_dict(state["flops"])
+        session.precision.load_state_dict(state.get("scaler", {}))
         session.schedule = WarmupCosine(**state["schedule"])
         session.epoch, session.step, session.finished = state["epoch"], state["step"], state["finished"]
         session.best_acc, session.best_epoch = state["best"]["acc"], state["best"]["epoch"]
@@ -95,7 +96,8 @@ def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:
         "schedule": asdict(session.schedule), "optimizer": session.optimizer.state_dict(),
         "controller": None if session.controller is None else session.controller.state_dict(),
         "sparse": None if session.sparse is None else session.sparse.state_dict(),
-        "flops": session.meter.state_dict(), "step_flops": session.step_flops, "wall_s": session.wall_s,
+        "flops": session.meter.state_dict(), "scaler": session.precision.state_dict(),
+        "step_flops": session.step_flops, "wall_s": session.wall_s,
         "best": {"acc": session.best_acc, "epoch": session.best_epoch}, "rng": rng_state(),
     }
 

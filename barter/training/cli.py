@@ -15,13 +15,14 @@ from pathlib import Path
 from .config import METHODS, ConfigError, TrainConfig
 from .data import DatasetNotFoundError
 from .loop import train
+from .precision import AMP_MODES
 from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
 from .processes import is_main
 from .runlog import CheckpointError, RunDir
 
 # flags that override the TrainConfig field of the same name
 OVERRIDES = ("method", "density", "epochs", "seed", "device", "batch_size", "lr", "dataset", "data_dir", "model",
-             "fake_size", "workers", "out_dir", "name", "init_from", "flop_budget")
+             "fake_size", "workers", "out_dir", "name", "init_from", "flop_budget", "amp")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=_positive_int)
     p.add_argument("--seed", type=int)
     p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
+    p.add_argument("--amp", choices=AMP_MODES, help="mixed precision: fp32 (default), bf16, or fp16 with loss scaling")
     p.add_argument("--batch-size", type=_positive_int)
     p.add_argument("--lr", type=float)
     p.add_argument("--model", help="a timm model name (the project's models are registered)")

@@ -18,6 +18,7 @@ from ..baselines import METHODS as BASELINE_METHODS
 from ..baselines import baseline_options
 from ..selection import METHODS as WRAP_METHODS
 from .data import DATASETS, RECIPES
+from .precision import AMP_MODES
 from .recipe import DECAYS
 
 METHODS = ("dense", *WRAP_METHODS, *BASELINE_METHODS)
@@ -37,7 +38,8 @@ class TrainConfig:
     `baseline_options` to the baseline's factory (`barter.baselines.baseline_options(method)` lists them).
     Optimisation: see `barter.training.recipe`; `decay` is "after" (CCT) or "before" (ViT). Compute:
     `flop_budget` stops at that cumulative F_total (a final partial epoch allowed); `continue_from` continues a
-    finished run's endpoint up to `flop_budget` (matched compute).
+    finished run's endpoint up to `flop_budget` (matched compute). `amp`: "fp32" (the paper's), "bf16" autocast,
+    or "fp16" autocast with loss scaling (`barter.training.precision`).
     """
 
     preset: str = "custom"
@@ -69,6 +71,7 @@ class TrainConfig:
     baseline_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     device: str = "auto"
+    amp: str = "fp32"
     flop_budget: float | None = None
     continue_from: str | None = None
     out_dir: str = "runs"
@@ -99,6 +102,7 @@ class TrainConfig:
             (not self.baseline_options or self.method in BASELINE_METHODS,
              f"baseline_options apply to the baselines ({', '.join(BASELINE_METHODS)}), not to {self.method}"),
             (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
+            (self.amp in AMP_MODES, f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -14,9 +14,10 @@ overridden with the same rule (torch's own count includes the score recomputatio
 do not depend on the device.
 """
 
+import contextlib
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -90,19 +91,23 @@ def step_signature(model: nn.Module, inputs: torch.Tensor) -> Signature:
 
 
 def run_step(
-    model: nn.Module, inputs: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor], count: bool,
+    model: nn.Module, inputs: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor], count: bool, *,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
 ) -> tuple[torch.Tensor, torch.Tensor, StepFlops | None]:
-    """Forward ``model(inputs)``, ``loss_fn(outputs)`` and ``loss.backward()``; counted if ``count``."""
+    """Forward ``model(inputs)`` and ``loss_fn(outputs)`` under ``autocast()``, then ``backward(loss)``
+    (mixed precision scales the loss there); counted if ``count``."""
     if not count:
-        outputs = model(inputs)
-        loss = loss_fn(outputs)
-        loss.backward()
+        with autocast():
+            outputs = model(inputs)
+            loss = loss_fn(outputs)
+        backward(loss)
         return outputs, loss, None
-    with flop_counter() as fwd:
+    with flop_counter() as fwd, autocast():
         outputs = model(inputs)
         loss = loss_fn(outputs)
     with flop_counter() as bwd:
-        loss.backward()
+        backward(loss)
     return outputs, loss, StepFlops(fwd.get_total_flops(), bwd.get_total_flops(), inputs.shape[0])
 
 
@@ -118,15 +123,17 @@ class FlopMeter:
 
     def step(
         self, model: nn.Module, inputs: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor],
-        global_batch: int | None = None,
+        global_batch: int | None = None, *, autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+        backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One training step's forward, loss and backward (no optimizer step); returns (outputs, loss).
 
         With ``global_batch``, ``inputs`` are one process's share of a data-parallel step on that many images,
-        and the step counts the FLOPs of all of them."""
+        and the step counts the FLOPs of all of them. ``autocast`` and ``backward``: see `run_step`."""
         signature = step_signature(model, inputs)
         cached = self._cache.get(signature)
-        outputs, loss, counted = run_step(model, inputs, loss_fn, count=cached is None)
+        outputs, loss, counted = run_step(model, inputs, loss_fn, count=cached is None, autocast=autocast,
+                                          backward=backward)
         flops = cached or counted
         self._cache[signature] = flops
         if global_batch is not None:

@@ -177,8 +177,9 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
         optimizer.zero_grad(set_to_none=True)
         weight = world * len(images) / len(batch)  # 1 for equal shares
         outputs, loss = meter.step(net, images, lambda out, t=targets, w=weight: criterion(out, t) * w,
-                                   global_batch=len(batch))
-        optimizer.step()  # the controller's transfers run from its post-step hook
+                                   global_batch=len(batch), autocast=session.precision.autocast,
+                                   backward=session.precision.backward)
+        session.precision.step(optimizer)  # the controller's transfers run from its optimizer's post-step hook
         if session.sparse is not None:
             session.sparse.step()
         session.step += 1
@@ -222,6 +223,8 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
         record.update(val_loss=val["loss"], val_acc=val["acc"], val_macro_f1=val["macro_f1"])
     if session.sparse is not None:
         record["sparse"] = session.sparse.metrics()
+    if session.controller is not None:
+        record["nonfinite_score_batches"] = session.controller.nonfinite_batches
     selected = (val or test)["acc"]
     improved = selected > session.best_acc
     if improved:

@@ -1,7 +1,7 @@
 """The live state of a run: its data sets, and the model, optimizer and method's wrapper built for them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import timm
@@ -19,6 +19,7 @@ from . import processes
 from .config import BASELINE_METHODS, WRAP_METHODS, ConfigError, TrainConfig
 from .data import build_datasets, build_mixup, resolve_spec
 from .flops import FlopMeter
+from .precision import Precision, build_precision
 from .recipe import WarmupCosine, build_optimizer
 from .runlog import CheckpointError, find_checkpoint, load_checkpoint
 
@@ -47,6 +48,7 @@ class Session:
     meter: FlopMeter
     schedule: WarmupCosine
     ddp: DistributedModel | None = None  # what training steps run through in a multi-process run
+    precision: Precision = field(default_factory=Precision)
     epoch: float = 0
     step: int = 0
     finished: bool = False
@@ -100,11 +102,17 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
                                 **config.baseline_options)
     warmup = round(config.warmup_epochs * total_steps / config.epochs)
     schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
+    try:
+        precision = build_precision(config.amp, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if controller is not None:
+        controller.track_scaler(precision.scaler)
     ddp = None
     if processes.world_size() > 1:
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedModel(model, controller, device_ids=device_ids)
-    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp)
+    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp, precision=precision)
 
 
 def load_pretrained(model: nn.Module, source: str) -> None:

@@ -1,0 +1,79 @@
+"""Averaged copies (timm ModelEmaV3, torch AveragedModel) follow every transfer of the live model."""
+import copy
+
+import pytest
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import barter
+
+timm = pytest.importorskip("timm")
+from timm.utils import ModelEmaV3  # noqa: E402
+
+T = 30
+HEAD_DIM = 16
+
+
+def build():
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8, depth=3,
+                             mlp_ratio=1.0, embed_dim=64, num_heads=4)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+def mask_donor(model, event):
+    """Zero the event's donor output slice (timm ViT names), the reference of removing it."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        if event["kind"] == "head":
+            i = event["donor_index"]
+            params[f"{event['donor_layer']}.proj.weight"][:, HEAD_DIM * i:HEAD_DIM * (i + 1)] = 0
+        else:
+            params[f"{event['donor_layer']}.fc2.weight"][:, event["donor_index"]] = 0
+    return model
+
+
+EMAS = {
+    "timm_v3": lambda model: ModelEmaV3(model, decay=0.9),
+    "averaged_model": lambda model: AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9)),
+}
+UPDATES = {"timm_v3": lambda ema, model, step: ema.update(model, step=step),
+           "averaged_model": lambda ema, model, step: ema.update_parameters(model)}
+
+
+@pytest.mark.parametrize("kind", sorted(EMAS))
+def test_averaged_copy_follows_transfers_and_clones_keep_its_outputs(kind):
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ctl = barter.wrap(model, opt, total_steps=T, density=0.5, noise_std=0.0)
+    ema = EMAS[kind](model)
+    ctl.track(ema)
+    probe = batch(-1)[0]
+    for step in range(T):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        before, events = copy.deepcopy(ema.module), len(ctl.events)
+        opt.step()
+        new = [e for e in ctl.events[events:] if e["skipped"] is None]
+        for event in new:
+            mask_donor(before, event)
+        if new:  # removal equals masking the donor; the clone half changes nothing
+            with torch.no_grad():
+                torch.testing.assert_close(ema.module.eval()(probe), before.eval()(probe), atol=1e-5, rtol=1e-4)
+        UPDATES[kind](ema, model, step)
+        assert {n: p.shape for n, p in ema.module.named_parameters()} == \
+            {n: p.shape for n, p in model.named_parameters()}
+    assert sum(e["skipped"] is None for e in ctl.events) >= 2
+
+
+def test_an_averaged_copy_of_the_dense_model_is_refused():
+    model = build()
+    ema = ModelEmaV3(model)
+    ctl = barter.wrap(model, total_steps=T, density=0.5)
+    with pytest.raises(ValueError, match="after barter.wrap"):
+        ctl.track(ema)

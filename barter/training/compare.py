@@ -1,0 +1,3 @@
+"""placeholder"""
+def add_command(sub):
+    pass

@@ -66,3 +66,20 @@ def test_compare_writes_table_plot_and_resumes(tmp_path):
     assert main(argv) == 0  # every run is found finished and read back, not trained again
     assert (tmp_path / "compare.csv").read_text() == table
 
+
+
+def test_summary_csv_and_tensorboard(run_dir):
+    import csv
+
+    rows = list(csv.DictReader((run_dir / "summary.csv").open()))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert list(rows[0])[:6] == ["epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr"]
+    assert len(rows) == len(metrics) == 2 and {"macro_f1", "flops", "step", "train_acc"} <= set(rows[0])
+    assert float(rows[-1]["eval_top1"]) == pytest.approx(100 * metrics[-1]["acc"])
+    assert float(rows[-1]["train_loss"]) == pytest.approx(metrics[-1]["loss"])
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tensorboard"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("eval_top1")] == [m["step"] for m in metrics]

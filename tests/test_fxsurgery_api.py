@@ -9,9 +9,10 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
-from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 from fxsurgery import AnalysisError, OptimizerStateError, Surgeon, TraceError
+
+from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 TIMM = ["vit_tiny_patch16_224", "deit_tiny_patch16_224"]
 

@@ -7,10 +7,11 @@ import copy
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
-from zoo import ConvTransformer, masked_copy
 
 from fxsurgery import Surgeon
+
+from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
+from zoo import ConvTransformer, masked_copy
 
 shapes = st.fixed_dictionaries({"heads": st.integers(2, 4), "head_dim": st.integers(2, 4),
                                 "hidden": st.integers(2, 6), "depth": st.integers(1, 2)})

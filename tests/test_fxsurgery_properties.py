@@ -8,9 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 from fxsurgery import Surgeon
+
+from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 # Shrinking re-traces models hundreds of times; a failure prints its drawn example instead.
 SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,

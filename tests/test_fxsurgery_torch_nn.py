@@ -10,11 +10,12 @@ import torch
 import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
-from zoo import masked_copy
 
 from barter.conformance import Conformance, check_surgery, check_training
 from fxsurgery import Surgeon
+
+from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
+from zoo import masked_copy
 
 WIDTH = 12
 

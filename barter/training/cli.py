@@ -49,7 +49,7 @@ TRAIN_EXAMPLES = """examples:
   barter train                                      # the mnist5k_quick preset
   barter train --preset cct_cifar100 --data-dir DATA --density 0.5 --weight-decay 0.06
   barter train -c my.yaml --seed 3 --print-config   # a YAML/JSON file of TrainConfig fields, flags win
-  barter train --dataset folder --data-dir DIR      # DIR/train/<class>/*.png and DIR/val/<class>/*.png
+  barter train --preset custom --dataset folder --data-dir DIR   # DIR/train/<class>/*, DIR/val/<class>/*
   barter train --resume runs/NAME
 """
 
@@ -82,7 +82,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--resume", metavar="RUN", help="run directory to resume from its last checkpoint")
     fields = parser.add_argument_group("TrainConfig fields (default: the preset's)")
-    add_field_flags(fields, field_types(), helps=FIELD_HELP, choices={"preset": tuple(PRESETS), **CHOICES})
+    add_field_flags(fields, field_types(), helps=FIELD_HELP, choices={"preset": (*PRESETS, TrainConfig.preset), **CHOICES})
     options = parser.add_argument_group("barter.wrap options (TrainConfig.barter_options)")
     add_field_flags(options, field_types(Options), helps=OPTION_HELP, choices={"init": INITS}, prefix=OPTION_PREFIX)
 

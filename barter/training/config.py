@@ -130,7 +130,7 @@ class TrainConfig:
 
 # one line per field for `barter train --help`; a field without one is still a flag (named after the field)
 FIELD_HELP: dict[str, str] = {
-    "preset": "named setup the other fields start from (barter.training.presets)",
+    "preset": "named setup the other fields start from (barter.training.presets); custom: TrainConfig's defaults",
     "model": "a timm model name (the project's models are registered)",
     "model_kwargs": "extra keyword arguments of timm.create_model, e.g. '{num_heads: 4}'",
     "init_from": "dense run directory or checkpoint to fine-tune (new classifier)",

@@ -82,7 +82,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--resume", metavar="RUN", help="run directory to resume from its last checkpoint")
     fields = parser.add_argument_group("TrainConfig fields (default: the preset's)")
-    add_field_flags(fields, field_types(), helps=FIELD_HELP, choices={"preset": (*PRESETS, TrainConfig.preset), **CHOICES})
+    choices = {"preset": (*PRESETS, TrainConfig.preset), **CHOICES}
+    add_field_flags(fields, field_types(), helps=FIELD_HELP, choices=choices)
     options = parser.add_argument_group("barter.wrap options (TrainConfig.barter_options)")
     add_field_flags(options, field_types(Options), helps=OPTION_HELP, choices={"init": INITS}, prefix=OPTION_PREFIX)
 

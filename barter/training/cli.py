@@ -1,5 +1,9 @@
-"""The `barter` command: `barter train [--preset P] [overrides]` (no arguments: the `mnist5k_quick` preset).
+"""The `barter` command: `train`, `explain`, `eval`, `export` and `compare` (`barter COMMAND --help` for each).
 
+`barter train` with no arguments trains the `mnist5k_quick` preset. Every `TrainConfig` field is a flag
+(`--weight-decay 0.1`, `--model-kwargs '{num_heads: 4}'`, `--no-progress`), and so is every `barter.wrap`
+option (`--beta`, `--window 0.1 0.4`, ...). `-c FILE` reads fields from a YAML or JSON file; the preset
+fills what the file leaves out, flags override both, and `--print-config` shows the result without training.
 `--resume runs/NAME` continues an interrupted run from its last checkpoint with the run's own config.json;
 `--continue-from runs/NAME --flop-budget B` continues a finished run's endpoint up to B cumulative training
 FLOPs (matched compute). B is a number or the directory of the baseline run whose cumulative FLOPs to match.
@@ -11,31 +15,92 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from .config import METHODS, ConfigError, TrainConfig
+from ..options import INITS, Options
+from . import commands, compare
+from .config import (
+    CHOICES,
+    FIELD_HELP,
+    ConfigError,
+    TrainConfig,
+    coerce_barter_options,
+    coerce_fields,
+    field_types,
+    read_config_file,
+    read_run_config,
+)
 from .data import DatasetNotFoundError
-from .loop import train
-from .precision import AMP_MODES
+from .flags import add_field_flags, field_values
 from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
 from .processes import is_main
-from .runlog import CheckpointError, RunDir
+from .runlog import CheckpointError
 
-# flags that override the TrainConfig field of the same name
-OVERRIDES = ("method", "density", "epochs", "seed", "device", "batch_size", "lr", "dataset", "data_dir", "model",
-             "fake_size", "workers", "out_dir", "name", "init_from", "flop_budget", "amp")
+OPTION_PREFIX = "barter_option_"  # namespace prefix of the barter.wrap option flags
+OPTION_HELP = {
+    "beta": "EMA decay of the scores", "window": "reallocation window START END, as fractions of training",
+    "head_ratio": "head transfers per initial head", "channel_ratio": "channel transfers per initial channel",
+    "noise_std": "split noise sigma", "noise_relative": "noise_std relative to the parent's output weights",
+    "init": "which units compact initialisation keeps",
+}
+RESUME_FIELDS = ("device", "workers", "progress")  # what a resumed run may change
+
+TRAIN_EXAMPLES = """examples:
+  barter train                                      # the mnist5k_quick preset
+  barter train --preset cct_cifar100 --data-dir DATA --density 0.5 --weight-decay 0.06
+  barter train -c my.yaml --seed 3 --print-config   # a YAML/JSON file of TrainConfig fields, flags win
+  barter train --preset custom --dataset folder --data-dir DIR   # DIR/train/<class>/*, DIR/val/<class>/*
+  barter train --resume runs/NAME
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        config, resume = config_from_args(args)
-        if config.preset in NEEDS_INIT and config.init_from is None and not resume:
-            raise ConfigError(f"preset {config.preset} fine-tunes a checkpoint: pass --init-from RUN_OR_FILE")
-        config.validate()
-        result = train(config, resume=resume)
+        return args.run(args)
     except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
         parser.exit(2, f"barter {args.command}: error: {e}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="barter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_parser = sub.add_parser("train", help="train a model (default preset: mnist5k_quick)",
+                                  description="Train one run; every TrainConfig field is a flag.",
+                                  epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(train_parser)
+    train_parser.set_defaults(run=run_train)
+    commands.add_commands(sub)
+    compare.add_command(sub)
+    return parser
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", metavar="FILE", help="YAML or JSON file of TrainConfig fields")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--resume", metavar="RUN", help="run directory to resume from its last checkpoint")
+    fields = parser.add_argument_group("TrainConfig fields (default: the preset's)")
+    choices = {"preset": (*PRESETS, TrainConfig.preset), **CHOICES}
+    add_field_flags(fields, field_types(), helps=FIELD_HELP, choices=choices)
+    options = parser.add_argument_group("barter.wrap options (TrainConfig.barter_options)")
+    add_field_flags(options, field_types(Options), helps=OPTION_HELP, choices={"init": INITS}, prefix=OPTION_PREFIX)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .loop import train
+
+    config, resume = config_from_args(args)
+    if config.preset in NEEDS_INIT and config.init_from is None and not resume:
+        raise ConfigError(f"preset {config.preset} fine-tunes a checkpoint: pass --init-from RUN_OR_FILE")
+    config.validate()
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+    result = train(config, resume=resume)
     if is_main():
         print(f"{result.run_dir}: test acc {result.acc:.4f}, macro-F1 {result.macro_f1:.4f} after {result.epochs:g} "
               f"epochs ({result.steps} steps); best (epoch {result.best_epoch:g}) {result.best_acc:.4f}; "
@@ -43,81 +108,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="barter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train a model (default preset: mnist5k_quick)")
-    p.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET)
-    p.add_argument("--method", choices=METHODS)
-    p.add_argument("--density", type=_density, help="rho in (0, 1]: fraction of heads and channels kept")
-    p.add_argument("--epochs", type=_positive_int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
-    p.add_argument("--amp", choices=AMP_MODES, help="mixed precision: fp32 (default), bf16, or fp16 with loss scaling")
-    p.add_argument("--batch-size", type=_positive_int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--model", help="a timm model name (the project's models are registered)")
-    p.add_argument("--dataset", help="cifar100, tiny-imagenet, mnist5k or fake")
-    p.add_argument("--data-dir")
-    p.add_argument("--fake-size", type=_positive_int, help="training images of the fake data set")
-    p.add_argument("--workers", type=int, help="data loader processes")
-    p.add_argument("--out-dir", help="parent of run directories (default runs)")
-    p.add_argument("--name", help="run directory name (default: preset-method-rho-seed)")
-    p.add_argument("--init-from", help="dense run directory or checkpoint to fine-tune (new classifier)")
-    p.add_argument("--flop-budget", type=_flop_budget, help="stop at this cumulative F_total (FLOPs), or at the "
-                   "final F_total of the run directory given")
-    p.add_argument("--continue-from", help="finished run to continue with its topology fixed (matched compute)")
-    p.add_argument("--resume", help="run directory to resume from its last checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or per-epoch lines")
-    return parser
-
-
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
-    """The TrainConfig the flags ask for, and whether it resumes a run."""
-    overrides = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
-    if args.no_progress:
-        overrides["progress"] = False
+    """The TrainConfig the flags ask for (preset, then config file, then flags), and whether it resumes a run."""
+    given = read_config_file(args.config) if args.config else {}
+    flags = field_values(args, field_types())
+    if "flop_budget" in flags:
+        flags["flop_budget"] = flop_budget_value(flags["flop_budget"])
+    given.update(coerce_fields(flags))
+    options = coerce_barter_options(field_values(args, field_types(Options), OPTION_PREFIX))
     if args.resume:
-        allowed = {"device", "workers", "progress"}
-        if set(overrides) - allowed:
-            raise ConfigError(f"--resume takes the run's own config; only {sorted(allowed)} may be overridden")
+        if set(given) - set(RESUME_FIELDS) or options:
+            raise ConfigError(f"--resume takes the run's own config; only {sorted(RESUME_FIELDS)} may be overridden")
         run = Path(args.resume)
-        config = _saved_config(run)
-        return replace(config, out_dir=str(run.parent), name=run.name, **overrides), True
-    if args.continue_from:
-        config = _saved_config(Path(args.continue_from))
-        return replace(config, continue_from=args.continue_from, name=None, **overrides), False
-    return replace(preset(args.preset), **overrides), False
+        return replace(read_run_config(run), out_dir=str(run.parent), name=run.name, **given), True
+    if given.get("continue_from"):
+        base = replace(read_run_config(Path(given["continue_from"])), name=None)
+    else:
+        base = _preset_or_defaults(given.get("preset", DEFAULT_PRESET))
+    barter_options = {**given.pop("barter_options", base.barter_options), **options}  # option flags add to it
+    return replace(base, **given, barter_options=barter_options), False
 
 
-def _saved_config(run: Path) -> TrainConfig:
-    if not (run / "config.json").is_file():
-        raise CheckpointError(f"{run} is not a run directory (no config.json)")
-    return TrainConfig.from_dict(RunDir(run).read_json("config.json"))
+def _preset_or_defaults(name: str) -> TrainConfig:
+    """The preset `name`; "custom" (a config file of its own) starts from TrainConfig's defaults."""
+    return TrainConfig() if name == TrainConfig.preset else preset(name)
 
 
-def _density(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"density must be in (0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _flop_budget(text: str) -> float:
-    """A number of FLOPs, or a run directory whose last metrics line gives its cumulative FLOPs."""
+def flop_budget_value(text: Any) -> Any:
+    """A number of FLOPs, or the cumulative FLOPs in the last metrics line of a run directory."""
+    if not isinstance(text, str):
+        return text
     try:
         return float(text)
     except ValueError:
         pass
     metrics = Path(text) / "metrics.jsonl"
     if not metrics.is_file():
-        raise argparse.ArgumentTypeError(f"{text} is neither a number nor a run directory with metrics.jsonl")
+        raise ConfigError(f"flop_budget: {text} is neither a number nor a run directory with metrics.jsonl")
     return float(json.loads(metrics.read_text().splitlines()[-1])["flops"])

@@ -7,7 +7,9 @@ and the baselines of `barter.baselines` ("rigl", "set", "snfs", "srigl", "s2vite
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import timm
@@ -16,12 +18,16 @@ import models  # noqa: F401  (registers the project's models with timm)
 
 from ..baselines import METHODS as BASELINE_METHODS
 from ..baselines import baseline_options
+from ..options import Options
 from ..selection import METHODS as WRAP_METHODS
 from .data import DATASETS, RECIPES
+from .fieldtypes import FieldValueError, coerce
 from .precision import AMP_MODES
 from .recipe import DECAYS
 
 METHODS = ("dense", *WRAP_METHODS, *BASELINE_METHODS)
+CHOICES: dict[str, tuple[str, ...]] = {"method": METHODS, "dataset": DATASETS, "recipe": RECIPES, "decay": DECAYS,
+                                       "amp": AMP_MODES}
 
 
 class ConfigError(ValueError):
@@ -79,7 +85,12 @@ class TrainConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        """Raise ConfigError for a value training cannot use."""
+        """Raise ConfigError for a value training cannot use (first its type, then its range)."""
+        for name, hint in field_types().items():
+            try:
+                coerce(name, hint, getattr(self, name))
+            except FieldValueError as e:
+                raise ConfigError(str(e)) from None
         checks = [
             (self.method in METHODS, f"method must be one of {', '.join(METHODS)}, got {self.method!r}"),
             (0 < self.density <= 1, f"density must be in (0, 1], got {self.density}"),
@@ -114,6 +125,10 @@ class TrainConfig:
                                   f"(it takes {', '.join(baseline_options(self.method))})")
         if self.model not in timm.list_models():
             raise ConfigError(f"unknown model {self.model!r} (not in timm's registry)")
+        try:
+            Options.from_kwargs(**self.barter_options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"barter_options: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-normal dictionary (tuples become lists), as config.json and checkpoints store it."""
@@ -121,12 +136,112 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        return cls(**data)
+        """A config from a mapping of field values (text allowed, as `coerce_fields` reads it)."""
+        return cls(**coerce_fields(data))
 
     def default_name(self) -> str:
         rho = "" if self.method == "dense" else f"-rho{self.density:g}"
         suffix = "-matched" if self.continue_from else ""
         return f"{self.preset}-{self.method}{rho}-seed{self.seed}{suffix}"
+
+
+# one line per field for `barter train --help`; a field without one is still a flag (named after the field)
+FIELD_HELP: dict[str, str] = {
+    "preset": "named setup the other fields start from (barter.training.presets); custom: TrainConfig's defaults",
+    "model": "a timm model name (the project's models are registered)",
+    "model_kwargs": "extra keyword arguments of timm.create_model, e.g. '{num_heads: 4}'",
+    "init_from": "dense run directory or checkpoint to fine-tune (new classifier)",
+    "dataset": "cifar100, tiny-imagenet, mnist5k, fake, or folder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*)",
+    "data_dir": "where the data set lives",
+    "img_size": "train at this image size (default: the data's)",
+    "in_chans": "image channels (MNIST and fake data: 1 or 3)",
+    "normalize_as": "use this data set's mean and std (fine-tuning keeps the source's)",
+    "recipe": "augmentation recipe: cct, vit, light or none (default: the data set's)",
+    "fake_size": "training images of the fake data set",
+    "val_size": "training images held out to select the best checkpoint (0: the test split selects it)",
+    "passes": "shuffled passes over the training set per epoch",
+    "drop_last": "drop the last incomplete batch of an epoch",
+    "batch_size": "global batch size",
+    "workers": "data loader processes",
+    "epochs": "training epochs",
+    "lr": "peak learning rate (after warmup)",
+    "min_lr": "learning rate at the end of the cosine",
+    "warmup_epochs": "epochs of linear warmup",
+    "weight_decay": "decoupled weight decay",
+    "decay": "weight decay before (AdamW) or after the Adam update",
+    "label_smoothing": "label smoothing of the cross-entropy",
+    "method": "dense, a barter.wrap method, or a baseline",
+    "density": "rho in (0, 1]: fraction of heads and channels kept",
+    "barter_options": "barter.wrap options as a mapping (or the flags below)",
+    "seed": "random seed of model, data order and method",
+    "device": "auto (default), cpu, cuda, cuda:1, ...",
+    "flop_budget": "stop at this cumulative F_total (FLOPs), or at the final F_total of the run directory given",
+    "continue_from": "finished run to continue with its topology fixed (matched compute)",
+    "out_dir": "parent of run directories",
+    "name": "run directory name (default: preset-method-rho-seed)",
+    "progress": "progress bar and per-epoch lines",
+}
+
+
+def field_types(cls: type = TrainConfig) -> dict[str, Any]:
+    """{field name: its resolved type annotation} of the dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def coerce_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` as TrainConfig field values: unknown keys and values of the wrong type raise ConfigError."""
+    types = field_types()
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+    try:
+        values = {name: coerce(name, types[name], value) for name, value in data.items()}
+    except FieldValueError as e:
+        raise ConfigError(str(e)) from None
+    if "barter_options" in values:
+        values["barter_options"] = coerce_barter_options(values["barter_options"])
+    return values
+
+
+def coerce_barter_options(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` as `barter.wrap` options (`barter.options.Options` fields), checked like `coerce_fields`."""
+    types = field_types(Options)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ConfigError(f"barter_options: unknown option(s) {', '.join(unknown)}; known: {', '.join(types)}")
+    try:
+        return {name: coerce(f"barter_options.{name}", types[name], value) for name, value in data.items()}
+    except FieldValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def read_run_config(run: str | Path) -> TrainConfig:
+    """The config.json of the run directory `run`."""
+    path = Path(run) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{run} is not a run directory (no config.json)")
+    return TrainConfig.from_dict(json.loads(path.read_text()))
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The field values of a YAML or JSON config file (a mapping of TrainConfig fields), checked."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path} ({e.strerror})") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of TrainConfig fields, not {type(data).__name__}")
+    try:
+        return coerce_fields(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

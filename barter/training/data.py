@@ -1,4 +1,5 @@
-"""Datasets and augmentation recipes for training: CIFAR-100, Tiny-ImageNet, MNIST-5k and fake data.
+"""Datasets and augmentation recipes for training: CIFAR-100, Tiny-ImageNet, MNIST-5k, fake data, and any image
+folder tree (``folder``: ``DIR/train/<class>/*`` and ``DIR/val/<class>/*``, classes and image size read from it).
 
 Everything is read from local files; nothing is ever downloaded. ``build_datasets`` returns the train and
 test sets with their transforms; ``build_mixup`` returns the batch-mixing step of the same recipe.
@@ -8,7 +9,7 @@ Recipes (paper, Training protocol):
   * ``vit``:   random crop (pad 4) + horizontal flip + AutoAugment (ImageNet policy) + random erasing 0.25;
                Mixup or CutMix with equal probability.
   * ``light``: random crop (pad 2), flip only where the data allow it (not for digits); no batch mixing.
-               The default for ``mnist5k`` and ``fake`` (our choice: tiny data sets for quick runs).
+               The default for ``mnist5k``, ``fake`` and ``folder`` (our choice: quick runs on small data sets).
   * ``none``:  no augmentation (the evaluation transform).
 """
 
@@ -16,6 +17,7 @@ import gzip
 import importlib.resources
 import os
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -27,7 +29,7 @@ from timm.data.random_erasing import RandomErasing
 from torch.utils.data import Dataset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR100, FakeData, ImageFolder, VisionDataset
-from torchvision.datasets.folder import default_loader
+from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
 Recipe = Literal["cct", "vit", "light", "none"]
 RECIPES: tuple[Recipe, ...] = ("cct", "vit", "light", "none")
@@ -61,7 +63,9 @@ SPECS: dict[str, DatasetSpec] = {
         DatasetSpec("fake", 10, 3, 32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "light", True),
     )
 }
-DATASETS: tuple[str, ...] = tuple(SPECS)
+FOLDER = "folder"  # a data set whose spec is read from its files (`folder_spec`)
+DATASETS: tuple[str, ...] = (*SPECS, FOLDER)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class Datasets(NamedTuple):
@@ -76,11 +80,15 @@ class Datasets(NamedTuple):
 
 def resolve_spec(
     name: str, img_size: int | None = None, in_chans: int | None = None, normalize_as: str | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
 ) -> DatasetSpec:
-    """The spec of ``name`` with image size, channel count and normalisation (another data set's) overridden."""
-    spec = _known(name)
+    """The spec of ``name`` with image size, channel count and normalisation (another data set's) overridden.
+
+    ``data_dir`` is read where the spec depends on the files: a ``folder`` tree, Tiny-ImageNet's wnids.txt.
+    """
+    spec = _native(name, data_dir)
     chans = spec.in_chans if in_chans is None else in_chans
-    allowed = {1, 3} if name in ("mnist5k", "fake") else {spec.in_chans}
+    allowed = {1, 3} if name in ("mnist5k", "fake", FOLDER) else {spec.in_chans}
     if chans not in allowed:
         raise ValueError(f"{name} can provide {' or '.join(map(str, sorted(allowed)))} channel(s), not {chans}")
     norm = _known(normalize_as) if normalize_as is not None else spec
@@ -88,6 +96,18 @@ def resolve_spec(
     if len(mean) != chans:
         mean, std = (float(np.mean(mean)),) * chans, (float(np.mean(std)),) * chans
     return replace(spec, in_chans=chans, img_size=img_size or spec.img_size, mean=mean, std=std)
+
+
+def _native(name: str, data_dir: str | os.PathLike[str] | None) -> DatasetSpec:
+    """The data set's own spec, read from ``data_dir`` where the files decide it."""
+    if name == FOLDER:
+        return folder_spec(Path("data" if data_dir is None else data_dir))
+    spec = _known(name)
+    if name == "tiny-imagenet" and data_dir is not None:
+        wnids = _tiny_imagenet_root(Path(data_dir)) / "wnids.txt"
+        if wnids.is_file():
+            spec = replace(spec, num_classes=len(wnids.read_text().split()))
+    return spec
 
 
 def build_train_transform(spec: DatasetSpec, recipe: Recipe | None = None) -> T.Compose:
@@ -151,10 +171,12 @@ def build_datasets(
     grey channel; ``normalize_as`` uses another data set's mean/std (e.g. fine-tuning keeps the source
     model's normalisation); ``fake_size`` is the number of fake training images (a quarter as many test).
     """
-    spec = resolve_spec(name, img_size, in_chans, normalize_as)
+    spec = resolve_spec(name, img_size, in_chans, normalize_as, data_dir)
     train_tf, test_tf = build_train_transform(spec, recipe), build_eval_transform(spec)
     root = Path(data_dir)
-    if name == "cifar100":
+    if name == FOLDER:
+        train, test = _folder(root, spec.in_chans, train_tf, test_tf)
+    elif name == "cifar100":
         train, test = _cifar100(root, train_tf, test_tf)
     elif name == "tiny-imagenet":
         train, test = _tiny_imagenet(root, train_tf, test_tf)
@@ -168,12 +190,16 @@ def build_datasets(
 
 
 def _known(name: str) -> DatasetSpec:
+    if name == FOLDER:
+        raise ValueError(f"{FOLDER} has no fixed spec (its mean and std are ImageNet's); normalize as another set")
     if name not in SPECS:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     return SPECS[name]
 
 
 def _resize(spec: DatasetSpec) -> list:
+    if spec.name == FOLDER:  # images of any size: shorter side to img_size, then the centre square
+        return [T.Resize(spec.img_size, T.InterpolationMode.BICUBIC), T.CenterCrop(spec.img_size)]
     native = SPECS[spec.name].img_size
     return [] if spec.img_size == native else [T.Resize(spec.img_size, T.InterpolationMode.BICUBIC)]
 
@@ -247,6 +273,8 @@ def _tiny_imagenet(root: Path, train_tf: T.Compose, test_tf: T.Compose) -> tuple
             f"or pass --data-dir."
         )
     classes = sorted((base / "wnids.txt").read_text().split())
+    if not classes:
+        raise DatasetNotFoundError(f"{base / 'wnids.txt'} lists no classes")
     return _TinyImageNetTrain(base, classes, train_tf), _TinyImageNetVal(base, classes, test_tf)
 
 
@@ -302,3 +330,69 @@ def load_mnist5k() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 def _mnist5k(in_chans: int, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
     x_train, y_train, x_test, y_test = load_mnist5k()
     return Mnist5k(x_train, y_train, in_chans, train_tf), Mnist5k(x_test, y_test, in_chans, test_tf)
+
+
+def folder_spec(root: Path) -> DatasetSpec:
+    """The spec of the image tree ``root/train/<class>/*``: its classes, and the channels and (shorter side)
+    size of its first image; ImageNet's mean and std (grey: their averages), recipe ``light``."""
+    classes = _folder_classes(root, "train")
+    first = next((p for p in sorted((root / "train" / classes[0]).rglob("*")) if _is_image(p)), None)
+    if first is None:
+        raise DatasetNotFoundError(f"folder data set: no images for class(es) {classes[0]} in {root / 'train'}/ "
+                                   f"(extensions: {', '.join(IMG_EXTENSIONS)})")
+    with Image.open(first) as image:
+        chans, size = (1 if image.mode in ("1", "L", "LA", "I", "I;16", "F") else 3), min(image.size)
+    mean, std = (IMAGENET_MEAN, IMAGENET_STD) if chans == 3 else ((float(np.mean(IMAGENET_MEAN)),),
+                                                                   (float(np.mean(IMAGENET_STD)),))
+    return DatasetSpec(FOLDER, len(classes), chans, size, mean, std, "light", True)
+
+
+def _folder_classes(root: Path, split: str) -> list[str]:
+    folder = root / split
+    layout = f"{root}/train/<class>/*.png|jpg|... and {root}/val/<class>/* (or test/)"
+    if not folder.is_dir():
+        raise DatasetNotFoundError(f"folder data set: no {folder}/; expected {layout}; pass --data-dir")
+    classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
+    if not classes:
+        raise DatasetNotFoundError(f"folder data set: {folder}/ has no class folders; expected {layout}")
+    return classes
+
+
+def _is_image(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() in IMG_EXTENSIONS
+
+
+class _ClassFolder(ImageFolder):
+    """ImageFolder whose class indices are those of the training tree, read in ``mode`` ("L" or "RGB")."""
+
+    def __init__(self, root: Path, classes: list[str], mode: str, transform: T.Compose) -> None:
+        self._classes = classes
+        super().__init__(str(root), transform=transform, loader=partial(_load_as, mode=mode), allow_empty=True)
+
+    def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
+        present = {d.name for d in Path(directory).iterdir() if d.is_dir()}
+        return self._classes, {c: i for i, c in enumerate(self._classes) if c in present}
+
+
+def _load_as(path: str, mode: str) -> Image.Image:
+    return default_loader(path).convert(mode)
+
+
+def _folder(root: Path, in_chans: int, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
+    """``root/train`` and ``root/val`` (or ``root/test``), labelled by the training tree's sorted classes."""
+    classes = _folder_classes(root, "train")
+    split = "val" if (root / "val").is_dir() or not (root / "test").is_dir() else "test"
+    unknown = sorted(set(_folder_classes(root, split)) - set(classes))
+    if unknown:
+        raise DatasetNotFoundError(f"folder data set: {root / split}/ has classes the training tree lacks: "
+                                   f"{', '.join(unknown[:10])}")
+    mode = "L" if in_chans == 1 else "RGB"
+    train = _ClassFolder(root / "train", classes, mode, train_tf)
+    test = _ClassFolder(root / split, classes, mode, test_tf)
+    empty = sorted(set(classes) - {classes[t] for t in train.targets})
+    if empty:
+        raise DatasetNotFoundError(f"folder data set: no images for class(es) {', '.join(empty[:10])} in "
+                                   f"{root / 'train'}/ (extensions: {', '.join(IMG_EXTENSIONS)})")
+    if not test.samples:
+        raise DatasetNotFoundError(f"folder data set: no images in {root / split}/")
+    return train, test

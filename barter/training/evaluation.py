@@ -11,7 +11,7 @@ EVAL_BATCH = 256
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset: Dataset, num_classes: int, device: torch.device, workers: int
              ) -> dict[str, float]:
-    """Cross-entropy, accuracy and macro-F1 of `model` on `dataset` (eval mode, batches of 256)."""
+    """Cross-entropy, accuracy, top-5 accuracy and macro-F1 of `model` on `dataset` (eval mode, batches of 256)."""
     model.eval()
     outputs, labels = [], []
     for images, target in DataLoader(dataset, batch_size=EVAL_BATCH, num_workers=workers):
@@ -20,8 +20,10 @@ def evaluate(model: nn.Module, dataset: Dataset, num_classes: int, device: torch
     model.train()
     logits, target = torch.cat(outputs), torch.cat(labels)
     pred = logits.argmax(1)
+    top5 = (logits.topk(min(5, logits.shape[1]), dim=1).indices == target[:, None]).any(1)
     return {"loss": nn.functional.cross_entropy(logits, target).item(),
-            "acc": (pred == target).double().mean().item(), "macro_f1": macro_f1(pred, target, num_classes)}
+            "acc": (pred == target).double().mean().item(), "top5": top5.double().mean().item(),
+            "macro_f1": macro_f1(pred, target, num_classes)}
 
 
 def macro_f1(pred: Tensor, target: Tensor, num_classes: int) -> float:

@@ -215,7 +215,7 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
     test = evaluate(session.model, data.test, data.num_classes, device, config.workers)
     val = evaluate(session.model, data.val, data.num_classes, device, config.workers) if data.val is not None else None
     record = {"epoch": session.epoch, "step": session.step, **train_stats,
-              "test_loss": test["loss"], "acc": test["acc"], "macro_f1": test["macro_f1"],
+              "test_loss": test["loss"], "acc": test["acc"], "top5": test["top5"], "macro_f1": test["macro_f1"],
               "lr": session.optimizer.param_groups[0]["lr"], "flops": session.meter.total_flops,
               "flops_per_image": session.meter.last.estimated_flops_per_image if session.meter.last else None,
               "wall_s": session.wall_s}

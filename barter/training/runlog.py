@@ -1,5 +1,10 @@
-"""A run's directory: config.json, metrics.jsonl, events.jsonl, topology.json, checkpoints, widths.png, and
-for S²ViTE `compact/`.
+"""A run's directory: config.json, metrics.jsonl, summary.csv, events.jsonl, topology.json, checkpoints, widths.png,
+for S²ViTE `compact/`,
+and TensorBoard event files under `tensorboard/` when the `tensorboard` package is installed.
+
+summary.csv has one row per epoch, under timm's column names where timm has one (epoch, train_loss, eval_loss,
+eval_top1, eval_top5 in percent as timm writes them, lr) and ours for the rest; it is rewritten from metrics.jsonl,
+so a resumed run's table is that of the uninterrupted one. TensorBoard gets the same scalars against the step.
 
 The checkpoints `best/` and `last/` are `barter.export` directories (`barter.load(run / "best")` gives the trained
 compact model) with the trainer state beside the weights in `trainer.pt`, a `torch.save` dictionary read back
@@ -10,6 +15,8 @@ with the path and the reason.
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -24,6 +31,10 @@ from ..serialization import read_export, replace_directory, write_export
 
 CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "flops")
 TRAINER_STATE = "trainer.pt"
+# summary.csv: timm's column (right) for a metrics.jsonl key (left); the other keys keep their names
+TIMM_COLUMNS = {"epoch": "epoch", "loss": "train_loss", "test_loss": "eval_loss", "acc": "eval_top1",
+                "top5": "eval_top5", "lr": "lr"}
+PERCENT = ("acc", "top5")  # timm writes top-1/top-5 in percent
 
 
 class CheckpointError(ValueError):
@@ -35,6 +46,8 @@ class RunDir:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._board: Any = None
+        self._purge_step: int | None = None
 
     @property
     def last(self) -> Path:
@@ -56,9 +69,35 @@ class RunDir:
         return json.loads((self.path / name).read_text())
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        """One line of metrics.jsonl (one per epoch)."""
+        """One line of metrics.jsonl (one per epoch), then summary.csv and the TensorBoard scalars."""
         with (self.path / "metrics.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self.write_summary()
+        self._log_scalars(record)
+
+    def write_summary(self) -> None:
+        """summary.csv from metrics.jsonl: timm's column names where they exist (see the module docstring)."""
+        rows = [{TIMM_COLUMNS.get(k, k): 100 * v if k in PERCENT and v is not None else v for k, v in r.items()}
+                for r in self.metrics()]
+        columns = list(TIMM_COLUMNS.values()) + [c for r in rows for c in r if c not in TIMM_COLUMNS.values()]
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=list(dict.fromkeys(columns)), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        _atomic(self.path / "summary.csv", lambda f: f.write_text(text.getvalue()))
+
+    def _log_scalars(self, record: dict[str, Any]) -> None:
+        """The record's numbers as TensorBoard scalars at its step (nothing without the tensorboard package)."""
+        if self._board is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                return
+            self._board = SummaryWriter(str(self.path / "tensorboard"), purge_step=self._purge_step)
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key not in ("step",):
+                self._board.add_scalar(TIMM_COLUMNS.get(key, key), value, record["step"])
+        self._board.flush()
 
     def metrics(self) -> list[dict[str, Any]]:
         path = self.path / "metrics.jsonl"
@@ -68,6 +107,8 @@ class RunDir:
         """Keep only the lines up to `epoch` (a resumed run rewrites what followed its checkpoint)."""
         kept = [r for r in self.metrics() if r["epoch"] <= epoch]
         _atomic(self.path / "metrics.jsonl", lambda f: f.write_text("".join(json.dumps(r) + "\n" for r in kept)))
+        self.write_summary()
+        self._purge_step = kept[-1]["step"] + 1 if kept else 0  # TensorBoard drops the scalars logged after it
 
     def write_events(self, events: Iterable[dict[str, Any]]) -> None:
         """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""

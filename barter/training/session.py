@@ -77,7 +77,7 @@ def build_data(config: TrainConfig) -> Data:
         plain = build_datasets(config.dataset, config.data_dir, recipe="none", **args).train
         order = torch.randperm(len(plain), generator=torch.Generator().manual_seed(0)).tolist()
         val_set, train_set = Subset(plain, order[:config.val_size]), Subset(sets.train, order[config.val_size:])
-    spec = resolve_spec(config.dataset, config.img_size, config.in_chans, config.normalize_as)
+    spec = resolve_spec(config.dataset, config.img_size, config.in_chans, config.normalize_as, config.data_dir)
     mixup = build_mixup(config.recipe or spec.recipe, sets.num_classes, config.label_smoothing)
     if mixup is not None and config.batch_size % 2:
         raise ConfigError(f"batch mixing needs an even batch_size, got {config.batch_size}")

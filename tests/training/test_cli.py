@@ -72,3 +72,75 @@ def test_python_dash_m(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("barter", run_name="__main__")
     assert exit_info.value.code == 2 and "density" in capsys.readouterr().err
+
+
+def test_every_config_field_is_a_flag():
+    from dataclasses import fields
+
+    from barter.training.config import FIELD_HELP, TrainConfig
+
+    parser = build_parser()
+    train_flags = {option for action in parser._subparsers._group_actions[0].choices["train"]._actions
+                   for option in action.option_strings}
+    names = {f.name for f in fields(TrainConfig)}
+    assert {"--" + name.replace("_", "-") for name in names} <= train_flags
+    assert set(FIELD_HELP) <= names
+    assert {"--beta", "--window", "--head-ratio", "--noise-std", "--no-noise-relative", "--init"} <= train_flags
+
+
+def test_config_file_then_flags(tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text("preset: cct_cifar100\nlr: 1e-4\nweight_decay: 0.2\n"
+                                     "model_kwargs: {drop_rate: 0.1}\nbarter_options: {beta: 0.9}\n")
+    config, _ = parse("-c", str(tmp_path / "c.yaml"), "--weight-decay", "0.3", "--window", "0.2", "0.5",
+                      "--img-size", "none", "--no-progress", "--label-smoothing", "0")
+    assert (config.preset, config.epochs, config.lr, config.weight_decay) == ("cct_cifar100", 300, 1e-4, 0.3)
+    assert config.model_kwargs == {"drop_rate": 0.1} and config.img_size is None and config.progress is False
+    assert config.barter_options == {"beta": 0.9, "window": (0.2, 0.5)} and config.label_smoothing == 0.0
+    (tmp_path / "c.json").write_text(json.dumps({"preset": "custom", "epochs": 2}))
+    config, _ = parse("-c", str(tmp_path / "c.json"))
+    assert (config.preset, config.epochs, config.dataset) == ("custom", 2, "fake")
+    assert main(["train", "-c", str(tmp_path / "c.yaml"), "--seed", "7", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "seed: 7\n" in printed and "lr: 0.0001\n" in printed and "weight_decay: 0.2\n" in printed
+
+
+@pytest.mark.parametrize("text,message", [
+    ("lrr: 1\n", "unknown config field(s): lrr"),
+    ("epochs: many\n", "epochs: expected an integer, got 'many'"),
+    ("barter_options: {betta: 0.9}\n", "barter_options: unknown option(s) betta"),
+    ("barter_options: {window: [0.5]}\n", "barter_options.window: expected 2 values"),
+    ("- 1\n", "must hold a mapping"),
+    ("{a: [\n", "is not valid YAML"),
+])
+def test_bad_config_file_names_the_field(tmp_path, capsys, text, message):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-c", str(tmp_path / "c.yaml")])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "fast"], "lr: expected a number, got 'fast'"),
+    (["--drop-last", "--model-kwargs", "[1]"], "model_kwargs: expected a mapping"),
+    (["--beta", "1.5"], "beta must be in [0, 1)"),
+    (["--window", "0.1"], "barter_options.window: expected 2 values"),
+])
+def test_bad_flag_values_name_the_field(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_on_an_image_folder(tmp_path, capsys):
+    from PIL import Image
+
+    for split, n in (("train", 4), ("val", 2)):
+        for c, name in enumerate(("ant", "bee", "cow")):
+            (tmp_path / "data" / split / name).mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (32, 32), (80 * c, 20 * i, 0)).save(tmp_path / "data" / split / name / f"{i}.png")
+    argv = [*TINY, "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "runs"),
+            "--name", "run", "--batch-size", "6", "--recipe", "none"]
+    assert main(["train", *argv]) == 0
+    weights = (tmp_path / "runs" / "run" / "best" / "topology.json").read_text()
+    assert json.loads(weights)["model_kwargs"]["num_classes"] == 3

@@ -71,7 +71,7 @@ def test_tiny_imagenet_layout(tmp_path: Path) -> None:
     _write_tiny_imagenet(tmp_path)
     data = build_datasets("tiny-imagenet", tmp_path, recipe="none")
     assert (len(data.train), len(data.test)) == (6, 2)
-    assert (data.num_classes, data.in_chans, data.img_size) == (200, 3, 64)
+    assert (data.num_classes, data.in_chans, data.img_size) == (2, 3, 64)  # the classes of wnids.txt
     assert sorted(set(data.train.targets)) == [0, 1]
     assert all(Path(p).parent.parent.name == ("n01", "n02")[t] for p, t in data.train.samples)
     assert [label for _, label in (data.test[0], data.test[1])] == [1, 0]
@@ -139,3 +139,47 @@ def test_mixup_factory() -> None:
     images, targets = vit(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
     assert images.shape == (4, 3, 32, 32) and targets.shape == (4, 10)
     assert torch.allclose(targets.sum(1), torch.ones(4))
+
+
+def _write_folder(root: Path, train: dict[str, int], val: dict[str, int], size: tuple[int, int] = (12, 12),
+                  mode: str = "RGB") -> Path:
+    """DIR/train/<class>/*.png and DIR/val/<class>/*.png with the given image counts per class."""
+    for split, counts in (("train", train), ("val", val)):
+        for c, (name, n) in enumerate(counts.items()):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.new(mode, size, (30 * c, 10 * i, 0) if mode == "RGB" else 20 * c + i).save(folder / f"{i}.png")
+    return root
+
+
+def test_image_folder_reads_classes_channels_and_size(tmp_path: Path) -> None:
+    root = _write_folder(tmp_path, {"cat": 2, "dog": 3, "emu": 1}, {"dog": 1, "cat": 1})
+    data = build_datasets("folder", root)
+    assert (data.num_classes, data.in_chans, data.img_size, len(data.train), len(data.test)) == (3, 3, 12, 6, 2)
+    assert sorted(data.test.targets) == [0, 1]  # val labels follow the training tree's classes
+    image, label = data.train[5]
+    assert image.shape == (3, 12, 12) and label == 2
+    assert build_datasets("folder", root, img_size=8, in_chans=1).test[0][0].shape == (1, 8, 8)
+
+
+def test_image_folder_of_grey_non_square_images(tmp_path: Path) -> None:
+    root = _write_folder(tmp_path, {"a": 1, "b": 1}, {"a": 1}, size=(20, 10), mode="L")
+    data = build_datasets("folder", root)
+    assert (data.in_chans, data.img_size) == (1, 10) and data.train[0][0].shape == (1, 10, 10)
+
+
+@pytest.mark.parametrize("train,val,message", [
+    (None, None, "no .*train/"),
+    ({}, {"a": 1}, "has no class folders"),
+    ({"a": 1, "b": 1}, {"c": 1}, "classes the training tree lacks: c"),
+    ({"a": 1, "b": 0}, {"a": 1}, "no images for class"),
+    ({"a": 1}, {"a": 0}, "no images in"),
+])
+def test_image_folder_errors(tmp_path: Path, train, val, message) -> None:
+    if train is not None:
+        _write_folder(tmp_path, train, val)
+        for split in ("train", "val"):
+            (tmp_path / split).mkdir(exist_ok=True)
+    with pytest.raises(DatasetNotFoundError, match=message):
+        build_datasets("folder", tmp_path)

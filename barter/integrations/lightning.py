@@ -1,0 +1,104 @@
+"""`BarterCallback` for Lightning: BARTER in a `lightning.Trainer` run, checkpoints and DDP included.
+
+    model = MyLightningModule()                      # configure_optimizers builds from self.parameters()
+    trainer = lightning.Trainer(max_epochs=10, callbacks=[BarterCallback(density=0.5, seed=0)])
+    trainer.fit(model)                               # trainer.fit(model, ckpt_path=...) resumes
+
+Protocol. `barter.wrap` resizes parameters in place, so the model must be compact before the optimizer is
+built: the callback wraps in `setup("fit")`, which Lightning runs before `configure_optimizers` (and before
+it restores a checkpoint or wraps the model for DDP). `total_steps` defaults to the trainer's
+`estimated_stepping_batches`; `example_inputs` to the module's `example_input_array`, else a timm model's
+input size. When fitting starts the callback attaches the optimizer, so transfers run from its post-step
+hook (after every optimizer step, gradient accumulation and skipped AMP steps included). On resume the
+controller state is restored from the checkpoint in the module's `on_load_checkpoint` (which Lightning runs
+before it loads the weights), so the saved widths are back before the compact weights arrive. Under DDP the
+DistributedDataParallel wrapper is rebuilt after each transfer, as `barter.DistributedModel` does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..analysis import default_example_inputs
+from ..controller import Controller
+from ..wrapping import wrap
+
+
+class BarterCallback(pl.Callback):
+    """Wrap the LightningModule (or its submodule `module`, an attribute path) with `barter.wrap(**wrap_options)`."""
+
+    def __init__(self, *, module: str | None = None, total_steps: int | None = None, **wrap_options: Any) -> None:
+        if "optimizer" in wrap_options or "model" in wrap_options:
+            raise TypeError("BarterCallback wraps the trainer's own model and optimizer; pass wrap's other options")
+        self.module = module
+        self.total_steps = total_steps
+        self.wrap_options = wrap_options
+        self.controller: Controller | None = None
+        self._restored = False
+        self._ddp_edits = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.controller is not None:
+            return
+        target = pl_module.get_submodule(self.module) if self.module else pl_module
+        target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
+        options = dict(self.wrap_options)
+        example = options.pop("example_inputs", None) or self._example_inputs(pl_module, target)
+        total = self.total_steps or int(trainer.estimated_stepping_batches)
+        self.controller = wrap(target, total_steps=total, example_inputs=tuple(example), **options)
+        original = pl_module.on_load_checkpoint
+
+        def restore_widths_first(checkpoint: dict[str, Any]) -> None:
+            self._restore(checkpoint)
+            original(checkpoint)
+
+        pl_module.on_load_checkpoint = restore_widths_first  # runs before Lightning loads the weights
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and "on_load_checkpoint" in vars(pl_module):
+            del pl_module.on_load_checkpoint
+
+    def _restore(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("callbacks", {}).get(self.state_key)
+        if saved is None or saved["controller"] is None:
+            raise ValueError(f"the checkpoint holds no {self.state_key} state; it was not made with BARTER")
+        self.controller.load_state_dict(saved["controller"])
+        self._restored = True
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"BarterCallback needs exactly one optimizer, got {len(trainer.optimizers)}")
+        self.controller.attach_optimizer(trainer.optimizers[0])
+        self._ddp_edits = self.controller.edits
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Rebuild DistributedDataParallel when a transfer resized the model since it was built."""
+        ddp = trainer.strategy.model
+        if isinstance(ddp, DistributedDataParallel) and self.controller.edits != self._ddp_edits:
+            wrapped = ddp.module
+            trainer.strategy.model = None  # the old wrapper's gradient hooks go before the new one adds its own
+            trainer.strategy.model = trainer.strategy._setup_model(wrapped)
+            self._ddp_edits = self.controller.edits
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"controller": None if self.controller is None else self.controller.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning calls this after it loaded the weights; the controller was restored before them."""
+        if not self._restored and self.controller is not None:
+            self.controller.load_state_dict(state_dict["controller"])
+
+    @staticmethod
+    def _example_inputs(pl_module: pl.LightningModule, target: nn.Module) -> tuple:
+        """The module's `example_input_array` (on its device), else a timm model's input size."""
+        example = pl_module.example_input_array if target is pl_module else None
+        if example is None:
+            return default_example_inputs(target)
+        device = next(target.parameters()).device
+        items = example if isinstance(example, tuple) else (example,)
+        return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in items)

@@ -3,7 +3,9 @@ says which hosts are built alike, so one analysis (copied) serves them all."""
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx
@@ -11,9 +13,10 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..capture.calls import training_mode
-from ..capture.front_ends import record
+from ..capture.front_ends import SYMBOLIC, Recording, record, record_concrete
 from ..dataflow.constants import ConstantSpec
 from ..dataflow.grouping import GroupSpec, Refusal
+from ..errors import AnalysisError, TraceError
 from .find import find_groups
 
 
@@ -63,10 +66,25 @@ def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
 
 
 def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> HostAnalysis:
-    """Trace the host in train and eval mode and find its groups in both graphs."""
+    """Trace the host in train and eval mode and find its groups in both graphs. Where the symbolic trace
+    leaves units out, the concrete-shape capture is tried too and serves if it finds more groups."""
+    found = _analyse_with(record, module, host, args, kwargs)
+    if found.refusals and found.front_end == SYMBOLIC:
+        why = f"the symbolic trace left out: {found.refusals[0].reasons[0]}"
+        try:
+            captured = _analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs)
+        except (TraceError, AnalysisError):
+            return found
+        if len(captured.groups) > len(found.groups):
+            return captured
+    return found
+
+
+def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple,
+                  kwargs: dict) -> HostAnalysis:
     graphs, results, tensors = {}, {}, {}
     for mode in (True, False):
-        gm, values, front_end = record(module, host, args, kwargs, mode)
+        gm, values, used = front_end(module, host, args, kwargs, mode)
         tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
                         if n.op == "get_attr" and n.target.startswith("_tensor_constant")})
         if mode is False and gm.code == graphs[True].owning_module.code:
@@ -83,4 +101,4 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> Hos
             refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
             continue
         groups.append(HostGroup(spec, spec.constants + ([] if other is spec else other.constants)))
-    return HostAnalysis(graphs, groups, refusals, tensors, front_end)
+    return HostAnalysis(graphs, groups, refusals, tensors, used)

@@ -113,7 +113,17 @@ class _Installer:
 
     def plumbing(self, host: str, hg: HostGroup, slots: list[ConstantSlot]) -> GroupPlumbing:
         sink = join_path(host, hg.spec.sink.rsplit(".", 1)[0])
-        tappable = isinstance(self.editor.submodule(sink), _PROJECTIONS)
+        tappable = _tappable(self.editor.submodule(sink), hg.spec.sink.rsplit(".", 1)[-1])
         return GroupPlumbing(host=host, sink_module=sink if tappable else None,
                              tap=TapLayout(hg.spec.tap_outer, hg.spec.tap_inner, hg.spec.tap_dim),
                              constants=hg.constants, slots=slots)
+
+
+def _tappable(module: nn.Module | None, weight: str) -> bool:
+    """A tap hooks the output projection module's first input: a Linear or convolution, or any leaf module
+    that holds only the projection's weight and bias (a linear map stored [in, out], GPT-2's Conv1D)."""
+    if isinstance(module, _PROJECTIONS):
+        return True
+    if module is None or next(module.children(), None) is not None:
+        return False
+    return weight in dict(module.named_parameters()) and set(dict(module.named_parameters())) <= {weight, "bias"}

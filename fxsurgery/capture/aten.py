@@ -62,6 +62,7 @@ for _packet, _target in [(aten.linear, F.linear), (aten.conv1d, F.conv1d), (aten
 for _name in ("view", "reshape", "expand", "contiguous", "type_as", "expand_as", "view_as", "reshape_as", "repeat"):
     LOWERINGS[getattr(aten, _name)] = _method(_name)
 LOWERINGS[aten._unsafe_view] = _method("view")
+LOWERINGS[aten.split_with_sizes] = _function(torch.split)
 LOWERINGS[aten.sym_size] = _method("size")
 
 
@@ -142,10 +143,15 @@ def _alias(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
 
 
 def _same_name(packet: Any) -> Lowering | None:
-    """An op whose torch function shares its name and schema (``aten.transpose`` and ``torch.transpose``)."""
+    """An op whose torch function shares its name and schema (``aten.transpose`` and ``torch.transpose``), or
+    an in-place op as the tensor method of its name (``aten.add_`` and ``Tensor.add_``)."""
     name = packet._qualified_op_name.split("::")[-1]
+    if name.startswith("_"):
+        return None
+    if name.endswith("_") and hasattr(torch.Tensor, name):
+        return _method(name)
     target = getattr(torch, name, None)
-    return _function(target) if callable(target) and not name.startswith("_") else None
+    return _function(target) if callable(target) else None
 
 
 def lower(graph: torch.fx.Graph) -> None:

@@ -37,10 +37,16 @@ def record(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bo
         if isinstance(symbolic.__cause__, NoDecomposition):
             raise
         try:
-            gm, values = capture(module, name, args, kwargs, training)
+            return record_concrete(module, name, args, kwargs, training, why=_first_line(symbolic))
         except TraceError as concrete:
             raise TraceError(f"{symbolic}; {concrete}") from concrete
-        return Recording(gm, values, f"torch.export with the example shapes ({_first_line(symbolic)})")
+
+
+def record_concrete(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool, *,
+                    why: str) -> Recording:
+    """The concrete-shape capture, with the reason it was used (``why``) in its front-end line."""
+    gm, values = capture(module, name, args, kwargs, training)
+    return Recording(gm, values, f"torch.export with the example shapes ({why})")
 
 
 def _first_line(error: Exception) -> str:

@@ -239,7 +239,7 @@ class _Builder:
         mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
-        members = [self.member(m.name, m.ids, index, n, sink.weight) for m in self.rec.members]
+        members = [self.member(m.name, m.ids, index, n, sink) for m in self.rec.members]
         members = list(dict.fromkeys(m for m in members if m is not None))
         axes = self.unit_axes(k, index)
         consts, notes_zero = self.constants(axes, n)
@@ -249,8 +249,9 @@ class _Builder:
         kind = "head" if self.head[ut].any() else "channel"
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
+        about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
-                         notes=mixed + notes_zero, modules=mods, sink=sink.weight, sink_node=sink.node,
+                         notes=about + mixed + notes_zero, modules=mods, sink=sink.weight, sink_node=sink.node,
                          tap_outer=sink_member.outer, tap_inner=sink_member.inner, tap_dim=sink.dim,
                          min_count=min_count)
 
@@ -267,7 +268,7 @@ class _Builder:
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
 
-    def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: str) -> ParamSlice | None:
+    def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
         c = self.cls(ids)
         u = torch.where(c >= 0, index[c.clamp(min=0)], c)
         if not (u >= 0).any():
@@ -287,7 +288,7 @@ class _Builder:
         lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
         if lay is None:
             raise Unsupported(f"{name}: {describe_layout(u1.flatten(), n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], name == sink and d == 1)
+        return ParamSlice(name, d, lay[0], lay[1], name == sink.weight and d == sink.weight_dim)
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         root = self.lab.module

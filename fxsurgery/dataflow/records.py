@@ -48,6 +48,7 @@ class Sink(NamedTuple):
     node: str
     columns: torch.Tensor
     dim: int
+    weight_dim: int = 1  # the weight dim that meets the input features (0 for a weight stored [in, out])
 
 
 class NonEmpty(NamedTuple):
@@ -73,6 +74,13 @@ class Opaque(NamedTuple):
     reason: str
 
 
+class Note(NamedTuple):
+    """What a unit of the group holding ``ids`` is, when it is more than one head or one channel."""
+
+    ids: torch.Tensor
+    text: str
+
+
 @dataclass
 class Records:
     """Everything the labelling learns; ``next_id`` is the number of ids handed out."""
@@ -90,6 +98,7 @@ class Records:
     acts: list[Act] = field(default_factory=list)
     size_reads: set[Node] = field(default_factory=set)
     opaque: list[Opaque] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

@@ -8,8 +8,9 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..ids import NO_ID, align, compact, fold, merge, pairs, varies
+from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
+from ..records import Note
 from .base import RULES, defer_pins, elementwise_labels, mix, pin_all
 
 
@@ -179,13 +180,30 @@ def einsum(s: Step) -> Label | None:
     return contract(s, [(v.shape, lab) for v, lab in ops], subs, out_sub)
 
 
+def _repeat_heads(s: Step, t: torch.Tensor, lab: Label | None, times: int) -> tuple[torch.Tensor, Label | None]:
+    """Key or value heads as the query heads see them (each repeated ``times``), and a note that a unit is
+    one key/value head with its query heads."""
+    shape = (*t.shape[:-3], t.shape[-3] * times, *t.shape[-2:])
+    if lab is None:
+        return torch.empty(shape, device="meta"), None
+    ids = expand_dims(align(lab.ids, t.dim()), t.shape, [t.dim() - 3]).repeat_interleave(times, dim=t.dim() - 3)
+    s.rec.notes.append(Note(lab.ids, f"a unit is one key/value head with its {times} query heads"))
+    return torch.empty(shape, device="meta"), Label(ids, lab.param)
+
+
 @RULES.function(F.scaled_dot_product_attention)
 def sdpa(s: Step) -> Label | None:
     (q, lq), (k, lk), (v, lv) = s.arg(0, "query"), s.arg(1, "key"), s.arg(2, "value")
     mask, lmask = s.arg(3, "attn_mask")
-    if q.dim() != k.dim() or k.shape[:-3] != q.shape[:-3] or q.shape[-3:-2] != k.shape[-3:-2]:
-        pin_all(s, "attention with a different number of query and key heads has no rule yet")
+    if q.dim() < 3 or q.dim() != k.dim() or k.shape[:-3] != q.shape[:-3]:
+        pin_all(s, "attention with query and key batch dims that differ has no rule")
         return None
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if heads != kv_heads:  # grouped-query attention: query head h reads key/value head h // (heads / kv_heads)
+        if not s.arg(7, "enable_gqa", False)[0] or kv_heads == 0 or heads % kv_heads:
+            pin_all(s, f"attention of {heads} query heads on {kv_heads} key/value heads")
+            return None
+        (k, lk), (v, lv) = (_repeat_heads(s, t, lab, heads // kv_heads) for t, lab in ((k, lk), (v, lv)))
     nb = q.dim() - 2
     batch = _BATCH[:nb]
     scores_shape = tuple(q.shape[:-1]) + (k.shape[-2],)

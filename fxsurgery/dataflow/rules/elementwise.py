@@ -27,6 +27,7 @@ _ELEMENTWISE_METHODS = [
     "square", "clamp", "clip", "pow", "add", "sub", "mul", "div", "masked_fill", "where", "lerp",
     "zero", "fill", "nan_to_num", "softplus", "addcmul", "maximum", "minimum",
 ]
+_ELEMENTWISE_METHODS += [f"{m}_" for m in _ELEMENTWISE_METHODS if hasattr(torch.Tensor, f"{m}_")]  # in place
 _PASSTHROUGH_METHODS = [
     "contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as",
     "requires_grad_", "cpu", "cuda",

@@ -1,4 +1,4 @@
-"""Concatenation, padding and reordering of positions."""
+"""Concatenation, padding, reordering and repetition of positions."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -67,10 +67,11 @@ def pad(s: Step) -> Label:
     return Label(compact(F.pad(ids, tuple(widths), value=NO_ID)), xl.param)
 
 
-@RULES.function(torch.roll, torch.flip)
-@RULES.method("roll", "flip")
+@RULES.function(torch.roll, torch.flip, torch.repeat_interleave)
+@RULES.method("roll", "flip", "repeat", "repeat_interleave")
 def reorder(s: Step) -> Any:
-    """Shifts and flips move positions: run them on ids expanded along the dims they touch."""
+    """Shifts and flips move positions, repeats copy them (grouped-query attention's key/value heads): run
+    them on ids expanded along every dim."""
     x, xl = first_tensor(s)
     ids = expand_dims(align(xl.ids, x.dim()), x.shape, range(x.dim()))
     fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))

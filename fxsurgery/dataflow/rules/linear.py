@@ -17,13 +17,15 @@ from .opaque import fallback
 
 
 def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None, bias: Any,
-                  dim: int = -1, computed: Label | None = None) -> Label:
+                  dim: int = -1, computed: Label | None = None, weight_in_rows: bool = False) -> Label:
     """``y = x Wᵀ + b`` over feature dim ``dim`` (last for a Linear, 1 for a pointwise convolution):
     x's feature coordinates are consumed (W's columns are the sink); y's feature dim is a new space
     of coordinates, W's rows and b's entries belong to them. A weight ``computed`` from a parameter (a
-    chunk of a packed one) lends its rows to the space but cannot be the sink."""
+    chunk of a packed one) lends its rows to the space but cannot be the sink. ``weight_in_rows``: W is
+    stored [in, out] (``y = x W + b``, GPT-2's Conv1D), so its rows are read and its columns are the space."""
     w_rank = 2 if weight is None else s.lab.module.get_parameter(weight).dim()
     kernel = (1,) * (w_rank - 2)
+    reads, writes = ((-1, 1), (1, -1)) if weight_in_rows else ((1, -1, *kernel), (-1, 1, *kernel))
     if xl is not None:
         xi = align(xl.ids, x.dim())
         if xl.param or weight is None:
@@ -32,15 +34,15 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
             lead = [d for d in range(x.dim()) if d != dim % x.dim()]
             col, tie = fold(xi, lead)
             s.rec.tie(tie)
-            col = col.reshape(1, -1, *kernel)
+            col = col.reshape(reads)
             s.rec.member(weight, col)
-            s.rec.sinks.append(Sink(weight, s.name, col.flatten(), dim))
+            s.rec.sinks.append(Sink(weight, s.name, col.flatten(), dim, 0 if weight_in_rows else 1))
     d_out = dim % s.out.dim()
     n_out = s.out.shape[d_out]
     space = s.rec.fresh((n_out,))
     s.rec.spaces.append(Space(int(space[0]) if n_out else s.rec.next_id, s.rec.next_id, s.name))
     if weight is not None:
-        s.rec.member(weight, space.reshape(n_out, 1, *kernel))
+        s.rec.member(weight, space.reshape(writes))
     elif computed is not None and computed.param:
         s.rec.tentative.append(pairs(align(computed.ids, 2), space.reshape(n_out, 1)))
     bias_val, bias_lab, bias_name = bias
@@ -74,24 +76,55 @@ def linear_function(s: Step) -> Label:
     return linear_labels(s, x, xl, weight, (bval, blab, bname), computed=s.arg(1, "weight")[1])
 
 
+@RULES.function(torch.addmm)
+@always
+def addmm(s: Step) -> Label:
+    """``bias + x @ W`` with W a parameter stored [in, out]: a linear map whose weight rows are its inputs."""
+    (bval, blab), (x, xl) = s.arg(0, "input"), s.arg(1, "mat1")
+    raw_b, raw_w = s.node.args[0], s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("mat2")
+    scaled = s.arg(3, "beta", 1)[0] != 1 or s.arg(4, "alpha", 1)[0] != 1
+    weight = raw_w.target if getattr(raw_w, "op", None) == "get_attr" and not scaled else None
+    bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
+    if weight is None:  # a product of activations, or a scaled one: no linear map of a parameter
+        return fallback(s)
+    return linear_labels(s, x, xl, weight, (bval, blab, bname), weight_in_rows=True)
+
+
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_FUNCS = (F.conv1d, F.conv2d, F.conv3d)
 
 
 @RULES.module(*_CONVS)
 @always
 def conv_module(s: Step) -> Label | None:
+    mod = s.lab.module.get_submodule(s.node.target)
+    bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
+    return conv_labels(s, f"{s.node.target}.weight", mod.weight, bias, mod.groups)
+
+
+@RULES.function(*_CONV_FUNCS)
+@always
+def conv_function(s: Step) -> Label | None:
+    raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
+    if getattr(raw_w, "op", None) != "get_attr":  # a computed kernel: nothing to slice
+        return fallback(s)
+    bval, blab = s.arg(2, "bias")
+    raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")
+    bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
+    return conv_labels(s, raw_w.target, s.arg(1, "weight")[0], (bval, blab, bname), s.arg(6, "groups", 1)[0])
+
+
+def conv_labels(s: Step, weight: str, w: torch.Tensor, bias: Any, groups: int) -> Label | None:
     """A pointwise convolution is a Linear over channels (dim 1); a depthwise one keeps channels
     apart; any other convolution mixes channels with space and has no rule."""
     x, xl = first_tensor(s)
-    mod = s.lab.module.get_submodule(s.node.target)
-    weight = f"{s.node.target}.weight"
-    bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
-    if mod.groups == 1 and all(k == 1 for k in mod.kernel_size):
+    out_channels, in_channels = w.shape[0], w.shape[1] * groups
+    if groups == 1 and all(k == 1 for k in w.shape[2:]):
         out = linear_labels(s, x, xl, weight, bias, dim=1)
     elif xl is None:
         return None
-    elif mod.groups == mod.in_channels == mod.out_channels:
-        out = depthwise_labels(s, x, xl, [(weight, mod.weight), (bias[2], mod.bias)])
+    elif groups == in_channels == out_channels:
+        out = depthwise_labels(s, x, xl, [(weight, w), (bias[2], bias[0])])
     else:
         return fallback(s)
     for lab in (xl, out):

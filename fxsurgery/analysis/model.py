@@ -41,11 +41,10 @@ def analyse_model(model: nn.Module, example_inputs: tuple, editor: Editor) -> Fi
     regions, failures = find_regions(model, example_inputs, findings.leave_out)
     hosts = locate_hosts(model, regions, findings.leave_out)
     if hosts:
-        inputs = capture_inputs(model, example_inputs, [h for h in hosts if h])
-        if "" in hosts:
-            inputs[""] = (example_inputs, {})
+        inputs = capture_inputs(model, example_inputs, [n for n, _ in model.named_modules() if n])
+        inputs[""] = (example_inputs, {})
         installer = _Installer(model, editor, findings)
-        for host in hosts:
+        for host in _callers_of_returned_heads(hosts, inputs, installer):
             installer.install(host, inputs[host])
     # modules that did not trace: their parts were analysed on their own where they traced
     for name, err in failures:
@@ -59,6 +58,25 @@ def analyse_model(model: nn.Module, example_inputs: tuple, editor: Editor) -> Fi
     return findings
 
 
+def _callers_of_returned_heads(hosts: list[str], inputs: dict[str, tuple[tuple, dict]],
+                               installer: _Installer) -> list[str]:
+    """The hosts, each one whose heads reach its outputs (an attention module that returns its per-head
+    attention weights) replaced by its nearest calling module, where the weights may be dropped."""
+    hosts = list(hosts)
+    for host in list(hosts):
+        found = installer.analysis(host, inputs[host])
+        if host not in hosts or isinstance(found, str) or found.groups or not found.refusals \
+                or not all(r.at_output for r in found.refusals):
+            continue
+        caller = host
+        while caller:
+            caller = caller.rpartition(".")[0]
+            if caller in inputs:  # containers such as ModuleList are never called themselves
+                break
+        hosts = [h for h in hosts if not (h == caller or h.startswith(caller + ".") or not caller)] + [caller]
+    return hosts
+
+
 class _Installer:
     """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
 
@@ -67,19 +85,25 @@ class _Installer:
         self.templates: dict[tuple, HostAnalysis | str] = {}  # an analysis, or why it failed
         self.checked: dict[tuple, str | None] = {}
 
-    def install(self, host: str, inputs: tuple[tuple, dict]) -> None:
+    def analysis(self, host: str, inputs: tuple[tuple, dict]) -> HostAnalysis | str:
+        """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
         module = self.model.get_submodule(host) if host else self.model
-        args, kwargs = inputs
-        key = fingerprint(module, args, kwargs)
-        if key not in self.templates:  # hosts built alike (every block of a ViT) are analysed once
+        key = fingerprint(module, *inputs)
+        if key not in self.templates:
             try:
-                self.templates[key] = analyse_host(module, host, args, kwargs)
+                self.templates[key] = analyse_host(module, host, *inputs)
             except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
                 self.templates[key] = str(err)
-        if isinstance(self.templates[key], str):
-            self.findings.leave_out(host, [self.templates[key]])
+        return self.templates[key]
+
+    def install(self, host: str, inputs: tuple[tuple, dict]) -> None:
+        module = self.model.get_submodule(host) if host else self.model
+        key = fingerprint(module, *inputs)
+        template = self.analysis(host, inputs)
+        if isinstance(template, str):
+            self.findings.leave_out(host, [template])
             return
-        found = self.templates[key].copy()
+        found = template.copy()
         self.findings.front_ends[host] = found.front_end
         for r in found.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)

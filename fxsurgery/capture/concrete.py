@@ -9,8 +9,10 @@ The ATen graph is lowered to torch-level ops (``aten``), so one op table reads b
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any
+import logging
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -24,15 +26,20 @@ from .calls import forked_rng, materialize, training_mode
 
 
 def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The batch dim of every tensor input dynamic, and the token dim of sequences (rank 2 or 3: ids, or
-    tokens by features), keyed like ``forward``'s parameters. Spatial dims stay as captured: a model's image
-    size is fixed by its patch grid, and symbolic image sizes make window arithmetic slow to capture."""
+    """Dynamic dims, keyed like ``forward``'s parameters: the batch dim of every tensor input, the token dim of
+    sequences (rank 2 or 3: ids, or tokens by features), and any dim of a larger input as long as the token
+    dim (an attention mask [batch, 1, tokens, tokens]). Other dims stay as captured: a model's image size is
+    fixed by its patch grid, and symbolic image sizes make window arithmetic slow to capture."""
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    tensors = [t for t in pytree.tree_leaves(bound.arguments) if torch.is_tensor(t)]
+    tokens = {t.shape[1] for t in tensors if t.dim() in (2, 3)}
 
     def dims(t: Any) -> Any:
         if not torch.is_tensor(t) or t.dim() == 0:
             return None
-        return {d: Dim.AUTO for d in range(2 if t.dim() in (2, 3) else 1)}
+        if t.dim() in (2, 3):
+            return {0: Dim.AUTO, 1: Dim.AUTO}
+        return {d: Dim.AUTO for d in range(t.dim()) if d == 0 or t.shape[d] in tokens}
 
     return {name: pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
 
@@ -44,7 +51,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict,
     args, kwargs = materialize((args, kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
     try:
-        with training_mode(module, training), forked_rng(leaves):
+        with training_mode(module, training), forked_rng(leaves), _quiet_export():
             program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs),
                                           strict=False)
     except Exception as e:  # export raises many types; the user needs the module and the cause
@@ -64,6 +71,18 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict,
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)
     _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
     return gm, list(values)
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """export logs each dim it specialises (a batch of one, a fixed token count): expected, not news."""
+    logger = logging.getLogger("torch._export.non_strict_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, training: bool,

@@ -44,10 +44,15 @@ class GroupSpec:
 
 @dataclass
 class Refusal:
-    """A would-be group the analysis leaves out, and why."""
+    """A would-be group the analysis leaves out, and why. ``at_output``: its heads reach the graph's outputs
+    (a module that returns per-head values), so the module's caller, which may drop them, should host it."""
 
     modules: list[str]
     reasons: list[str]
+    at_output: bool = False
+
+
+HEADS_AT_OUTPUT = "per-head values reach the module's outputs"
 
 
 @dataclass
@@ -67,6 +72,10 @@ class UnitAct(NamedTuple):
     classes: torch.Tensor
     units: torch.Tensor
     param: bool
+
+
+def _at_output(reasons: list[str]) -> bool:
+    return all(r.endswith(HEADS_AT_OUTPUT) for r in reasons)
 
 
 def common_module(paths: Sequence[str]) -> str:
@@ -116,6 +125,9 @@ class _Builder:
                 continue
             c = torch.unique(c[(c >= 0)])
             c = c[self.unit_class[c]]
+            if pin.at_output and self.head[c].any():  # returned per-head values: not the residual stream
+                self.hard.append((c[self.head[c]], f"{pin.reason.split(':')[0]}: {HEADS_AT_OUTPUT}"))
+                c = c[~self.head[c]]
             if pin.benign:
                 self.benign[c] = True
             elif c.numel():
@@ -200,7 +212,7 @@ class _Builder:
         if not hard and isinstance(sinks, str):
             hard = [sinks]
         if hard:
-            out.refusals.append(Refusal(self.home_of(k, ut), hard))
+            out.refusals.append(Refusal(self.home_of(k, ut), hard, _at_output(hard)))
         else:  # the output projection may sit in a sibling module (an "output" block beside "self" attention)
             out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
 
@@ -223,7 +235,7 @@ class _Builder:
         ut = torch.tensor(units)
         hard = self.hard_reasons(units)
         if hard:
-            return Refusal(self.home_of(k, ut), hard)
+            return Refusal(self.home_of(k, ut), hard, _at_output(hard))
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
         sinks = self.sinks_of(ut)

@@ -16,6 +16,7 @@ class Pin(NamedTuple):
     reason: str
     benign: bool = False
     dim: int | None = None
+    at_output: bool = False  # the graph returns them: benign for the residual stream, not for heads
 
 
 class Mix(NamedTuple):
@@ -116,8 +117,9 @@ class Records:
         """A weight is listed once for its rows and once for its columns."""
         self.members.append(Member(name, ids))
 
-    def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None) -> None:
-        self.pins.append(Pin(ids, reason, benign, dim))
+    def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None,
+            at_output: bool = False) -> None:
+        self.pins.append(Pin(ids, reason, benign, dim, at_output))
 
     def mix(self, pairs: torch.Tensor, reason: str) -> None:
         self.mixes.append(Mix(pairs, reason))

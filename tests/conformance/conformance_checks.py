@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from barter import wrap
 from fxsurgery import Surgeon
@@ -55,7 +56,7 @@ class Conformance:
 # looks at names): each such module, outermost only, must host a group of its kind or be reported.
 # Classifier heads (an MLP head such as NormMlpClassifierHead) are not FFN layers.
 UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"),
-                "channel": re.compile(r"Mlp|FeedForward|^FFN|GLU")}
+                "channel": re.compile(r"Mlp|MLP|FeedForward|^FFN|GLU")}
 
 
 def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
@@ -80,15 +81,36 @@ def _within(name: str, ancestor: str) -> bool:
     return name == ancestor or name.startswith(ancestor + ".")
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    return bool((a - b).abs().max() <= tol * max(1.0, float(b.abs().max())))
+def outputs(y: object) -> list[torch.Tensor]:
+    """The floating-point tensors of a model's output (a tensor, a tuple, or a structured output such as
+    Hugging Face's ModelOutput)."""
+    return [t for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
+
+
+def _close(a: object, b: object, tol: float) -> bool:
+    a, b = outputs(a), outputs(b)
+    return [t.shape for t in a] == [t.shape for t in b] and all(
+        bool((x - y).abs().max() <= tol * max(1.0, float(y.abs().max()))) for x, y in zip(a, b) if x.numel())
+
+
+def _equal(a: object, b: object) -> bool:
+    a, b = outputs(a), outputs(b)
+    return [t.shape for t in a] == [t.shape for t in b] and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def training_loss(out: object, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on class logits; for models that return features (hidden states), their mean square."""
+    first = outputs(out)[0]
+    if first.dim() == 2:
+        return nn.functional.cross_entropy(first, y % first.shape[1])
+    return first.float().square().mean()
 
 
 def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
     """In float64: cloning unit 0 of every exact group leaves the outputs unchanged; removing it
     (on a fresh copy) equals the original with that unit's output slice zeroed."""
     model = copy.deepcopy(model).double().eval()
-    x = x.double()
+    x = x.double() if x.is_floating_point() else x  # token ids stay integers
     original = copy.deepcopy(model)
     t = time.perf_counter()
     s = Surgeon(model, (x,))
@@ -110,7 +132,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
             b = original(x)
             # bit-identical in training; torch's fused inference kernels (nn.MultiheadAttention's fast path)
             # round differently from the training arithmetic that the operated model runs in eval too
-            result.modes_ok &= torch.equal(a, b) if mode == "train" else _close(a, b, 1e-12)
+            result.modes_ok &= _equal(a, b) if mode == "train" else _close(a, b, 1e-12)
         y0 = model(x)
         gen = torch.Generator().manual_seed(0)
         for g in s.groups:
@@ -136,9 +158,7 @@ def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps
     ok = True
     for _ in range(steps):
         opt.zero_grad()
-        out = model(x)
-        logits = out[0] if isinstance(out, tuple) else out
-        loss = nn.functional.cross_entropy(logits, y)
+        loss = training_loss(model(x), y)
         loss.backward()
         opt.step()
         ok &= bool(torch.isfinite(loss))
@@ -161,7 +181,8 @@ def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor) -> Conform
 
 def model_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
     """A JSON list as (name, builder, input). An entry names a timm model (``depth`` shrinks models that
-    take it) or, with ``"factory": "module:callable"`` and ``"input": [C, H, W]``, any other constructor."""
+    take it) or, with ``"factory": "module:callable"`` and ``"input": [C, H, W]``, any other constructor;
+    ``"tokens": V`` makes the input token ids below V of shape ``"input"`` (text models)."""
     cases = []
     for entry in json.loads(path.read_text()):
         kw = dict(entry["kwargs"])
@@ -173,7 +194,8 @@ def model_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Cal
             build = functools.partial(_timm_model, entry["model"], kw, depth)
             size = kw.get("img_size", 224)
             shape = (3, size, size)
-        cases.append((entry["model"], build, torch.randn(2, *shape)))
+        x = torch.randint(0, entry["tokens"], (2, *shape)) if "tokens" in entry else torch.randn(2, *shape)
+        cases.append((entry["model"], build, x))
     return cases
 
 

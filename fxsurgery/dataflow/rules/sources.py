@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from ..labeller import Label, Step
-from .base import RULES, param_label, pin_all
+from .base import RULES, param_label
 
 
 def get_attr(s: Step) -> Label | None:
@@ -19,7 +19,9 @@ def get_attr(s: Step) -> Label | None:
 def output(s: Step) -> Any:
     if s.lab.nested:  # the inside of an opaque function hands its labels back to the caller
         return s.largs[0]
-    pin_all(s, "reaches the graph output", benign=True)
+    for _, lab in s.tensors():
+        if lab is not None:
+            s.rec.pin(lab.ids, f"{s.name}: reaches the graph output", benign=True, at_output=True)
     return None
 
 

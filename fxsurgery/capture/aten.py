@@ -63,6 +63,7 @@ for _name in ("view", "reshape", "expand", "contiguous", "type_as", "expand_as",
     LOWERINGS[getattr(aten, _name)] = _method(_name)
 LOWERINGS[aten._unsafe_view] = _method("view")
 LOWERINGS[aten.split_with_sizes] = _function(torch.split)
+LOWERINGS[aten.im2col] = _function(F.unfold)
 LOWERINGS[aten.sym_size] = _method("size")
 
 

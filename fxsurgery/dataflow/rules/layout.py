@@ -1,12 +1,14 @@
 """Concatenation, padding, reordering and repetition of positions."""
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ids import NO_ID, align, compact, expand_dims
+from ..ids import NO_ID, align, compact, expand_dims, fold
 from ..labeller import Label, Step
 from .base import RULES, defer_pins, first_tensor, wrap_dim
 
@@ -76,3 +78,23 @@ def reorder(s: Step) -> Any:
     ids = expand_dims(align(xl.ids, x.dim()), x.shape, range(x.dim()))
     fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
     return Label(compact(fn(*s.args[1:], **s.kwargs)), xl.param)
+
+
+@RULES.function(F.unfold)
+@RULES.module(nn.Unfold)
+def unfold(s: Step) -> Label | None:
+    """Sliding blocks ``[N, C, *space] -> [N, C * prod(kernel), blocks]``: channel c becomes the rows of its
+    kernel positions, ``c * K .. (c + 1) * K - 1``; positions within a channel are one coordinate."""
+    x, xl = first_tensor(s)
+    if xl is None:
+        return None
+    if s.node.op == "call_module":
+        kernel = s.lab.module.get_submodule(s.node.target).kernel_size
+    else:
+        kernel = s.arg(1, "kernel_size")[0]
+    per_channel = s.out.shape[1] // x.shape[1] if x.shape[1] else math.prod(
+        kernel if isinstance(kernel, (tuple, list)) else [kernel] * (x.dim() - 2))
+    channels, tie = fold(align(xl.ids, x.dim()), list(range(2, x.dim())))
+    s.rec.tie(tie)
+    rows = channels.flatten(1).repeat_interleave(per_channel, dim=1) if channels.shape[1] > 1 else channels.flatten(1)
+    return Label(rows.unsqueeze(-1), xl.param)

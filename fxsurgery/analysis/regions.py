@@ -11,7 +11,7 @@ from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
 from ..dataflow.grouping import common_module
-from ..errors import TraceError
+from ..errors import AnalysisError, TraceError
 from .find import find_groups
 
 LeaveOut = Callable[[str, list[str]], None]  # report a module as left out, with reasons
@@ -40,7 +40,7 @@ def find_regions(model: nn.Module, example_inputs: tuple,
     """The whole model if it traces (plus the modules it keeps as opaque fx leaves), else the
     largest submodules that do."""
     try:
-        gm, values, _ = record(model, "", example_inputs, {}, model.training)
+        gm, values, _ = record(model, "", example_inputs, {}, model.training, replayed=False)
     except TraceError as e:
         return _submodule_regions(model, example_inputs, [TraceFailure("", e)])
     leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"
@@ -50,7 +50,8 @@ def find_regions(model: nn.Module, example_inputs: tuple,
     for name in leaves:
         if name in calls:
             try:
-                regions.append(Region(name, *record(model.get_submodule(name), name, *calls[name], model.training)[:2]))
+                regions.append(Region(name, *record(model.get_submodule(name), name, *calls[name], model.training,
+                                                       replayed=False)[:2]))
             except TraceError as err:
                 leave_out(name, [f"kept opaque by the tracer and not traceable: {err}"])
     return regions, []
@@ -69,7 +70,7 @@ def _submodule_regions(model: nn.Module, example_inputs: tuple,
                 visit(q, sub)
                 continue
             try:
-                regions.append(Region(q, *record(sub, q, *calls[q], sub.training)[:2]))
+                regions.append(Region(q, *record(sub, q, *calls[q], sub.training, replayed=False)[:2]))
             except TraceError as err:
                 failures.append(TraceFailure(q, err))
                 visit(q, sub)
@@ -82,7 +83,11 @@ def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -
     """The outermost modules that host a candidate group (each is traced again on its own)."""
     found: list[str] = []
     for prefix, gm, values in regions:
-        result = find_groups(gm, values, prefix, locate=True)
+        try:
+            result = find_groups(gm, values, prefix, locate=True)
+        except AnalysisError as err:  # this region is left out; the others go on
+            leave_out(prefix, [str(err)])
+            continue
         for modules in result.located:
             found.append(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))))
         for r in result.refusals:

@@ -44,16 +44,17 @@ def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, A
     return {name: pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
 
 
-def capture(module: nn.Module, name: str, args: tuple, kwargs: dict,
-            training: bool) -> tuple[torch.fx.GraphModule, list]:
+def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool, *,
+            replayed: bool = True) -> tuple[torch.fx.GraphModule, list]:
     """Capture ``module`` in the given mode; returns the graph module (rooted at ``module``, whose parameters
-    its ``get_attr`` nodes read) and the values of its placeholders."""
+    its ``get_attr`` nodes read) and the values of its placeholders. ``replayed``: a graph to install, with
+    dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither."""
     args, kwargs = materialize((args, kwargs))
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
     try:
         with training_mode(module, training), forked_rng(leaves), _quiet_export():
-            program = torch.export.export(module, args, kwargs, dynamic_shapes=_dynamic_shapes(module, args, kwargs),
-                                          strict=False)
+            dynamic = _dynamic_shapes(module, args, kwargs) if replayed else None
+            program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # export raises many types; the user needs the module and the cause
         label = name or "the model"
         raise TraceError(f"cannot capture {label} ({type(module).__name__}) with torch.export: "
@@ -69,7 +70,8 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict,
     info = graph._codegen.pytree_info
     values = torch.fx._pytree.tree_flatten_spec((args, kwargs), info.in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)
-    _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
+    if replayed:
+        _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
     return gm, list(values)
 
 

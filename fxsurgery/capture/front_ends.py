@@ -28,24 +28,26 @@ class Recording(NamedTuple):
     front_end: str
 
 
-def record(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool) -> Recording:
+def record(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool, *,
+           replayed: bool = True) -> Recording:
     """Trace ``module`` symbolically, else capture it with the example inputs; a module neither front end
-    can record raises ``TraceError`` naming both failures."""
+    can record raises ``TraceError`` naming both failures. ``replayed``: see ``concrete.capture``."""
     try:
         return Recording(*trace(module, name, args, kwargs, training), SYMBOLIC)
     except TraceError as symbolic:
         if isinstance(symbolic.__cause__, NoDecomposition):
             raise
         try:
-            return record_concrete(module, name, args, kwargs, training, why=_first_line(symbolic))
+            return record_concrete(module, name, args, kwargs, training, why=_first_line(symbolic),
+                                   replayed=replayed)
         except TraceError as concrete:
             raise TraceError(f"{symbolic}; {concrete}") from concrete
 
 
 def record_concrete(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool, *,
-                    why: str) -> Recording:
+                    why: str, replayed: bool = True) -> Recording:
     """The concrete-shape capture, with the reason it was used (``why``) in its front-end line."""
-    gm, values = capture(module, name, args, kwargs, training)
+    gm, values = capture(module, name, args, kwargs, training, replayed=replayed)
     return Recording(gm, values, f"torch.export with the example shapes ({why})")
 
 

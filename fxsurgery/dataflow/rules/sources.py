@@ -4,16 +4,31 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.fx
+import torch.nn.functional as F
 
 from ..labeller import Label, Step
 from .base import RULES, param_label
 
+# functions whose rules read a parameter in these argument positions by its name, never by its labels
+_READ_BY_NAME = {F.linear: (1, 2), F.conv1d: (1, 2), F.conv2d: (1, 2), F.conv3d: (1, 2), torch.addmm: (0, 2)}
+
 
 def get_attr(s: Step) -> Label | None:
-    """Parameters and float buffers get one fresh id per element; integer buffers are indices."""
+    """Parameters and float buffers get one fresh id per element; integer buffers are indices. A weight that
+    only linear maps read (a captured graph's ``F.linear(x, weight)``) needs none: its rule names it."""
     if not torch.is_tensor(s.out) or not s.out.is_floating_point():
         return None
+    if s.node.users and all(_read_by_name(user, s.node) for user in s.node.users):
+        return None
     return param_label(s, s.node.target, s.out)
+
+
+def _read_by_name(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    slots = _READ_BY_NAME.get(user.target) if user.op == "call_function" else None
+    if slots is None or user.kwargs:
+        return False
+    return all(i in slots for i, a in enumerate(user.args) if a is node)
 
 
 def output(s: Step) -> Any:

@@ -74,14 +74,26 @@ def multihead_attention(self: nn.MultiheadAttention, query: torch.Tensor, key: t
     if is_causal and attn_mask is None:
         raise NoDecomposition("nn.MultiheadAttention: is_causal needs attn_mask")
     shared = query is key and key is value
+    shared_kv = key is value and not shared  # cross-attention: torch projects key and value in one product
     if self.batch_first:  # computed sequence-first as torch does, so outputs have its memory layout
         query = query.transpose(0, 1)
         key, value = (query, query) if shared else (key.transpose(0, 1), value.transpose(0, 1))
+        value = key if shared_kv else value
     length, batch, source = query.shape[0], query.shape[1], key.shape[0]
     heads, head_dim = self.num_heads, self.head_dim
     if shared and self._qkv_same_embed_dim:
         qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).reshape(length, batch, 3, heads, head_dim)
         q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)
+    elif shared_kv and self._qkv_same_embed_dim:  # thirds, not sizes: nothing here depends on the head count
+        w_q, w_k, w_v = self.in_proj_weight.chunk(3)
+        w_kv = torch.cat([w_k, w_v])
+        b_q, b_kv = None, None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.chunk(3)
+            b_kv = torch.cat([b_k, b_v])
+        q = F.linear(query, w_q, b_q).reshape(length, batch, heads, head_dim).permute(1, 2, 0, 3)
+        kv = F.linear(key, w_kv, b_kv).reshape(source, batch, 2, heads, head_dim)
+        k, v = kv.permute(2, 1, 3, 0, 4).unbind(0)
     else:
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight.chunk(3)

@@ -93,11 +93,6 @@ def _close(a: object, b: object, tol: float) -> bool:
         bool((x - y).abs().max() <= tol * max(1.0, float(y.abs().max()))) for x, y in zip(a, b) if x.numel())
 
 
-def _equal(a: object, b: object) -> bool:
-    a, b = outputs(a), outputs(b)
-    return [t.shape for t in a] == [t.shape for t in b] and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def training_loss(out: object, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy on class logits; for models that return features (hidden states), their mean square."""
     first = outputs(out)[0]
@@ -130,9 +125,9 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
             a = model(x)
             torch.manual_seed(1)
             b = original(x)
-            # bit-identical in training; torch's fused inference kernels (nn.MultiheadAttention's fast path)
-            # round differently from the training arithmetic that the operated model runs in eval too
-            result.modes_ok &= _equal(a, b) if mode == "train" else _close(a, b, 1e-12)
+            # the same dropout draws in training (another draw differs by O(1), not by rounding); products
+            # grouped differently (nn.MultiheadAttention's cross-attention, its fused inference path) round apart
+            result.modes_ok &= _close(a, b, 1e-12)
         y0 = model(x)
         gen = torch.Generator().manual_seed(0)
         for g in s.groups:

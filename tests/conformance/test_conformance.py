@@ -1,5 +1,6 @@
-"""`barter.wrap` on the timm conformance list (timm_models.json) and on torchvision's transformers
-(models_outside_timm.json), through the same checks as
+"""`barter.wrap` on the timm conformance list (timm_models.json), on torchvision's transformers
+(models_outside_timm.json) and on Hugging Face, vit-pytorch and open_clip models (models_hugging_face.json,
+models_einops_open_clip.json; their libraries are test extras), through the same checks as
 `benchmarks/conformance.py`. Heavy models are marked slow (run them with `-m slow`). A pattern the engine
 cannot support yet passes only by being reported: every attention and FFN module is grouped or left out
 with its reason."""
@@ -20,11 +21,21 @@ SLOW = {"eva_giant_patch14_224", "twins_svt_small", "twins_pcpvt_small", "naflex
         "mvitv2_tiny", "volo_d1_224", "levit_conv_128s"}
 
 
-OUTSIDE_TIMM = Path(__file__).parent / "models_outside_timm.json"  # torchvision's transformers
+HERE = Path(__file__).parent
+OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers
+OTHER_LIBRARIES = {"transformers": HERE / "models_hugging_face.json",
+                   "vit_pytorch": HERE / "models_einops_open_clip.json"}
 
 
 def params():
-    for name, build, x in model_cases() + model_cases(OUTSIDE_TIMM):
+    cases = model_cases() + model_cases(OUTSIDE_TIMM)
+    for package, path in OTHER_LIBRARIES.items():
+        try:
+            __import__(package)
+        except ImportError:
+            continue
+        cases += model_cases(path)
+    for name, build, x in cases:
         marks = [pytest.mark.slow] if name in SLOW else []
         yield pytest.param(name, build, x, id=name, marks=marks)
 

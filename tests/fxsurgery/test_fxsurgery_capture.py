@@ -252,3 +252,78 @@ def test_neither_front_end_names_both_failures() -> None:
 
     with pytest.raises(TraceError, match="cannot trace.*cannot capture"):
         Surgeon(Untraceable(), (torch.ones(2, 4),))
+
+
+class EinopsAttention(torch.nn.Module):
+    """Attention written with einops throughout: its head count lives in axis lengths (``h=self.heads``)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        import einops.layers.torch as layers
+
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * heads * head_dim)
+        self.out = torch.nn.Linear(heads * head_dim, dim)
+        self.merge = layers.Rearrange("b h n d -> b n (h d)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import einops
+
+        q, k, v = einops.rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        scores = einops.einsum(q, k, "b h i d, b h j d -> b h i j") * q.shape[-1] ** -0.5
+        return self.out(self.merge(scores.softmax(dim=-1) @ v))
+
+
+class EinopsModel(torch.nn.Module):
+    def __init__(self, heads: int = 3, head_dim: int = 4, dim: int = 8, hidden: int = 5):
+        super().__init__()
+        import einops.layers.torch as layers
+
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, dim))
+        self.attn = EinopsAttention(dim, heads, head_dim)
+        self.ffn = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim))
+        self.pool = layers.Reduce("b n d -> b d", "mean")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import einops
+
+        x = torch.cat([einops.repeat(self.cls, "1 1 d -> b 1 d", b=x.shape[0]), x], dim=1)
+        x = x + self.attn(x)
+        return self.pool(x + self.ffn(x))
+
+
+@settings(max_examples=5, deadline=None)
+@given(heads=st.integers(2, 4), removed=st.integers(0, 4))
+def test_einops_counts_are_rewritten_down_to_zero_heads(heads: int, removed: int) -> None:
+    pytest.importorskip("einops")
+    torch.manual_seed(heads)
+    original = EinopsModel(heads=heads).double()
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (torch.randn(2, 5, 8, dtype=torch.double),))
+    head = next(g for g in s.groups if g.kind == "head")
+    assert head.count == heads and "torch.export" in s.explain()
+    removed = min(removed, heads)
+    for _ in range(removed):
+        s.remove(head, 0)
+    weights = dict(original.named_parameters())
+    with torch.no_grad():
+        weights["attn.out.weight"][:, : removed * 4] = 0  # heads 0 .. removed-1 masked at the output projection
+        x = torch.randn(3, 7, 8, dtype=torch.double)  # another batch size and length
+        assert _rel_diff(model(x), original(x)) <= 1e-9
+
+
+def test_hugging_face_attention_mask_as_an_input() -> None:
+    model = copy.deepcopy(_built("hf_bert"))
+    original = copy.deepcopy(model)
+    ids = CASES["hf_bert"].inputs(2, 6)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # padding in the second sequence
+    s = Surgeon(model, (ids, mask))
+    head = next(g for g in s.groups if g.kind == "head")
+    s.remove(head, 1)
+    weights = dict(original.named_parameters())
+    with torch.no_grad():
+        weights[f"{head.module}.output.dense.weight"][:, 8:16] = 0
+        ids, mask = CASES["hf_bert"].inputs(3, 8), torch.ones(3, 8, dtype=torch.long)
+        mask[0, 5:] = 0
+        assert _rel_diff(model(ids, mask), original(ids, mask)) <= 1e-9

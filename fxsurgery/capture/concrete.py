@@ -65,6 +65,8 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
         if node.op == "call_module" and not node.users:  # the input guards export adds
             graph.erase_node(node)
     lower(graph)
+    for node in graph.nodes:  # the analysis reads module paths; export's fake values are neither needed nor picklable
+        node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
     _keep_constants(module, exported, graph)
     graph.lint()
     info = graph._codegen.pytree_info

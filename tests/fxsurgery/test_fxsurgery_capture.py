@@ -327,3 +327,20 @@ def test_hugging_face_attention_mask_as_an_input() -> None:
         ids, mask = CASES["hf_bert"].inputs(3, 8), torch.ones(3, 8, dtype=torch.long)
         mask[0, 5:] = 0
         assert _rel_diff(model(ids, mask), original(ids, mask)) <= 1e-9
+
+
+def test_a_captured_model_pickles_copies_and_is_analysed_again() -> None:
+    import io
+
+    _, model, s, x = _operated("vit_pytorch_vit")
+    head = next(g for g in s.groups if g.kind == "head")
+    s.remove(head, 0)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x)) and torch.equal(copied(x), model(x))
+    again = Surgeon(copied, (x,))
+    assert sorted(g.count for g in again.groups if g.kind == "head") == [3, 4]

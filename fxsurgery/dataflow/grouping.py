@@ -234,14 +234,16 @@ class _Builder:
         n = len(units)
         if sorted(order) != units:
             return Refusal(self.home_of(k, ut), [f"{sink.weight} reads only some of the units"])
-        if n < 2:
-            return Refusal(self.home_of(k, ut), ["a single unit: its axis cannot be located"])
+        if n < 2 and not self.one_coordinate(ut):
+            return Refusal(self.home_of(k, ut), [
+                "a single unit of several coordinates (one head): where its axis lies in each tensor cannot be "
+                "told from sizes alone; only a unit of one coordinate (an FFN channel) is located"])
         mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
         members = [self.member(m.name, m.ids, index, n, sink.weight) for m in self.rec.members]
         members = list(dict.fromkeys(m for m in members if m is not None))
-        axes = self.unit_axes(k, index)
+        axes = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, n)
         sink_member = next(m for m in members if m.output)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
@@ -275,6 +277,12 @@ class _Builder:
         shape = self.shape_of(name)
         u = align(u, len(shape))
         dims = [d for d in range(u.dim()) if varies(u, d)]
+        if not dims and n == 1:  # a unit of one coordinate: its axis is a size-1 dim (columns, for the sink)
+            ones = [d for d in range(len(shape)) if shape[d] == 1]
+            d = 1 if name == sink and 1 in ones else next(iter(ones), None)
+            if d is None:
+                raise Unsupported(f"{name}: one unit of one coordinate, but no dim of size 1 holds it")
+            return ParamSlice(name, d, 1, 1, name == sink and d == 1)
         if not dims:  # one unit only, of n >= 2
             raise Unsupported(f"{name}: {describe_layout(u.flatten(), n)}")
         if len(dims) > 1:
@@ -296,7 +304,7 @@ class _Builder:
         except AttributeError:
             return tuple(root.get_buffer(name).shape)
 
-    def unit_axes(self, k: int, index: torch.Tensor) -> dict[tuple, int]:
+    def unit_axes(self, k: int, index: torch.Tensor, n: int) -> dict[tuple, int]:
         """The unit axis of every value that carries the group's units (parameter-derived values too:
         a per-head scale reshaped to (1, H, 1, 1) holds a constant)."""
         axes = {}
@@ -306,6 +314,10 @@ class _Builder:
             if not (u >= 0).any():
                 continue
             dims = [d for d in range(u.dim()) if varies(u, d)]
+            if n == 1:  # a unit of one coordinate lies along a dim of size 1 (the only one, to be sure)
+                dims = self.size_one_dims(act)
+                if len(dims) > 1 and not act.param and RULES.constants_hook(act.node):
+                    raise Unsupported(f"{act.node.name}: one unit of one coordinate, but dims {dims} all have size 1")
             if act.param and len(dims) != 1:
                 continue
             if len(dims) != 1:
@@ -314,6 +326,17 @@ class _Builder:
                 raise Unsupported(f"{act.node.name}: mixes units with other coordinates on the unit axis")
             axes[(act.node, act.index)] = dims[0]
         return axes
+
+    def one_coordinate(self, ut: torch.Tensor) -> bool:
+        """Every space that gives the unit its coordinates gives it exactly one."""
+        spaces = [sp for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()]
+        return bool(spaces) and all(sp.stop - sp.start == 1 for sp in spaces)
+
+    def size_one_dims(self, act: UnitAct) -> list[int]:
+        shape = self.lab.shapes.get(act.node)
+        if act.index is not None and shape is not None:
+            shape = shape[act.index]
+        return [d for d, size in enumerate(shape or ()) if size == 1]
 
     def constants(self, axes: dict[tuple, int], n: int) -> tuple[list[ConstantSpec], list[str]]:
         """The count-dependent arguments of every node the units pass through, and the notes of why

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .ids import unique_pairs
+from .ids import pairs, unique_pairs
+from .records import Member
 
 
 def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
@@ -39,3 +40,17 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     remap = torch.arange(rep.numel())
     remap[single[:, 0]] = single[:, 1]
     return remap[rep]
+
+
+def shared_uses(members: list[Member]) -> list[torch.Tensor]:
+    """A parameter used by several calls (a module called by every block) is listed once per call; each
+    element is one coordinate, so the ids of its listings of one layout (rows, or columns) are tied."""
+    first: dict[tuple, torch.Tensor] = {}
+    ties = []
+    for m in members:
+        key = (m.name, tuple(m.ids.shape))
+        if key in first:
+            ties.append(pairs(first[key], m.ids))
+        else:
+            first[key] = m.ids
+    return ties

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from ..slicing import ParamSlice
-from .classes import classes, join_parameters
+from .classes import classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
@@ -97,7 +97,7 @@ class _Builder:
     def __init__(self, lab: Labeller):
         self.lab, self.rec = lab, lab.rec
         rec = self.rec
-        self.rep = join_parameters(classes(rec.next_id, rec.ties), rec.tentative)
+        self.rep = join_parameters(classes(rec.next_id, rec.ties + shared_uses(rec.members)), rec.tentative)
         n = rec.next_id
         is_space = torch.zeros(n, dtype=torch.bool)
         for space in rec.spaces:
@@ -179,7 +179,9 @@ class _Builder:
                 continue
             if spec is None:
                 continue
-            if isinstance(spec, Refusal):
+            if isinstance(spec, list):
+                out.refusals += spec
+            elif isinstance(spec, Refusal):
                 out.refusals.append(spec)
             else:
                 out.groups.append(spec)
@@ -200,7 +202,7 @@ class _Builder:
         if not hard and isinstance(sinks, str):
             hard = [sinks]
         if hard:
-            out.refusals.append(Refusal(self.home_of(k, ut), hard))
+            out.refusals += self.refusals_of(k, ut, hard)
         else:  # the output projection may sit in a sibling module (an "output" block beside "self" attention)
             out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
 
@@ -219,7 +221,7 @@ class _Builder:
         nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
         return [module_of(n) for n in nodes] or self.modules_of(k)
 
-    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | None:
+    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | list[Refusal] | None:
         ut = torch.tensor(units)
         hard = self.hard_reasons(units)
         if hard:
@@ -228,7 +230,7 @@ class _Builder:
             return None  # not a unit axis (residual stream, model output)
         sinks = self.sinks_of(ut)
         if isinstance(sinks, str):
-            return Refusal(self.home_of(k, ut), [sinks])
+            return self.refusals_of(k, ut, [sinks])
         sink = sinks[0]
         order = list(dict.fromkeys(c for c in sink.columns.tolist() if c >= 0))
         n = len(units)
@@ -256,6 +258,30 @@ class _Builder:
                          tap_outer=sink_member.outer, tap_inner=sink_member.inner, tap_dim=sink.dim,
                          min_count=min_count)
 
+    def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
+        """Why units ``ut`` are left out, at their home; units of several layers tied only through a parameter
+        they all use (a module every block calls) are told at each layer (the module of its output projection),
+        with that parameter."""
+        shared = self.shared_members(ut)
+        sink_modules = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.rec.sinks
+                               if torch.isin(self.cls(s.columns), ut).any()})
+        if not shared or len(sink_modules) < 2:
+            return [Refusal(self.home_of(k, ut), reasons)]
+        names = ", ".join(shared)
+        return [Refusal([m], [f"units tied to those of {', '.join(o for o in sink_modules if o != m)} through "
+                              f"{names}, which all of them use: a parameter shared by layers cannot be sliced "
+                              "for one of them"])
+                for m in sink_modules]
+
+    def shared_members(self, ut: torch.Tensor) -> list[str]:
+        """Parameters listed by several calls whose elements belong to units ``ut``."""
+        seen: dict[tuple, int] = {}
+        for m in self.rec.members:
+            if torch.isin(self.cls(m.ids), ut).any():
+                key = (m.name, tuple(m.ids.shape))
+                seen[key] = seen.get(key, 0) + 1
+        return sorted({name for (name, _), uses in seen.items() if uses > 1})
+
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
         reads them, or why there is no such single map."""
@@ -266,8 +292,17 @@ class _Builder:
             if not names:
                 return "no linear map reads these units"
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            readers = torch.cat([torch.unique(sk.columns[torch.isin(sk.columns, ut)]) for sk in sinks])
+            if len(names) == len(sinks) and torch.unique(readers).numel() == readers.numel():
+                return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
+                        f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
+
+    def producers(self, ut: torch.Tensor) -> list[str]:
+        """Modules of the linear maps whose spaces give units ``ut`` their coordinates."""
+        names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
+        return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
     def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: str) -> ParamSlice | None:
         c = self.cls(ids)

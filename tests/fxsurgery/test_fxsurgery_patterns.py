@@ -2,12 +2,13 @@
 parameters shared by every block, fused parallel blocks."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from zoo import Style, TinyTransformer, train_steps
 
-from fxsurgery import Surgeon
+from fxsurgery import AnalysisError, Surgeon
 
 
 class MinusOneAttention(nn.Module):
@@ -77,3 +78,108 @@ def test_compact_model_analysed_again_at_one_unit() -> None:
     again.clone(ffn, 0, noise_std=0.1)
     with torch.no_grad():
         assert (model(x) - y0).abs().max() <= 1e-9
+
+
+class RelAttn(nn.Module):
+    """Attention whose logits get the shared MLP's bias; the MLP is held in a list, not as a submodule."""
+
+    def __init__(self, dim: int, heads: int, rel: nn.Module):
+        super().__init__()
+        self.h, self.rel = heads, [rel]
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4).unbind(0)
+        a = (q @ k.transpose(-2, -1) * (c // self.h) ** -0.5 + self.rel[0].bias_for(n)).softmax(-1)
+        return self.proj((a @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class RelMlp(nn.Module):
+    """(heads, n, n) attention bias from relative positions."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2, 16), nn.Linear(16, heads)
+
+    def bias_for(self, n: int) -> torch.Tensor:
+        pos = torch.arange(n, dtype=torch.float32)
+        rel = pos[:, None] - pos[None, :]
+        return self.fc2(F.relu(self.fc1(torch.stack([rel, rel.abs()], -1)))).permute(2, 0, 1)
+
+
+class SharedRelativeBias(nn.Module):
+    """Every block adds a per-head bias from one relative-position MLP (a module all blocks call)."""
+
+    def __init__(self, dim: int = 12, heads: int = 3, depth: int = 2):
+        super().__init__()
+        self.embed, self.rel = nn.Linear(5, dim), RelMlp(heads)
+        self.attns = nn.ModuleList(RelAttn(dim, heads, self.rel) for _ in range(depth))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for attn in self.attns:
+            x = x + attn(x)
+        return self.head(x.mean(1))
+
+
+class Parallel(nn.Module):
+    """One Linear gives q, k, v and the MLP hidden; outputs read by separate projections or a fused one."""
+
+    def __init__(self, dim: int = 12, heads: int = 3, hidden: int = 8, fused_out: bool = False):
+        super().__init__()
+        self.h, self.hidden, self.fused_out = heads, hidden, fused_out
+        self.in_proj = nn.Linear(dim, 3 * dim + hidden)
+        if fused_out:
+            self.out = nn.Linear(dim + hidden, dim)
+        else:
+            self.attn_out, self.mlp_out = nn.Linear(dim, dim), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv, h = torch.split(self.in_proj(x), [3 * c, self.hidden], dim=-1)
+        q, k, v = qkv.reshape(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        if self.fused_out:
+            return x + self.out(torch.cat([o, F.gelu(h)], -1))
+        return x + self.attn_out(o) + self.mlp_out(F.gelu(h))
+
+
+class ParallelModel(nn.Module):
+    def __init__(self, fused_out: bool):
+        super().__init__()
+        self.embed, self.head = nn.Linear(5, 12), nn.Linear(12, 3)
+        self.blocks = nn.Sequential(*[Parallel(fused_out=fused_out) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)).mean(1))
+
+
+def test_shared_relative_position_mlp_is_one_group_and_heads_are_told_at_each_block() -> None:
+    torch.manual_seed(0)
+    model = SharedRelativeBias()
+    x = torch.randn(2, 6, 5)
+    s = Surgeon(model, (x,))
+    assert [(g.kind, g.count) for g in s.groups] == [("channel", 16)]  # the MLP's hidden channels, sliced once
+    assert {sl.name for sl in s.groups[0].slices} == {"rel.fc1.weight", "rel.fc1.bias", "rel.fc2.weight"}
+    told = {lo.module: lo.reasons for lo in s.left_out}
+    for i, other in ((0, 1), (1, 0)):
+        assert any(f"attns.{other}" in r and "rel.fc2.weight" in r for r in told[f"attns.{i}"])
+    with torch.no_grad():
+        y0 = model(x)
+    s.clone(s.groups[0], 3, noise_std=0.1)
+    with torch.no_grad():
+        assert (model(x) - y0).abs().max() <= 1e-6
+
+
+def test_fused_parallel_blocks_are_told_at_the_block() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 5)
+    with pytest.raises(AnalysisError) as err:
+        Surgeon(ParallelModel(fused_out=False), (x,))
+    for i in range(2):
+        assert (f"blocks.{i}: blocks.{i}.in_proj produces the units of several layers in one tensor, read apart by "
+                f"blocks.{i}.attn_out.weight, blocks.{i}.mlp_out.weight") in str(err.value)
+    with pytest.raises(AnalysisError, match=r"blocks.0: in_proj.weight: holds all 11 units, but not in an"):
+        Surgeon(ParallelModel(fused_out=True), (x,))

@@ -44,10 +44,13 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
 
 def shared_uses(members: list[Member]) -> list[torch.Tensor]:
     """A parameter used by several calls (a module called by every block) is listed once per call; each
-    element is one coordinate, so the ids of its listings of one layout (rows, or columns) are tied."""
+    element is one coordinate, so the ids of its listings of one layout (rows, or columns) are tied. A
+    listing of one id (a row of a 1-row weight, or a column of a 1-column one) has no layout to tell by."""
     first: dict[tuple, torch.Tensor] = {}
     ties = []
     for m in members:
+        if m.ids.numel() == 1:
+            continue
         key = (m.name, tuple(m.ids.shape))
         if key in first:
             ties.append(pairs(first[key], m.ids))

@@ -185,12 +185,29 @@ class _Builder:
                 out.refusals.append(spec)
             else:
                 out.groups.append(spec)
+        self.refuse_overlaps(out)
         for opaque in self.rec.opaque:  # unless its module already tells of it (units it refused)
             where = module_of(opaque.node)
             told = [w for r in out.refusals if common_module(r.modules) == where for w in r.reasons]
             if not any(w.startswith(f"{opaque.node.name}:") for w in told):
                 out.refusals.append(Refusal([where], [opaque.reason]))
         return out
+
+    @staticmethod
+    def refuse_overlaps(out: GraphGroups) -> None:
+        """Two groups slicing one tensor along one dim (a module called more than once whose listings could
+        not be told apart) would corrupt each other: both are refused."""
+        owners: dict[tuple, list[GroupSpec]] = {}
+        for spec in out.groups:
+            for m in spec.members:
+                owners.setdefault((m.name, m.dim), []).append(spec)
+        clashes = {(name, id(g)) for (name, _), specs in owners.items() if len(specs) > 1 for g in specs}
+        for spec in list(out.groups):
+            names = sorted({name for name, gid in clashes if gid == id(spec)})
+            if names:
+                out.groups.remove(spec)
+                out.refusals.append(Refusal(spec.modules, [f"{', '.join(names)}: sliced by another group too "
+                                                           "(a module called more than once)"]))
 
     def locate(self, k: int, units: list[int], out: GraphGroups) -> None:
         """Only where a candidate group lives (to pick the modules to trace on their own)."""

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test clean
+.PHONY: install run test soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
+
+# The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py).
+soak: $(STAMP)
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests/fxsurgery/test_fxsurgery_properties.py
 
 clean:
 	rm -rf $(VENV)

@@ -1,5 +1,33 @@
 """Test-wide settings: tiny models run fastest on one thread, and one thread keeps timings steady
-when other processes share the two cores."""
+when other processes share the two cores.
+
+Hypothesis draws afresh on every run: the profile (``HYPOTHESIS_PROFILE``: ``ci`` by default,
+``soak`` for ``make soak``) sets how many examples, and the run's seed is printed at the end so a
+failure can be replayed with ``--hypothesis-seed=<seed>``."""
+import os
+import random
+
+import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
 
 torch.set_num_threads(1)
+
+# Shrinking re-traces models hundreds of times; a failure prints its drawn example and its seed instead.
+settings.register_profile("ci", max_examples=30, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow], phases=[Phase.explicit, Phase.generate])
+settings.register_profile("soak", settings.get_profile("ci"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Pick the run's seed (unless ``--hypothesis-seed`` gave one) and hand it to hypothesis' plugin."""
+    if getattr(config.option, "hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(random.randrange(2**32))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    seed = config.option.hypothesis_seed
+    terminalreporter.write_line(f"hypothesis profile {settings.get_current_profile_name()!r}, seed {seed} "
+                                f"(replay: --hypothesis-seed={seed})")

@@ -1,8 +1,9 @@
 """Tiny hand-written transformers in the styles people write them, for fxsurgery's property tests.
 
 Every style choice is independent: projection layout, how q/k/v are split, the attention product,
-how heads are merged back, the FFN activation. ``HEAD_OUT``/``FFN_OUT`` name the output weights so a
-test can build the masked reference of a removal without knowing anything about fxsurgery.
+how heads are merged back, the FFN activation. ``UNIT_COLUMNS`` (``HEAD_OUT``/``FFN_OUT`` for the
+convolutional model) name the output weights and the columns each unit owns, taken from how the model
+is built, so a test can build the masked reference of a removal without knowing anything about fxsurgery.
 """
 from __future__ import annotations
 
@@ -113,6 +114,14 @@ class Block(nn.Module):
         return x + drop_path(self.mlp(self.norm2(x)), self.s.drop_path, self.training)
 
 
+def head_columns(s: Style, h: int) -> list[int]:
+    """The output-projection columns head ``h`` writes: ``[head][head_dim]`` features, or
+    ``[head_dim][head]`` under the head-minor merge."""
+    if s.merge == "head_minor":
+        return [j * s.heads + h for j in range(s.head_dim)]
+    return list(range(h * s.head_dim, (h + 1) * s.head_dim))
+
+
 class TinyTransformer(nn.Module):
     """Tokens in, class logits out: (B, N, in_dim) -> (B, classes)."""
 
@@ -123,8 +132,10 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, s) for _ in range(s.depth))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
-        self.HEAD_OUT = [(f"blocks.{i}.attn.proj.weight", s.head_dim) for i in range(s.depth)]
-        self.FFN_OUT = [f"blocks.{i}.mlp.fc2.weight" for i in range(s.depth)]
+        self.UNIT_COLUMNS = {}  # output weight -> the columns of each unit, as the forward lays them out
+        for i in range(s.depth):
+            self.UNIT_COLUMNS[f"blocks.{i}.attn.proj.weight"] = [head_columns(s, h) for h in range(s.heads)]
+            self.UNIT_COLUMNS[f"blocks.{i}.mlp.fc2.weight"] = [[c] for c in range(s.mlp_hidden)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -185,17 +196,18 @@ class ConvTransformer(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def masked_copy(model: nn.Module, dead: dict[str, set[int]], width: dict[str, int]) -> nn.Module:
-    """Deep copy of ``model`` with the output-weight columns of the ``dead`` units zeroed."""
+def masked_copy(model: nn.Module, dead: dict[str, set[int]], width: dict[str, int] | None = None) -> nn.Module:
+    """Deep copy of ``model`` with the output-weight columns of the ``dead`` units zeroed: the columns
+    ``model.UNIT_COLUMNS`` gives each unit, or runs of ``width[name]`` columns where ``width`` is given."""
     import copy
 
     ref = copy.deepcopy(model)
     params = dict(ref.named_parameters())
     with torch.no_grad():
         for name, units in dead.items():
-            w = width[name]
             for u in units:
-                params[name][:, u * w:(u + 1) * w] = 0
+                cols = model.UNIT_COLUMNS[name][u] if width is None else range(u * width[name], (u + 1) * width[name])
+                params[name][:, list(cols)] = 0
     return ref
 
 

@@ -80,7 +80,8 @@ def _submodule_regions(model: nn.Module, example_inputs: tuple,
 
 
 def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -> list[str]:
-    """The outermost modules that host a candidate group (each is traced again on its own)."""
+    """The outermost modules that host a candidate group (each is traced again on its own), in the order
+    the model runs them (the order their groups appear in the traced graphs)."""
     found: list[str] = []
     for prefix, gm, values in regions:
         try:
@@ -92,7 +93,7 @@ def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -
             found.append(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))))
         for r in result.refusals:
             leave_out(join_path(prefix, common_module(r.modules)), r.reasons)
-    hosts = sorted(set(found))
+    hosts = list(dict.fromkeys(found))
     return [h for h in hosts if not any(h.startswith(o + ".") or (o == "" and h) for o in hosts if o != h)]
 
 

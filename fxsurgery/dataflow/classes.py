@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .ids import unique_pairs
+from .ids import pairs, unique_pairs
+from .records import Member
 
 
 def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
@@ -39,3 +40,20 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     remap = torch.arange(rep.numel())
     remap[single[:, 0]] = single[:, 1]
     return remap[rep]
+
+
+def shared_uses(members: list[Member]) -> list[torch.Tensor]:
+    """A parameter used by several calls (a module called by every block) is listed once per call; each
+    element is one coordinate, so the ids of its listings of one layout (rows, or columns) are tied. A
+    listing of one id (a row of a 1-row weight, or a column of a 1-column one) has no layout to tell by."""
+    first: dict[tuple, torch.Tensor] = {}
+    ties = []
+    for m in members:
+        if m.ids.numel() == 1:
+            continue
+        key = (m.name, tuple(m.ids.shape))
+        if key in first:
+            ties.append(pairs(first[key], m.ids))
+        else:
+            first[key] = m.ids
+    return ties

@@ -84,6 +84,10 @@ class Site:
                   (n.op == "call_method" and n.target == "size" and len(n.args) == 1)
         return is_read and isinstance(n.args[0], Node) and self.axes.get((n.args[0], None)) == self.out_dim
 
+    def write_size(self, path: Path, size: int) -> None:
+        """Write in the size an inferred argument (``-1``) stands for, which does not follow the count."""
+        set_path(self.node, path, size)
+
     def constant(self, path: Path, size: int) -> ConstantSpec:
         """The argument at ``path`` spans ``size`` elements of the unit axis."""
         if size % self.count:

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from ..slicing import ParamSlice
-from .classes import classes, join_parameters
+from .classes import classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
@@ -106,7 +106,7 @@ class _Builder:
     def __init__(self, lab: Labeller):
         self.lab, self.rec = lab, lab.rec
         rec = self.rec
-        self.rep = join_parameters(classes(rec.next_id, rec.ties), rec.tentative)
+        self.rep = join_parameters(classes(rec.next_id, rec.ties + shared_uses(rec.members)), rec.tentative)
         n = rec.next_id
         is_space = torch.zeros(n, dtype=torch.bool)
         for space in rec.spaces:
@@ -191,16 +191,35 @@ class _Builder:
                 continue
             if spec is None:
                 continue
-            if isinstance(spec, Refusal):
+            if isinstance(spec, list):
+                out.refusals += spec
+            elif isinstance(spec, Refusal):
                 out.refusals.append(spec)
             else:
                 out.groups.append(spec)
+        self.refuse_overlaps(out)
         for opaque in self.rec.opaque:  # unless its module already tells of it (units it refused)
             where = module_of(opaque.node)
             told = [w for r in out.refusals if common_module(r.modules) == where for w in r.reasons]
             if not any(w.startswith(f"{opaque.node.name}:") for w in told):
                 out.refusals.append(Refusal([where], [opaque.reason]))
         return out
+
+    @staticmethod
+    def refuse_overlaps(out: GraphGroups) -> None:
+        """Two groups slicing one tensor along one dim (a module called more than once whose listings could
+        not be told apart) would corrupt each other: both are refused."""
+        owners: dict[tuple, list[GroupSpec]] = {}
+        for spec in out.groups:
+            for m in spec.members:
+                owners.setdefault((m.name, m.dim), []).append(spec)
+        clashes = {(name, id(g)) for (name, _), specs in owners.items() if len(specs) > 1 for g in specs}
+        for spec in list(out.groups):
+            names = sorted({name for name, gid in clashes if gid == id(spec)})
+            if names:
+                out.groups.remove(spec)
+                out.refusals.append(Refusal(spec.modules, [f"{', '.join(names)}: sliced by another group too "
+                                                           "(a module called more than once)"]))
 
     def locate(self, k: int, units: list[int], out: GraphGroups) -> None:
         """Only where a candidate group lives (to pick the modules to trace on their own)."""
@@ -212,7 +231,7 @@ class _Builder:
         if not hard and isinstance(sinks, str):
             hard = [sinks]
         if hard:
-            out.refusals.append(Refusal(self.home_of(k, ut), hard, _at_output(hard)))
+            out.refusals += self.refusals_of(k, ut, hard)
         else:  # the output projection may sit in a sibling module (an "output" block beside "self" attention)
             out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
 
@@ -231,7 +250,7 @@ class _Builder:
         nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
         return [module_of(n) for n in nodes] or self.modules_of(k)
 
-    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | None:
+    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | list[Refusal] | None:
         ut = torch.tensor(units)
         hard = self.hard_reasons(units)
         if hard:
@@ -240,20 +259,22 @@ class _Builder:
             return None  # not a unit axis (residual stream, model output)
         sinks = self.sinks_of(ut)
         if isinstance(sinks, str):
-            return Refusal(self.home_of(k, ut), [sinks])
+            return self.refusals_of(k, ut, [sinks])
         sink = sinks[0]
         order = list(dict.fromkeys(c for c in sink.columns.tolist() if c >= 0))
         n = len(units)
         if sorted(order) != units:
             return Refusal(self.home_of(k, ut), [f"{sink.weight} reads only some of the units"])
-        if n < 2:
-            return Refusal(self.home_of(k, ut), ["a single unit: its axis cannot be located"])
+        if n < 2 and not self.one_coordinate(ut):
+            return Refusal(self.home_of(k, ut), [
+                "a single unit of several coordinates (one head): where its axis lies in each tensor cannot be "
+                "told from sizes alone; only a unit of one coordinate (an FFN channel) is located"])
         mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
         members = [self.member(m.name, m.ids, index, n, sink) for m in self.rec.members]
         members = list(dict.fromkeys(m for m in members if m is not None))
-        axes = self.unit_axes(k, index)
+        axes = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, n)
         sink_member = next(m for m in members if m.output)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
@@ -267,6 +288,30 @@ class _Builder:
                          tap_outer=sink_member.outer, tap_inner=sink_member.inner, tap_dim=sink.dim,
                          min_count=min_count)
 
+    def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
+        """Why units ``ut`` are left out, at their home; units of several layers tied only through a parameter
+        they all use (a module every block calls) are told at each layer (the module of its output projection),
+        with that parameter."""
+        shared = self.shared_members(ut)
+        sink_modules = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.rec.sinks
+                               if torch.isin(self.cls(s.columns), ut).any()})
+        if not shared or len(sink_modules) < 2:
+            return [Refusal(self.home_of(k, ut), reasons, _at_output(reasons))]
+        names = ", ".join(shared)
+        return [Refusal([m], [f"units tied to those of {', '.join(o for o in sink_modules if o != m)} through "
+                              f"{names}, which all of them use: a parameter shared by layers cannot be sliced "
+                              "for one of them"])
+                for m in sink_modules]
+
+    def shared_members(self, ut: torch.Tensor) -> list[str]:
+        """Parameters listed by several calls whose elements belong to units ``ut``."""
+        seen: dict[tuple, int] = {}
+        for m in self.rec.members:
+            if torch.isin(self.cls(m.ids), ut).any():
+                key = (m.name, tuple(m.ids.shape))
+                seen[key] = seen.get(key, 0) + 1
+        return sorted({name for (name, _), uses in seen.items() if uses > 1})
+
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
         reads them, or why there is no such single map."""
@@ -277,8 +322,17 @@ class _Builder:
             if not names:
                 return "no linear map reads these units"
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            readers = torch.cat([torch.unique(sk.columns[torch.isin(sk.columns, ut)]) for sk in sinks])
+            if len(names) == len(sinks) and torch.unique(readers).numel() == readers.numel():
+                return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
+                        f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
+
+    def producers(self, ut: torch.Tensor) -> list[str]:
+        """Modules of the linear maps whose spaces give units ``ut`` their coordinates."""
+        names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
+        return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
     def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
         c = self.cls(ids)
@@ -288,6 +342,13 @@ class _Builder:
         shape = self.shape_of(name)
         u = align(u, len(shape))
         dims = [d for d in range(u.dim()) if varies(u, d)]
+        if not dims and n == 1:  # a unit of one coordinate: its axis is a size-1 dim (columns, for the sink)
+            ones = [d for d in range(len(shape)) if shape[d] == 1]
+            at_sink = name == sink.weight and sink.weight_dim in ones
+            d = sink.weight_dim if at_sink else next(iter(ones), None)
+            if d is None:
+                raise Unsupported(f"{name}: one unit of one coordinate, but no dim of size 1 holds it")
+            return ParamSlice(name, d, 1, 1, at_sink)
         if not dims:  # one unit only, of n >= 2
             raise Unsupported(f"{name}: {describe_layout(u.flatten(), n)}")
         if len(dims) > 1:
@@ -309,7 +370,7 @@ class _Builder:
         except AttributeError:
             return tuple(root.get_buffer(name).shape)
 
-    def unit_axes(self, k: int, index: torch.Tensor) -> dict[tuple, int]:
+    def unit_axes(self, k: int, index: torch.Tensor, n: int) -> dict[tuple, int]:
         """The unit axis of every value that carries the group's units (parameter-derived values too:
         a per-head scale reshaped to (1, H, 1, 1) holds a constant)."""
         axes = {}
@@ -319,6 +380,10 @@ class _Builder:
             if not (u >= 0).any():
                 continue
             dims = [d for d in range(u.dim()) if varies(u, d)]
+            if n == 1:  # a unit of one coordinate lies along a dim of size 1 (the only one, to be sure)
+                dims = self.size_one_dims(act)
+                if len(dims) > 1 and not act.param and RULES.constants_hook(act.node):
+                    raise Unsupported(f"{act.node.name}: one unit of one coordinate, but dims {dims} all have size 1")
             if act.param and len(dims) != 1:
                 continue
             if len(dims) != 1:
@@ -327,6 +392,17 @@ class _Builder:
                 raise Unsupported(f"{act.node.name}: mixes units with other coordinates on the unit axis")
             axes[(act.node, act.index)] = dims[0]
         return axes
+
+    def one_coordinate(self, ut: torch.Tensor) -> bool:
+        """Every space that gives the unit its coordinates gives it exactly one."""
+        spaces = [sp for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()]
+        return bool(spaces) and all(sp.stop - sp.start == 1 for sp in spaces)
+
+    def size_one_dims(self, act: UnitAct) -> list[int]:
+        shape = self.lab.shapes.get(act.node)
+        if act.index is not None and shape is not None:
+            shape = shape[act.index]
+        return [d for d, size in enumerate(shape or ()) if size == 1]
 
     def constants(self, axes: dict[tuple, int], n: int) -> tuple[list[ConstantSpec], list[str]]:
         """The count-dependent arguments of every node the units pass through, and the notes of why

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from torch.fx.node import Node
+
 from .constants import ConstantSpec, Site
 from .labeller import Step
 
@@ -81,15 +83,17 @@ class RuleTable:
             return self.fallback(s) if self.fallback else None
         return rule(s)
 
+    def constants_hook(self, n: Node) -> ConstantHook | None:
+        """The hook that finds ``n``'s count-dependent arguments, if its op has one."""
+        if n.op == "call_function":
+            return self.function_constants.get(n.target)
+        if n.op == "call_method":
+            return self.method_constants.get(n.target)
+        return None
+
     def constants_of(self, site: Site) -> list[ConstantSpec]:
         """The count-dependent arguments of ``site``'s node (none for ops without a hook)."""
-        n = site.node
-        if n.op == "call_function":
-            hook = self.function_constants.get(n.target)
-        elif n.op == "call_method":
-            hook = self.method_constants.get(n.target)
-        else:
-            hook = None
+        hook = self.constants_hook(site.node)
         return hook(site) if hook is not None else []
 
 

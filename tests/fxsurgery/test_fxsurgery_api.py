@@ -359,3 +359,13 @@ def test_helper_taking_the_head_count_is_inlined_and_rewritten() -> None:
         assert (model(x) - masked(x)).abs().max().item() <= 1e-9
         s.clone(head, 0, noise_std=0.1)
         assert (model(x) - masked(x)).abs().max().item() <= 1e-9
+
+
+def test_groups_come_in_model_order() -> None:
+    """Groups follow where the model runs them (blocks.2 before blocks.10), not their names."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32, patch_size=8,
+                              depth=12, embed_dim=24, num_heads=2)
+    s = Surgeon(model, (torch.randn(2, 3, 32, 32),))
+    assert [g.name for g in s.groups] == [f"blocks.{i}.{part}" for i in range(12)
+                                          for part in ("attn:head", "mlp:channel")]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
+from test_fxsurgery_properties import assert_masked_then_clones_exact, layer_groups, remove_random_unit
 from zoo import ConvTransformer, masked_copy
 
 from fxsurgery import Surgeon
@@ -27,7 +27,6 @@ def build(kw: dict, seed: int = 0) -> tuple[ConvTransformer, torch.Tensor]:
     return model, torch.randn(2, 3, 8, 8, dtype=torch.double)
 
 
-@settings(**SETTINGS)
 @given(kw=shapes, data=st.data())
 def test_groups_clone_and_remove(kw: dict, data: st.DataObject) -> None:
     model, x = build(kw)

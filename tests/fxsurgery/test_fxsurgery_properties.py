@@ -1,26 +1,25 @@
 """Properties of fxsurgery on tiny transformers drawn by hypothesis: clones preserve outputs, removals
-equal masking, optimizer state follows every edit."""
+equal masking, optimizer state follows every edit. Examples are drawn afresh each run (the seed is
+printed at the end); ``tests/conftest.py`` holds the profiles (``make soak`` draws 1,000 per test)."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from zoo import Style, TinyTransformer, masked_copy, train_steps
 
 from fxsurgery import Surgeon
 
-# Shrinking re-traces models hundreds of times; a failure prints its drawn example instead.
-SETTINGS = dict(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
-                phases=[Phase.explicit, Phase.generate])
+EXAMPLES = settings.default.max_examples  # per test, from the loaded profile
 
 styles = st.builds(
     Style,
-    heads=st.integers(2, 4),
-    head_dim=st.integers(2, 5),
-    mlp_hidden=st.integers(2, 7),
+    heads=st.integers(1, 6),
+    head_dim=st.integers(1, 6),
+    mlp_hidden=st.integers(1, 9),
     depth=st.integers(1, 3),
     projection=st.sampled_from(["fused", "fused_chunk", "fused_split", "head_major", "separate"]),
     product=st.sampled_from(["sdpa", "matmul", "einsum"]),
@@ -34,6 +33,19 @@ def build(style: Style, seed: int = 0) -> tuple[TinyTransformer, torch.Tensor]:
     torch.manual_seed(seed)
     model = TinyTransformer(style).double()
     return model, torch.randn(3, 6, 5, dtype=torch.double)
+
+
+def expected_outputs(model: TinyTransformer, style: Style) -> list[str]:
+    """Output weights of the layers that must be groups: every FFN, and every attention of 2+ heads
+    (one head of several coordinates cannot be located; it must be reported instead)."""
+    return [name for name in model.UNIT_COLUMNS if style.heads > 1 or "attn" not in name]
+
+
+def assert_single_heads_reported(s: Surgeon, style: Style) -> None:
+    """A layer of one head is left out with its reason at its own module."""
+    if style.heads == 1:
+        told = {lo.module for lo in s.left_out if lo.reasons}
+        assert {f"blocks.{i}.attn" for i in range(style.depth)} <= told
 
 
 def layer_groups(s: Surgeon) -> dict[str, object]:
@@ -60,8 +72,10 @@ def dead_units(groups: dict, alive: dict[str, list[int]]) -> dict[str, set[int]]
 
 
 def assert_masked_then_clones_exact(s: Surgeon, original: torch.nn.Module, x: torch.Tensor, groups: dict,
-                                    alive: dict[str, list[int]], width: dict[str, int], data: st.DataObject) -> None:
-    """The operated model equals ``original`` with the removed units masked; drawn clones keep its outputs."""
+                                    alive: dict[str, list[int]], width: dict[str, int] | None,
+                                    data: st.DataObject) -> None:
+    """The operated model equals ``original`` with the removed units masked (``masked_copy``'s columns);
+    drawn clones keep its outputs."""
     with torch.no_grad():
         y0 = s.model(x)
         assert (y0 - masked_copy(original, dead_units(groups, alive), width)(x)).abs().max().item() <= 1e-9
@@ -71,12 +85,12 @@ def assert_masked_then_clones_exact(s: Surgeon, original: torch.nn.Module, x: to
         assert (s.model(x) - y0).abs().max().item() <= 1e-9
 
 
-@settings(**SETTINGS)
 @given(style=styles, data=st.data())
 def test_clone_preserves_outputs(style: Style, data: st.DataObject) -> None:
     model, x = build(style)
     s = Surgeon(model, (x,))
-    assert len(s.groups) == 2 * style.depth
+    assert len(s.groups) == len(expected_outputs(model, style))
+    assert_single_heads_reported(s, style)
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 100)))
     for mode in ("train", "eval"):
         getattr(model, mode)()
@@ -94,7 +108,6 @@ def test_clone_preserves_outputs(style: Style, data: st.DataObject) -> None:
             assert (y1 - y0).abs().max().item() <= 1e-9 * max(1.0, y0.abs().max().item())
 
 
-@settings(**SETTINGS)
 @given(style=styles, data=st.data())
 def test_removals_equal_masking(style: Style, data: st.DataObject) -> None:
     model, x = build(style)
@@ -102,11 +115,12 @@ def test_removals_equal_masking(style: Style, data: st.DataObject) -> None:
     original = copy.deepcopy(model)
     s = Surgeon(model, (x,))
     groups = layer_groups(s)
-    width = {name: (style.head_dim if g.kind == "head" else 1) for name, g in groups.items()}
+    assert sorted(groups) == sorted(expected_outputs(model, style))
+    assert_single_heads_reported(s, style)
     alive = {name: list(range(g.count)) for name, g in groups.items()}
     for _ in range(data.draw(st.integers(1, 8))):
         remove_random_unit(s, groups, alive, data)
-        ref = masked_copy(original, dead_units(groups, alive), width)
+        ref = masked_copy(original, dead_units(groups, alive))
         with torch.no_grad():
             assert (model(x) - ref(x)).abs().max().item() <= 1e-9
 
@@ -120,7 +134,7 @@ def _dense_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch
     lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False, amsgrad=True),
     lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
 ], ids=["adam-foreach", "adamw-single-amsgrad", "sgd-momentum"])
-@settings(**{**SETTINGS, "max_examples": 6})
+@settings(max_examples=max(1, EXAMPLES // 3) if settings.get_current_profile_name() == "ci" else EXAMPLES)
 @given(style=styles, data=st.data())
 def test_optimizer_state_follows_edits(make_opt, style: Style, data: st.DataObject) -> None:
     model, x = build(style)

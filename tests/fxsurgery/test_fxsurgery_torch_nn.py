@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 from conformance_checks import Conformance, check_surgery, check_training
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from test_fxsurgery_properties import SETTINGS, assert_masked_then_clones_exact, layer_groups, remove_random_unit
+from test_fxsurgery_properties import assert_masked_then_clones_exact, layer_groups, remove_random_unit
 from zoo import masked_copy
 
 from fxsurgery import Surgeon
@@ -48,7 +48,6 @@ def build(kw: dict, seed: int = 0) -> tuple[Encoder, torch.Tensor]:
     return Encoder(**kw).double(), torch.randn(2, 6, 5, dtype=torch.double)
 
 
-@settings(**SETTINGS)
 @given(kw=shapes, data=st.data())
 def test_encoder_groups_clone_remove_and_modes(kw: dict, data: st.DataObject) -> None:
     model, x = build(kw)

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.fx.node import Node
 
 from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
-from ..ids import align, compact, reshape_ids
+from ..ids import align, compact, reshape_blocks, reshape_ids
 from ..labeller import Label, Step
 from .base import RULES, first_tensor
 
@@ -22,8 +22,8 @@ def reshape(s: Step) -> Label | None:
     return Label(compact(reshape_ids(ids, x.shape, s.out.shape)), xl.param)
 
 
-@RULES.constants(functions=[torch.reshape])
 def view_constants(site: Site) -> list[ConstantSpec]:
+    """The shape entry of a reshape, view or expand that spans the unit axis."""
     if site.out_dim is None:
         return []
     paths = shape_paths(site.node, 1)
@@ -35,15 +35,36 @@ def view_constants(site: Site) -> list[ConstantSpec]:
     return [site.constant(paths[site.out_dim], site.out_shape[site.out_dim])]
 
 
-@RULES.constants(methods=["view", "reshape"])
-def view_method_constants(site: Site) -> list[ConstantSpec]:
-    """As ``view_constants``; a ``-1`` beside the unit axis would take the whole size at zero units."""
+@RULES.constants(functions=[torch.reshape], methods=["view", "reshape"])
+def reshape_constants(site: Site) -> list[ConstantSpec]:
+    """As ``view_constants``; a ``-1`` beside the unit axis would take the whole size at zero units, so
+    the size it stands for is written in where it cannot depend on the count or on other input sizes."""
     found = view_constants(site)
-    if site.out_dim is not None:
-        paths = shape_paths(site.node, 1)
-        if any(get_path(site.node, p) == -1 for k, p in enumerate(paths) if k != site.out_dim):
+    if site.out_dim is None:
+        return found
+    paths = shape_paths(site.node, 1)
+    for k, path in enumerate(paths):
+        if k == site.out_dim or get_path(site.node, path) != -1:
+            continue
+        if _split_with_units(site, k):
+            site.write_size(path, site.out_shape[k])
+        else:
             site.notes.append(f"{site.node.name}: a -1 beside the unit axis is ambiguous at zero units")
     return found
+
+
+def _split_with_units(site: Site, k: int) -> bool:
+    """Output dim ``k`` comes from splitting the input's unit axis alone, beside the unit axis and literal
+    sizes only: its size is the per-unit size divided by literals, fixed whatever the count."""
+    if site.in_dim is None or 0 in site.in_shape or 0 in site.out_shape:
+        return False
+    paths = shape_paths(site.node, 1)
+    for ins, outs in reshape_blocks(site.in_shape, site.out_shape):
+        if k in outs:
+            others = [j for j in outs if j not in (k, site.out_dim)]
+            return (list(ins) == [site.in_dim] and site.out_dim in outs
+                    and all(isinstance(get_path(site.node, paths[j]), int) for j in others))
+    return False
 
 
 @RULES.constants(functions=[torch.unflatten], methods=["unflatten"])

@@ -1,0 +1,185 @@
+"""fxsurgery on patterns beyond the conformance lists: inferred head sizes, layers of one unit,
+parameters shared by every block, fused parallel blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from zoo import Style, TinyTransformer, train_steps
+
+from fxsurgery import AnalysisError, Surgeon
+
+
+class MinusOneAttention(nn.Module):
+    """Fused q/k/v split into heads with ``view(b, n, heads, -1)``: the head size is inferred."""
+
+    def __init__(self, dim: int = 12, heads: int = 3):
+        super().__init__()
+        self.h = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.view(b, n, self.h, -1).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_view_with_minus_one_reaches_zero_heads_and_trains() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 12), MinusOneAttention(), nn.LayerNorm(12), nn.Linear(12, 3))
+    x = torch.randn(2, 4, 5)
+    s = Surgeon(model, (x,))
+    head = next(g for g in s.groups if g.kind == "head")
+    assert (head.count, head.min_count) == (3, 0) and not head.notes
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    s.attach_optimizer(opt)
+    train_steps(model, opt, x)
+    while head.count:
+        s.remove(head, 0)
+    assert model[1].qkv.weight.shape[0] == 0
+    assert torch.isfinite(train_steps(model, opt, x))
+    assert model(torch.randn(3, 7, 5)).shape == (3, 7, 3)  # other batch and token counts still run
+
+
+def test_one_channel_ffn_is_a_group_that_receives() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(mlp_hidden=1, depth=2)).double()
+    x = torch.randn(3, 6, 5, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    ffn = [g for g in s.groups if g.kind == "channel"]
+    assert [(g.module, g.count, g.min_count) for g in ffn] == [("blocks.0.mlp", 1, 1), ("blocks.1.mlp", 1, 1)]
+    with torch.no_grad():
+        y0 = model(x)
+    for g in ffn:
+        s.clone(g, 0, noise_std=0.1)
+    with torch.no_grad():
+        assert (model(x) - y0).abs().max() <= 1e-9
+    assert model.blocks[0].mlp.fc1.weight.shape[0] == 2 and model.blocks[0].mlp.fc2.in_features == 2
+
+
+def test_compact_model_analysed_again_at_one_unit() -> None:
+    """A model operated down to one FFN channel and one head, then wrapped again: the channel is a
+    group that can receive; the single head is reported at its module, not silently dropped."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3, mlp_hidden=4, depth=1)).double()
+    x = torch.randn(3, 6, 5, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    for g in s.groups:
+        s.keep(g, [1])
+    again = Surgeon(model, (x,))
+    ffn = again.group("blocks.0.mlp:channel")
+    assert ffn.count == 1
+    assert [lo.module for lo in again.left_out if any("single unit" in r for r in lo.reasons)] == ["blocks.0.attn"]
+    with torch.no_grad():
+        y0 = model(x)
+    again.clone(ffn, 0, noise_std=0.1)
+    with torch.no_grad():
+        assert (model(x) - y0).abs().max() <= 1e-9
+
+
+class RelAttn(nn.Module):
+    """Attention whose logits get the shared MLP's bias; the MLP is held in a list, not as a submodule."""
+
+    def __init__(self, dim: int, heads: int, rel: nn.Module):
+        super().__init__()
+        self.h, self.rel = heads, [rel]
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4).unbind(0)
+        a = (q @ k.transpose(-2, -1) * (c // self.h) ** -0.5 + self.rel[0].bias_for(n)).softmax(-1)
+        return self.proj((a @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class RelMlp(nn.Module):
+    """(heads, n, n) attention bias from relative positions."""
+
+    def __init__(self, heads: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2, 16), nn.Linear(16, heads)
+
+    def bias_for(self, n: int) -> torch.Tensor:
+        pos = torch.arange(n, dtype=torch.float32)
+        rel = pos[:, None] - pos[None, :]
+        return self.fc2(F.relu(self.fc1(torch.stack([rel, rel.abs()], -1)))).permute(2, 0, 1)
+
+
+class SharedRelativeBias(nn.Module):
+    """Every block adds a per-head bias from one relative-position MLP (a module all blocks call)."""
+
+    def __init__(self, dim: int = 12, heads: int = 3, depth: int = 2):
+        super().__init__()
+        self.embed, self.rel = nn.Linear(5, dim), RelMlp(heads)
+        self.attns = nn.ModuleList(RelAttn(dim, heads, self.rel) for _ in range(depth))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for attn in self.attns:
+            x = x + attn(x)
+        return self.head(x.mean(1))
+
+
+class Parallel(nn.Module):
+    """One Linear gives q, k, v and the MLP hidden; outputs read by separate projections or a fused one."""
+
+    def __init__(self, dim: int = 12, heads: int = 3, hidden: int = 8, fused_out: bool = False):
+        super().__init__()
+        self.h, self.hidden, self.fused_out = heads, hidden, fused_out
+        self.in_proj = nn.Linear(dim, 3 * dim + hidden)
+        if fused_out:
+            self.out = nn.Linear(dim + hidden, dim)
+        else:
+            self.attn_out, self.mlp_out = nn.Linear(dim, dim), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv, h = torch.split(self.in_proj(x), [3 * c, self.hidden], dim=-1)
+        q, k, v = qkv.reshape(b, n, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4).unbind(0)
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        if self.fused_out:
+            return x + self.out(torch.cat([o, F.gelu(h)], -1))
+        return x + self.attn_out(o) + self.mlp_out(F.gelu(h))
+
+
+class ParallelModel(nn.Module):
+    def __init__(self, fused_out: bool):
+        super().__init__()
+        self.embed, self.head = nn.Linear(5, 12), nn.Linear(12, 3)
+        self.blocks = nn.Sequential(*[Parallel(fused_out=fused_out) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(x)).mean(1))
+
+
+def test_shared_relative_position_mlp_is_one_group_and_heads_are_told_at_each_block() -> None:
+    torch.manual_seed(0)
+    model = SharedRelativeBias()
+    x = torch.randn(2, 6, 5)
+    s = Surgeon(model, (x,))
+    assert [(g.kind, g.count) for g in s.groups] == [("channel", 16)]  # the MLP's hidden channels, sliced once
+    assert {sl.name for sl in s.groups[0].slices} == {"rel.fc1.weight", "rel.fc1.bias", "rel.fc2.weight"}
+    told = {lo.module: lo.reasons for lo in s.left_out}
+    for i, other in ((0, 1), (1, 0)):
+        assert any(f"attns.{other}" in r and "rel.fc2.weight" in r for r in told[f"attns.{i}"])
+    with torch.no_grad():
+        y0 = model(x)
+    s.clone(s.groups[0], 3, noise_std=0.1)
+    with torch.no_grad():
+        assert (model(x) - y0).abs().max() <= 1e-6
+
+
+def test_fused_parallel_blocks_are_told_at_the_block() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 5)
+    with pytest.raises(AnalysisError) as err:
+        Surgeon(ParallelModel(fused_out=False), (x,))
+    for i in range(2):
+        assert (f"blocks.{i}: blocks.{i}.in_proj produces the units of several layers in one tensor, read apart by "
+                f"blocks.{i}.attn_out.weight, blocks.{i}.mlp_out.weight") in str(err.value)
+    with pytest.raises(AnalysisError, match=r"blocks.0: in_proj.weight: holds all 11 units, but not in an"):
+        Surgeon(ParallelModel(fused_out=True), (x,))

@@ -6,6 +6,7 @@ is recorded as units × per-unit size and rewritten on every count change.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,17 @@ class Site:
     def write_size(self, path: Path, size: int) -> None:
         """Write in the size an inferred argument (``-1``) stands for, which does not follow the count."""
         set_path(self.node, path, size)
+
+    def write_size_product(self, path: Path, source: Node, dims: list[int]) -> None:
+        """Write in, for an inferred argument (``-1``), the product of ``source``'s sizes along ``dims``, read at
+        run time: sizes that follow the batch and token counts, not the unit count."""
+        graph = self.node.graph
+        with graph.inserting_before(self.node):
+            value = None
+            for d in dims:
+                size = graph.call_method("size", (source, d))
+                value = size if value is None else graph.call_function(operator.mul, (value, size))
+        set_path(self.node, path, value)
 
     def constant(self, path: Path, size: int) -> ConstantSpec:
         """The argument at ``path`` spans ``size`` elements of the unit axis."""

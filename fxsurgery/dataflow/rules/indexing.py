@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx.node import Node
 
-from ..constants import ConstantSpec, Site, Unsupported
+from ..constants import ConstantSpec, Site, Unsupported, set_path
 from ..ids import align, compact, expand_dims, pairs
 from ..labeller import Label, Step
 from ..rule_table import always
@@ -44,6 +44,10 @@ def split_constants(site: Site) -> list[ConstantSpec]:
     if dim != site.in_dim:
         return []
     sizes = n.args[1] if len(n.args) > 1 else n.kwargs.get("split_size_or_sections", n.kwargs.get("split_size"))
+    if isinstance(sizes, int) and len(n.args) > 1 and sizes:  # equal sections: made explicit, so that at zero
+        site.constant(("args", 1), sizes)  # units each section is empty instead of one section holding all
+        set_path(n, ("args", 1), [sizes] * (site.in_shape[dim] // sizes))
+        sizes = n.args[1]
     if isinstance(sizes, int) or isinstance(sizes, Node):
         return [site.constant(("args", 1), _literal_size(site, sizes))]
     return [site.constant(("args", 1, k), _literal_size(site, v)) for k, v in enumerate(sizes)]

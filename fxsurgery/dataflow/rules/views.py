@@ -46,8 +46,11 @@ def reshape_constants(site: Site) -> list[ConstantSpec]:
     for k, path in enumerate(paths):
         if k == site.out_dim or get_path(site.node, path) != -1:
             continue
+        merged = _merged_without_units(site, k)
         if _split_with_units(site, k):
             site.write_size(path, site.out_shape[k])
+        elif merged is not None:
+            site.write_size_product(path, site.node.args[0], merged)
         else:
             site.notes.append(f"{site.node.name}: a -1 beside the unit axis is ambiguous at zero units")
     return found
@@ -65,6 +68,17 @@ def _split_with_units(site: Site, k: int) -> bool:
             return (list(ins) == [site.in_dim] and site.out_dim in outs
                     and all(isinstance(get_path(site.node, paths[j]), int) for j in others))
     return False
+
+
+def _merged_without_units(site: Site, k: int) -> list[int] | None:
+    """The input dims that output dim ``k`` merges, when none of them is the unit axis (``x.view(-1, width)``
+    over batch and tokens): the ``-1`` stands for their product, whatever the count."""
+    if site.in_dim is None or 0 in site.in_shape or 0 in site.out_shape or not isinstance(site.node.args[0], Node):
+        return None
+    for ins, outs in reshape_blocks(site.in_shape, site.out_shape):
+        if k in outs:
+            return list(ins) if list(outs) == [k] and site.in_dim not in ins else None
+    return None
 
 
 @RULES.constants(functions=[torch.unflatten], methods=["unflatten"])

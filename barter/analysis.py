@@ -38,15 +38,18 @@ def recorded_analysis(model: nn.Module) -> UnitAnalysis | None:
 def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor]:
     """A zero batch of two images shaped like a timm model's `pretrained_cfg["input_size"]`.
 
-    timm keeps the registry's input size in `pretrained_cfg` even when a ViT is built with another
-    `img_size`, so the patch embedding's `img_size`, where present, wins.
+    timm keeps the registry's input size in `pretrained_cfg` even when a model is built with another
+    `img_size`, so the first `img_size` attribute of the model or a submodule (the patch embedding's), where
+    present, wins.
     """
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if "input_size" not in cfg:
         raise ValueError("example_inputs is required for a model without timm's pretrained_cfg['input_size']")
     c, h, w = cfg["input_size"]
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is not None:
+    size = next((m.img_size for m in model.modules() if isinstance(getattr(m, "img_size", None), (int, tuple))), None)
+    if isinstance(size, int):
+        h = w = size
+    elif size is not None and len(size) == 2:
         h, w = size
     p = next(model.parameters())
     return (torch.zeros(2, c, h, w, dtype=p.dtype, device=p.device),)

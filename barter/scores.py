@@ -55,10 +55,16 @@ class ScoreTable:
         self.ema = torch.zeros(2, n, device=device)  # rows D, S; fp32
         self.pending = torch.zeros(2, n, device=device)
         self.samples = 0  # batch size of the pending scores
-        self.dirty = False
+        self.armed: set[int] = set()  # layers whose gradient hook is registered since the last fold
+        self.fresh = torch.zeros((), dtype=torch.bool, device=device)  # a gradient hook wrote `pending`
         self.cool_until = torch.full((n,), -1, dtype=torch.long)  # last step at which a unit may not donate
         self.nonfinite = torch.zeros((), dtype=torch.long, device=device)  # backwards skipped, not finite
         self._offsets = [0, *accumulate(self.counts)]
+
+    @property
+    def dirty(self) -> bool:
+        """Scores may be pending: a gradient hook was registered since the last fold."""
+        return bool(self.armed)
 
     @property
     def D(self) -> Tensor:
@@ -75,31 +81,37 @@ class ScoreTable:
 
     def record(self, layer: int, a: Tensor, g: Tensor, scale: Tensor | float = 1.0) -> None:
         """Store this backward pass's (d, s) of `layer` for gradients `g` multiplied by the loss `scale`;
-        called from the activation's gradient hook."""
+        called from the activation's gradient hook. Tensor writes only: torch.compile traces the hook into the
+        graph, and a Python attribute set there would break it."""
         lo, hi = self._offsets[layer], self._offsets[layer + 1]
         scores = unit_scores(a, g)
         self.pending[:, lo:hi] = scores if isinstance(scale, float) and scale == 1.0 else scores / scale
-        self.samples = a.shape[0]
-        self.dirty = True
+        self.fresh.fill_(True)
 
     def fold(self) -> None:
         """EMA update with the last backward pass's scores: X <- beta*X + (1-beta)*x (collective, see above)."""
-        if self.dirty:
+        if self.armed:
             if world_size() > 1:
                 self.pending = global_batch_scores(self.pending, self.samples)
             finite = torch.isfinite(self.pending).all()
-            self.ema = torch.where(finite, self.ema.mul(self.beta).add_(self.pending, alpha=1 - self.beta), self.ema)
-            self.nonfinite += ~finite
+            update = finite & self.fresh  # a forward whose backward never ran leaves nothing to fold
+            self.ema = torch.where(update, self.ema.mul(self.beta).add_(self.pending, alpha=1 - self.beta), self.ema)
+            self.nonfinite += self.fresh & ~finite
             self.pending.zero_()
-            self.dirty = False
+            self.fresh.fill_(False)
+            self.armed = set()
 
     def tap(self, layer: int, scale: LossScale | None = None) -> Callable[[Tensor], None]:
-        """Forward tap for `layer`: folds the previous backward's scores, then hooks this one's gradient
+        """Forward tap for `layer`: folds the previous backward's scores (when this layer's hook is still armed:
+        the first tap of a forward after a backward without an optimizer step), then hooks this one's gradient
         (whose loss scale `scale()` gives, read when the gradient arrives)."""
         def fn(a: Tensor) -> None:
-            self.fold()
+            if layer in self.armed:
+                self.fold()
             if a.requires_grad and a.shape[-2]:
                 act = a.detach()
+                self.samples = a.shape[0]
+                self.armed.add(layer)
                 a.register_hook(lambda g: self.record(layer, act, g, 1.0 if scale is None else scale()))
         return fn
 
@@ -140,7 +152,8 @@ class ScoreTable:
         self.counts = list(sd["counts"])
         self.ema = sd["ema"].to(self.ema.device, torch.float32).clone()
         self.pending = torch.zeros_like(self.ema)
-        self.dirty = False
+        self.armed = set()
+        self.fresh.fill_(False)
         self.cool_until = sd["cool_until"].clone()
         self.nonfinite.fill_(sd.get("nonfinite", 0))
         self._offsets = [0, *accumulate(self.counts)]

@@ -3,7 +3,9 @@
 `path/model.safetensors` holds the model's state_dict (compact tensors, no zero slots); `path/topology.json`
 holds the format version, the base architecture and its constructor arguments (when known), the example input
 shapes that analysis needs, every unit group's kept and maximum count, the parameter count and the weights'
-sha256. `load` builds the base model, checks every key and shape against the recorded counts, resizes it with
+sha256. `path/model.pt2` holds the compact model in eval mode as a `torch.export` program with a dynamic batch
+dimension, which loads without barter installed: `torch.export.load("path/model.pt2").module()(images)`.
+`load` builds the base model, checks every key and shape against the recorded counts, resizes it with
 fxsurgery, and only then loads the weights. timm, the project's models and safetensors are imported when an
 export or a load first needs them, so `import barter` stays light.
 """
@@ -26,11 +28,13 @@ from torch import Tensor, nn
 from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup
 
 from .analysis import default_example_inputs, record_analysis, recorded_analysis
+from .rebuild import RebuildError, check_rebuilds, timm_arguments, timm_with_models
 
 FORMAT = "barter-export"
 VERSION = 1
 WEIGHTS = "model.safetensors"
 TOPOLOGY = "topology.json"
+PROGRAM = "model.pt2"
 TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "groups", "parameters", "sha256")
 
 # models that `load` built from a recorded architecture -> (architecture, model_kwargs), for their next export
@@ -42,20 +46,23 @@ class ExportError(ValueError):
 
 
 def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tuple[Tensor, ...] | None = None,
-           architecture: str | None = None, model_kwargs: dict[str, Any] | None = None) -> Path:
-    """Write `model`'s weights and topology to the directory `path` (an earlier export there is replaced
-    atomically) and return `path`.
+           architecture: str | None = None, model_kwargs: dict[str, Any] | None = None,
+           program: bool = True) -> Path:
+    """Write `model`'s weights and topology (and, with `program`, its `torch.export` program) to the directory
+    `path` (an earlier export there is replaced atomically) and return `path`.
 
     The unit groups come from `barter.wrap` or `barter.load` when one resized `model`; otherwise from analysing
     the base architecture (a copy of `model` when none is known) on `example_inputs` (default: a timm model's
     input size), with the kept counts read off `model`'s tensors; a model fxsurgery finds no groups in is
     exported as it is, with a warning. The base architecture is `architecture` with `model_kwargs` when given,
-    else timm's `pretrained_cfg["architecture"]` with the class count, input channels and image size where
-    they differ from the registered default (explicit `model_kwargs` win).
+    else timm's `pretrained_cfg["architecture"]` with the constructor arguments read back off the model where
+    they differ from the registered default (`barter.rebuild`; explicit `model_kwargs` win). A recorded base that
+    does not rebuild the model's shapes is refused with ExportError, saying what to pass.
     """
     path = Path(path)
     replace_directory(path, lambda directory: write_export(model, directory, example_inputs=example_inputs,
-                                                           architecture=architecture, model_kwargs=model_kwargs))
+                                                           architecture=architecture, model_kwargs=model_kwargs,
+                                                           program=program))
     return path
 
 
@@ -90,23 +97,50 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
 
 
 def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple[Tensor, ...] | None = None,
-                 architecture: str | None = None, model_kwargs: dict[str, Any] | None = None) -> None:
-    """Write `model.safetensors` and `topology.json` into the existing `directory` (see `export`)."""
+                 architecture: str | None = None, model_kwargs: dict[str, Any] | None = None,
+                 program: bool = True) -> None:
+    """Write `model.safetensors`, `topology.json` and (with `program`) `model.pt2` into the existing `directory`
+    (see `export`)."""
     from safetensors.torch import save_file
 
     architecture, kwargs = _base_architecture(model, architecture, model_kwargs)
     groups, inputs = _groups(model, example_inputs, architecture, kwargs)
+    if architecture is not None:
+        try:
+            check_rebuilds(model, architecture, kwargs, groups)
+        except RebuildError as e:
+            raise ExportError(str(e)) from e
     weights = {k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
                for k, v in model.state_dict().items()}
     save_file(weights, directory / WEIGHTS)
     topology = {"format": FORMAT, "version": VERSION, "architecture": architecture, "model_kwargs": kwargs,
-                "inputs": inputs, "groups": groups, "parameters": sum(p.numel() for p in model.parameters()),
-                "sha256": _sha256(directory / WEIGHTS)}
+                "inputs": inputs, "groups": _group_records(model, groups, architecture),
+                "parameters": sum(p.numel() for p in model.parameters()), "sha256": _sha256(directory / WEIGHTS),
+                "program": _write_program(model, directory / PROGRAM, inputs) if program else None}
     try:
         text = json.dumps(topology, indent=2)
     except TypeError as e:
         raise ExportError(f"model_kwargs must hold JSON values (numbers, strings, lists, dicts): {e}") from e
     (directory / TOPOLOGY).write_text(text + "\n")
+
+
+def _write_program(model: nn.Module, file: Path, inputs: list[dict[str, Any]]) -> str | None:
+    """Save `model` in eval mode as a `torch.export` program with a dynamic batch dimension (loads with plain
+    torch: `torch.export.load(file).module()`); return its file name, or None with a warning when torch.export
+    cannot capture the model (the weights and topology are exported all the same)."""
+    copied = copy.deepcopy(model).eval()  # a wrapped model copies itself without its score taps
+    example = _zero_inputs(copied, inputs)
+    dynamic = tuple({0: torch.export.Dim.AUTO} for _ in example)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            exported = torch.export.export(copied, example, dynamic_shapes=dynamic)
+        torch.export.save(exported, file)
+    except Exception as e:  # torch.export raises many types for code it cannot capture
+        warnings.warn(f"{type(model).__name__} is exported without {file.name} (torch.export: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})", stacklevel=3)
+        file.unlink(missing_ok=True)
+        return None
+    return file.name
 
 
 def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -165,62 +199,47 @@ def replace_directory(path: Path, fill: Callable[[Path], None]) -> None:
 def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs: dict[str, Any] | None
                        ) -> tuple[str | None, dict[str, Any]]:
     """The timm name and constructor arguments that rebuild `model`'s base: the explicit ones, else those `load`
-    built it with, else what timm's config and the model tell."""
+    built it with, else what timm's config and the model tell (`barter.rebuild`)."""
     if architecture is not None:
         return architecture, dict(model_kwargs or {})
     if model in _BUILT_AS:
         architecture, built_kwargs = _BUILT_AS[model]
         return architecture, {**built_kwargs, **(model_kwargs or {})}
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
-    read = {} if architecture is None else _timm_arguments(model, architecture)
+    analysis = recorded_analysis(model)
+    read = {} if architecture is None else timm_arguments(model, architecture,
+                                                          None if analysis is None else analysis.groups)
     return architecture, {**read, **(model_kwargs or {})}
 
 
-def _timm_arguments(model: nn.Module, architecture: str) -> dict[str, Any]:
-    """num_classes, in_chans and img_size of a timm model, where they differ from the registered default."""
-    default = _timm().models.get_pretrained_cfg(architecture)
-    if default is None:
-        return {}
-    conv = dict(model.named_modules()).get(model.pretrained_cfg.get("first_conv"))
-    current = {"num_classes": getattr(model, "num_classes", None), "in_chans": getattr(conv, "in_channels", None),
-               "img_size": _image_size(*default_example_inputs(model)[0].shape[2:])}
-    registered = {"num_classes": default.num_classes, "in_chans": default.input_size[0],
-                  "img_size": _image_size(*default.input_size[1:])}
-    return {k: v for k, v in current.items() if v is not None and v != registered[k]}
-
-
-def _image_size(height: int, width: int) -> int | list[int]:
-    return height if height == width else [height, width]
-
-
 def _groups(model: nn.Module, example_inputs: tuple[Tensor, ...] | None, architecture: str | None,
-            kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every unit group's record ({name, kind, module, count, max_count}) and the example inputs' shapes.
-
-    The groups are those of the model as built (see `record_analysis`), else of its base; the kept counts are
-    read off the model's tensors, whichever analysis resized them since.
-    """
+            kwargs: dict[str, Any]) -> tuple[list[UnitGroup], list[dict[str, Any]]]:
+    """The unit groups of the model as built (see `record_analysis`), else of its base, and the example
+    inputs' shapes."""
     analysis = recorded_analysis(model)
     if analysis is not None:
-        groups = analysis.groups
-        inputs = _input_specs(example_inputs if example_inputs is not None else analysis.example_inputs)
-    else:
+        return analysis.groups, _input_specs(example_inputs if example_inputs is not None else analysis.example_inputs)
+    try:
+        inputs = _input_specs(example_inputs if example_inputs is not None else default_example_inputs(model))
+    except ValueError as e:
+        raise ExportError(str(e)) from e
+    with torch.random.fork_rng(devices=[]):  # building and analysing the base leaves the caller's RNG alone
+        base = copy.deepcopy(model) if architecture is None else _build(architecture, kwargs)
         try:
-            inputs = _input_specs(example_inputs if example_inputs is not None else default_example_inputs(model))
-        except ValueError as e:
-            raise ExportError(str(e)) from e
-        with torch.random.fork_rng(devices=[]):  # building and analysing the base leaves the caller's RNG alone
-            base = copy.deepcopy(model) if architecture is None else _build(architecture, kwargs)
-            try:
-                groups = Surgeon(base, _zero_inputs(base, inputs)).groups
-            except (TraceError, AnalysisError) as e:
-                warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
-                              f"built): {e}", stacklevel=1)
-                groups = []
+            return Surgeon(base, _zero_inputs(base, inputs)).groups, inputs
+        except (TraceError, AnalysisError) as e:
+            warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
+                          f"built): {e}", stacklevel=1)
+            return [], inputs
+
+
+def _group_records(model: nn.Module, groups: list[UnitGroup], architecture: str | None) -> list[dict[str, Any]]:
+    """Every unit group's {name, kind, module, count, max_count}, the kept count read off `model`'s tensors
+    (whichever analysis resized them since)."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
     return [{"name": g.name, "kind": g.kind, "module": g.module, "count": _kept_count(g, tensors, architecture),
-             "max_count": g.max_count} for g in groups], inputs
+             "max_count": g.max_count} for g in groups]
 
 
 def _kept_count(group: UnitGroup, tensors: dict[str, Tensor], architecture: str | None) -> int:
@@ -257,18 +276,9 @@ def _build(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
     """The base model `timm.create_model(architecture, **kwargs)` (the project's models included)."""
     with torch.random.fork_rng(devices=[]):
         try:
-            return _timm().create_model(architecture, **kwargs)
+            return timm_with_models().create_model(architecture, **kwargs)
         except (RuntimeError, TypeError) as e:
             raise ExportError(f"cannot build {architecture} with {kwargs}: {e}") from e
-
-
-def _timm():
-    """timm with the project's models registered (imported on first use)."""
-    import timm
-
-    import models  # noqa: F401  (registers the project's models with timm)
-
-    return timm
 
 
 def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path

@@ -24,11 +24,18 @@ masks, activations, workspace). On CPU, each configuration runs alone in a subpr
 growth of the process's peak RSS (ru_maxrss) from just before the model is built to after warm-up and one step:
 it includes allocator slack and is only comparable between rows of the same run.
 
-    .venv/bin/python benchmarks/step_time.py [--quick] [--device cuda] [--batch 128] [--steps 10] [--threads 1]
+With `--compile`, Static, BARTER and barter-after are also trained through `barter.compiling.compile_model`
+("+compile" rows; warm-up includes the first compile) and one line per model and density prints the compiled /
+eager step-time ratios. `--amp bf16` runs every step under bf16 autocast.
+
+    .venv/bin/python benchmarks/step_time.py [--quick] [--device cuda] [--amp bf16] [--compile] [--batch 128]
+        [--steps 10] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import math
 import resource
@@ -37,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,11 +56,16 @@ import barter
 import models  # noqa: F401  (registers the models)
 from barter.baselines import METHODS as BASELINES
 from barter.baselines import build_baseline, condensed_linear
+from barter.compiling import compile_model
 from barter.training.flops import StepFlops, run_step
 
 MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
 METHODS = ("dense", "static", "barter", "barter-after", *BASELINES)
 DENSITIES = (0.1, 0.3, 0.5, 0.7)
+COMPILED = "+compile"  # suffix of a configuration trained through torch.compile (--compile)
+COMPILED_METHODS = ("static", "barter", "barter-after")
+AUTOCAST: Callable[[], ContextManager] = contextlib.nullcontext  # --amp bf16 sets torch.autocast
+AMP = "fp32"
 HORIZON = 1_000_000  # total steps given to every method: BARTER's taps stay on, no baseline's update is timed
 AFTER_HORIZON = 1  # window [rnd(0.1 T), rnd(0.4 T)] = [0, 0]: every proposal runs right after step 1
 CONDENSED_ROWS = 256  # input rows (tokens) of the condensed-layer timing
@@ -66,21 +79,28 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     after_step: Callable[[], None]
+    controller: barter.Controller | None = None
+    forward: torch.nn.Module | None = None  # the compiled model, for a "+compile" configuration
 
 
 def build(arch: str, method: str, density: float, device: str) -> Run:
-    """A fresh `arch` trained by `method` at `density` (dense ignores it); BARTER's own hook follows the step."""
+    """A fresh `arch` trained by `method` at `density` (dense ignores it); BARTER's own hook follows the step. A
+    method named "...+compile" trains through `barter.compiling.compile_model`."""
+    if method.endswith(COMPILED):
+        run = build(arch, method.removesuffix(COMPILED), density, device)
+        run.forward = compile_model(run.model, run.controller)
+        return run
     torch.manual_seed(0)
     model = timm.create_model(arch).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
     if method in BASELINES:
         sp = build_baseline(method, model, opt, density=density, total_steps=HORIZON)
         return Run(model, opt, sp.step)
-    if method in ("static", "barter"):
-        barter.wrap(model, opt, total_steps=HORIZON, density=density, method=method)
-    if method == "barter-after":
-        barter.wrap(model, opt, total_steps=AFTER_HORIZON, density=density, method="barter")
-    return Run(model, opt, lambda: None)
+    if method == "dense":
+        return Run(model, opt, lambda: None)
+    horizon = AFTER_HORIZON if method == "barter-after" else HORIZON
+    ctl = barter.wrap(model, opt, total_steps=horizon, density=density, method=method.removesuffix("-after"))
+    return Run(model, opt, lambda: None, controller=ctl)
 
 
 def batch(arch: str, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +114,8 @@ def batch(arch: str, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor
 def train_step(run: Run, x: torch.Tensor, y: torch.Tensor, count: bool = False) -> StepFlops | None:
     """Forward, loss and backward as training runs them (`barter.training.flops.run_step`; FLOPs counted if `count`),
     then the optimizer and the method's step."""
-    _, _, flops = run_step(run.model, x, lambda out: torch.nn.functional.cross_entropy(out, y), count)
+    forward = run.model if run.forward is None else run.forward
+    _, _, flops = run_step(forward, x, lambda out: torch.nn.functional.cross_entropy(out, y), count, autocast=AUTOCAST)
     run.optimizer.step()
     run.after_step()
     run.optimizer.zero_grad()
@@ -142,7 +163,8 @@ def peak_rss_child(arch: str, method: str, density: float, batch_size: int, warm
 
 def peak_memory_cpu(arch: str, method: str, density: float, batch_size: int, warmup: int) -> float:
     out = subprocess.run([sys.executable, __file__, "--child", arch, method, str(density), "--batch",
-                          str(batch_size), "--warmup", str(warmup), "--threads", str(torch.get_num_threads())],
+                          str(batch_size), "--warmup", str(warmup), "--threads", str(torch.get_num_threads()),
+                          "--amp", AMP],
                          check=True, capture_output=True, text=True)
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -177,15 +199,17 @@ def condensed_layer(arch: str, density: float, device: str) -> tuple[str, str, f
     return name, f"{weight.shape[0]}x{weight.shape[1]}, fan-in {sp.fan_in()[name]}", packed / masked
 
 
-def configs(densities: tuple[float, ...]) -> list[tuple[str, float]]:
-    """(method, density) pairs; Dense once (its density is 1)."""
-    return [("dense", 1.0)] + [(m, d) for d in densities for m in METHODS[1:]]
+def configs(densities: tuple[float, ...], compiled: bool = False) -> list[tuple[str, float]]:
+    """(method, density) pairs; Dense once (its density is 1); with `compiled`, Static and BARTER (inside and
+    after the window) also trained through torch.compile."""
+    extra = [m + COMPILED for m in COMPILED_METHODS] if compiled else []
+    return [("dense", 1.0)] + [(m, d) for d in densities for m in (*METHODS[1:], *extra)]
 
 
 def measure(arch: str, densities: tuple[float, ...], args: argparse.Namespace) -> dict[tuple[str, float], dict]:
     """{(method, density): {"time": median seconds, "mem": MiB or None, "flops": per step}} for one model."""
     x, y = batch(arch, args.batch, args.device)
-    results = {c: {"time": math.nan, "mem": None, "flops": math.nan} for c in configs(densities)}
+    results = {c: {"time": math.nan, "mem": None, "flops": math.nan} for c in configs(densities, args.compile)}
     if args.memory:
         for (method, d), r in results.items():
             r["mem"] = (
@@ -236,6 +260,13 @@ def report(name: str, results: dict[tuple[str, float], dict], densities: tuple[f
     return ratios
 
 
+def report_compiled(name: str, results: dict[tuple[str, float], dict], densities: tuple[float, ...]) -> None:
+    """Print the compiled / eager step-time ratios of Static and BARTER (inside and after the window)."""
+    for d in densities:
+        print(f"{name} compiled/eager step time at {d:g}: " + ", ".join(
+            f"{m} {results[m + COMPILED, d]['time'] / results[m, d]['time']:.3f}" for m in COMPILED_METHODS))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="density 0.5 only, few steps, no CPU memory runs")
@@ -246,11 +277,18 @@ def main() -> None:
                     help="untimed steps first (>= 2: barter-after transfers after the first; FLOPs of the last)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--no-memory", dest="memory", action="store_false")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time Static and BARTER trained through torch.compile; print compiled/eager ratios")
+    ap.add_argument("--amp", default="fp32", choices=("fp32", "bf16"), help="bf16: steps under torch.autocast")
     ap.add_argument("--child", nargs=3, metavar=("ARCH", "METHOD", "DENSITY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.warmup < 2:
         ap.error("--warmup must be >= 2")
     torch.set_num_threads(args.threads)
+    global AUTOCAST, AMP
+    AMP = args.amp
+    if args.amp == "bf16":
+        AUTOCAST = functools.partial(torch.autocast, args.device, dtype=torch.bfloat16)
     if args.child:
         arch, method, d = args.child
         return peak_rss_child(arch, method, float(d), args.batch, args.warmup)
@@ -267,7 +305,12 @@ def main() -> None:
     print(f"device {args.device}, batch {args.batch}, {args.warmup} warm-up + {args.steps} timed steps, interleaved; "
           f"{torch.get_num_threads()} CPU threads; memory: "
           + ("off" if not args.memory else "CUDA max allocated" if args.device == "cuda" else "peak RSS growth"))
-    ratios = {name: report(name, measure(arch, densities, args), densities) for name, arch in MODELS.items()}
+    ratios = {}
+    for name, arch in MODELS.items():
+        results = measure(arch, densities, args)
+        ratios[name] = report(name, results, densities)
+        if args.compile:
+            report_compiled(name, results, densities)
     print()
     for name, arch in MODELS.items():
         for d in densities:

@@ -45,7 +45,8 @@ class TrainConfig:
     Optimisation: see `barter.training.recipe`; `decay` is "after" (CCT) or "before" (ViT). Compute:
     `flop_budget` stops at that cumulative F_total (a final partial epoch allowed); `continue_from` continues a
     finished run's endpoint up to `flop_budget` (matched compute). `amp`: "fp32" (the paper's), "bf16" autocast,
-    or "fp16" autocast with loss scaling (`barter.training.precision`).
+    or "fp16" autocast with loss scaling (`barter.training.precision`). `compile`: training steps run through
+    `torch.compile` (`barter.compiling.compile_model`; one process only).
     """
 
     preset: str = "custom"
@@ -78,6 +79,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     amp: str = "fp32"
+    compile: bool = False
     flop_budget: float | None = None
     continue_from: str | None = None
     out_dir: str = "runs"

@@ -159,7 +159,7 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
     loader = DataLoader(data.train, batch_sampler=[processes.shard(b, granule(mixed)) for b in batches],
                         num_workers=config.workers, generator=generator, pin_memory=device.type == "cuda")
     model, optimizer, meter = session.model, session.optimizer, session.meter
-    net = model if session.ddp is None else session.ddp
+    net = next(m for m in (session.compiled, session.ddp, model) if m is not None)
     model.train()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)

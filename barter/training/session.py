@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, Subset
 import models  # noqa: F401  (registers the project's models with timm)
 
 from ..baselines import SparseTraining, build_baseline
+from ..compiling import compile_model
 from ..controller import Controller
 from ..ddp import DistributedModel
 from ..wrapping import wrap
@@ -49,6 +50,7 @@ class Session:
     schedule: WarmupCosine
     ddp: DistributedModel | None = None  # what training steps run through in a multi-process run
     precision: Precision = field(default_factory=Precision)
+    compiled: nn.Module | None = None  # what training steps run through under --compile
     epoch: float = 0
     step: int = 0
     finished: bool = False
@@ -112,7 +114,11 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     if processes.world_size() > 1:
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedModel(model, controller, device_ids=device_ids)
-    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp, precision=precision)
+    if config.compile and ddp is not None:
+        raise ConfigError("compile runs in one process only")
+    compiled = compile_model(model, controller) if config.compile else None
+    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp, precision=precision,
+                   compiled=compiled)
 
 
 def load_pretrained(model: nn.Module, source: str) -> None:

@@ -16,7 +16,6 @@ from fxsurgery import Surgeon
 
 VIT = ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 10})
 CCT = ("cct_2_3x1_32_tiny", {})
-VIT_UNREADABLE = {"patch_size": 8, "depth": 2}  # what timm's config does not tell about the model
 
 
 def parameters(model: torch.nn.Module) -> int:
@@ -62,9 +61,9 @@ def assert_same_outputs(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor)
 @pytest.mark.parametrize("name,kwargs", [VIT, CCT], ids=["vit", "cct"])
 def test_round_trip_after_transfers(tmp_path, name, kwargs):
     model, ctl, dense = compact_timm(name, kwargs)
-    path = barter.export(model, tmp_path / "model", model_kwargs=VIT_UNREADABLE if name == VIT[0] else None)
+    path = barter.export(model, tmp_path / "model")
     topology = read_topology(path)
-    assert topology["architecture"] == name and topology["model_kwargs"] == kwargs  # partly read off the model
+    assert topology["architecture"] == name and topology["model_kwargs"] == kwargs  # read off the model
     assert {g["name"]: (g["count"], g["max_count"]) for g in topology["groups"]} == {
         g.name: (g.count, g.max_count) for g in ctl.surgeon.groups}
     loaded = barter.load(path)
@@ -81,9 +80,64 @@ def test_round_trip_after_transfers(tmp_path, name, kwargs):
     assert all(not torch.equal(before[k], v) for k, v in loaded.state_dict().items() if k.endswith("fc1.weight"))
 
 
+@pytest.mark.parametrize("name,kwargs", [
+    ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 3}),
+    ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64, "num_heads": 4,
+                              "mlp_ratio": 2.0, "class_token": False, "global_pool": "avg", "reg_tokens": 2,
+                              "qkv_bias": False, "num_classes": 7}),
+    ("deit3_small_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 96, "num_heads": 2}),
+    ("eva02_tiny_patch14_224", {"img_size": 28, "depth": 1, "embed_dim": 64, "num_heads": 2}),
+    ("beit_base_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 64, "num_heads": 2}),
+    ("swin_tiny_patch4_window7_224", {"img_size": 56, "depths": [1, 1, 2, 1], "embed_dim": 32,
+                                      "num_heads": [1, 2, 4, 8]}),
+], ids=["vit-issue", "vit-everything", "deit3", "eva02", "beit", "swin"])
+def test_overrides_are_read_back_off_the_model(tmp_path, name, kwargs):
+    """timm keeps the registered config of a model built with overrides; the export reads them off the model,
+    compact after transfers or dense, and `barter.load` rebuilds it without being told anything."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs)
+    size = kwargs["img_size"]
+    if name.startswith("vit"):
+        transferred(model, torch.randn(4, 3, size, size))
+    path = barter.export(model, tmp_path / "model", program=False)
+    assert read_topology(path)["model_kwargs"] == kwargs
+    assert_same_outputs(model, barter.load(path), torch.randn(2, 3, size, size))
+
+
+def test_an_export_that_would_not_reload_is_refused(tmp_path):
+    """Arguments that cannot be read off the model (LayerScale's init_values) make the export fail, naming what
+    to pass; passing it exports a directory that loads. Nothing is left at the refused path."""
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, init_values=1e-5)
+    with pytest.raises(ExportError, match=r"does not rebuild this model \(keys only the model has: \['blocks\.0\.ls1"
+                                          r".*pass .*model_kwargs="):
+        barter.export(model, tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+    path = barter.export(model, tmp_path / "model", model_kwargs={"init_values": 1e-5}, program=False)
+    assert_same_outputs(model, barter.load(path), torch.randn(2, 3, 32, 32))
+    with pytest.raises(ExportError, match=r"shapes: \[.*'patch_embed\.proj\.weight is \[192, 3, 8, 8\] in the model, "
+                                          r"\[192, 3, 16, 16\]"):
+        barter.export(model, tmp_path / "other", architecture="vit_tiny_patch16_224",
+                      model_kwargs={"img_size": 32, "depth": 2, "init_values": 1e-5})
+
+
+@pytest.mark.parametrize("name,kwargs", [VIT, CCT], ids=["vit", "cct"])
+def test_program_loads_with_plain_torch(tmp_path, name, kwargs):
+    """model.pt2, a torch.export program of the compact model in eval mode, gives the live model's outputs at
+    any batch size, loaded with torch alone."""
+    model, _, _ = compact_timm(name, kwargs)
+    path = barter.export(model, tmp_path / "model")
+    assert model.training and read_topology(path)["program"] == "model.pt2"  # the live model is left in train mode
+    program = torch.export.load(path / "model.pt2").module()
+    model.eval()
+    with torch.no_grad():
+        for batch in (1, 2, 5):
+            x = torch.randn(batch, 3, 32, 32)
+            assert torch.equal(program(x), model(x))
+
+
 def test_loaded_model_can_be_wrapped_again_and_reexported(tmp_path):
     model, _, _ = compact_timm(*VIT)
-    loaded = barter.load(barter.export(model, tmp_path / "model", model_kwargs=VIT_UNREADABLE))
+    loaded = barter.load(barter.export(model, tmp_path / "model"))
     assert Surgeon(copy.deepcopy(loaded), (torch.zeros(2, 3, 32, 32),)).groups  # a fresh analysis works
     ctl = transferred(loaded, torch.randn(4, 3, 32, 32))  # shrinks it further, moves units
     again = barter.load(barter.export(loaded, tmp_path / "again"))

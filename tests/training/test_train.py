@@ -165,12 +165,13 @@ def test_baseline_options_are_checked(tmp_path):
 
 @pytest.mark.parametrize("method", ["dense", "barter"])
 def test_checkpoints_are_exports_that_barter_loads(tmp_path, method):
-    """best/ and last/ hold the weights, topology and trainer state; barter.load gives the trained model."""
+    """best/ and last/ hold the weights, topology, torch.export program and trainer state; barter.load gives the
+    trained model."""
     result = train(config(tmp_path, "vit", method=method, name="run"))
     board = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []  # event files, when installed
     assert sorted(p.name for p in result.run_dir.iterdir() if p.is_dir()) == ["best", "last", *board]  # no staging
     assert sorted(p.name for p in (result.run_dir / "last").iterdir()) == [
-        "model.safetensors", "topology.json", "trainer.pt"]
+        "model.pt2", "model.safetensors", "topology.json", "trainer.pt"]
     model = barter.load(result.run_dir / "last")
     weights = load_checkpoint(result.run_dir / "last")["model"]
     assert model.state_dict().keys() == weights.keys()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from barter.training.data import build_batch_transform, build_datasets, build_eval_transform, load_mnist5k, resolve_spec
-from barter.training.loading import batches_of
+from barter.training.loading import MAX_WORKERS, batches_of, default_workers, resolve_workers
 from barter.training.tensorsets import BatchTransform, TensorImages
 
 
@@ -76,3 +76,10 @@ def test_a_subset_of_a_tensor_set_batches_through_its_indices() -> None:
     assert torch.equal(images, torch.stack([data.train[5][0], data.train[7][0]]))
     assert labels.tolist() == [data.train.targets[5], data.train.targets[7]]
     assert np.isfinite(images.numpy()).all()
+
+
+def test_worker_default_shares_the_cores(monkeypatch) -> None:
+    alone = default_workers()
+    assert 0 <= alone <= MAX_WORKERS and resolve_workers(3) == 3 and resolve_workers(None) == alone
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+    assert default_workers() == 0  # processes of one machine share its cores

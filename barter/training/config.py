@@ -64,7 +64,7 @@ class TrainConfig:
     passes: int = 1
     drop_last: bool = False
     batch_size: int = 128
-    workers: int = 0
+    workers: int | None = None
     epochs: int = 10
     lr: float = 1e-3
     min_lr: float = 1e-5
@@ -114,7 +114,7 @@ class TrainConfig:
              f"continue_from fixes a BARTER topology; it does not apply to {self.method}"),
             (not self.baseline_options or self.method in BASELINE_METHODS,
              f"baseline_options apply to the baselines ({', '.join(BASELINE_METHODS)}), not to {self.method}"),
-            (self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
+            (self.workers is None or self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
             (self.amp in AMP_MODES, f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"),
         ]
         for ok, message in checks:
@@ -164,7 +164,7 @@ FIELD_HELP: dict[str, str] = {
     "passes": "shuffled passes over the training set per epoch",
     "drop_last": "drop the last incomplete batch of an epoch",
     "batch_size": "global batch size",
-    "workers": "data loader processes",
+    "workers": "data loader processes (default: one per spare CPU core, at most 8; in-memory sets need none)",
     "epochs": "training epochs",
     "lr": "peak learning rate (after warmup)",
     "min_lr": "learning rate at the end of the cosine",

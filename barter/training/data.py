@@ -11,6 +11,10 @@ Recipes (paper, Training protocol):
   * ``light``: random crop (pad 2), flip only where the data allow it (not for digits); no batch mixing.
                The default for ``mnist5k``, ``fake`` and ``folder`` (our choice: quick runs on small data sets).
   * ``none``:  no augmentation (the evaluation transform).
+
+The in-memory sets (``mnist5k``, ``fake``, ``cifar100``) are decoded (and resized) once into a uint8 tensor;
+where their recipe is only crops, flips and normalisation (``light``, ``none``, and every test set) it runs on
+whole batches on the device (`barter.training.tensorsets`); ``cct`` and ``vit`` run per image on PIL images.
 """
 
 import gzip
@@ -30,6 +34,8 @@ from torch.utils.data import Dataset
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR100, FakeData, ImageFolder, VisionDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
+
+from .tensorsets import BatchTransform, TensorImages, decode
 
 Recipe = Literal["cct", "vit", "light", "none"]
 RECIPES: tuple[Recipe, ...] = ("cct", "vit", "light", "none")
@@ -118,8 +124,8 @@ def build_train_transform(spec: DatasetSpec, recipe: Recipe | None = None) -> T.
     if recipe == "none":
         return build_eval_transform(spec)
     steps: list = _resize(spec)
-    steps.append(T.RandomCrop(spec.img_size, padding=2 if recipe == "light" else 4))
-    if recipe != "light" or spec.hflip:
+    steps.append(T.RandomCrop(spec.img_size, padding=_crop_padding(recipe)))
+    if _flips(spec, recipe):
         steps.append(T.RandomHorizontalFlip())
     hparams = {"translate_const": int(spec.img_size * 0.45),
                "img_mean": tuple(round(255 * m) for m in spec.mean)}
@@ -131,6 +137,28 @@ def build_train_transform(spec: DatasetSpec, recipe: Recipe | None = None) -> T.
     if recipe == "vit":
         steps.append(RandomErasing(probability=0.25, mode="pixel", device="cpu"))
     return T.Compose(steps)
+
+
+def _crop_padding(recipe: Recipe) -> int:
+    return 2 if recipe == "light" else 4
+
+
+def _flips(spec: DatasetSpec, recipe: Recipe) -> bool:
+    return recipe != "light" or spec.hflip
+
+
+BATCHED_RECIPES: tuple[Recipe, ...] = ("light", "none")  # crops, flips and normalisation only
+
+
+def build_batch_transform(spec: DatasetSpec, recipe: Recipe | None = None) -> BatchTransform | None:
+    """``recipe`` (default: the data set's) after resizing, for batches of uint8 images: the same crop,
+    flip and normalisation as `build_train_transform`; None for a recipe with per-image operations."""
+    recipe = recipe or spec.recipe
+    if recipe not in BATCHED_RECIPES:
+        return None
+    if recipe == "none":
+        return BatchTransform(spec.mean, spec.std)
+    return BatchTransform(spec.mean, spec.std, padding=_crop_padding(recipe), hflip=_flips(spec, recipe))
 
 
 def build_eval_transform(spec: DatasetSpec) -> T.Compose:
@@ -177,15 +205,13 @@ def build_datasets(
     if name == FOLDER:
         train, test = _folder(root, spec.in_chans, train_tf, test_tf)
     elif name == "cifar100":
-        train, test = _cifar100(root, train_tf, test_tf)
+        train, test = _cifar100(root, spec, recipe, train_tf)
     elif name == "tiny-imagenet":
         train, test = _tiny_imagenet(root, train_tf, test_tf)
     elif name == "mnist5k":
-        train, test = _mnist5k(spec.in_chans, train_tf, test_tf)
+        train, test = _mnist5k(spec, recipe, train_tf)
     else:
-        shape = (spec.in_chans, spec.img_size, spec.img_size)
-        train = FakeData(fake_size, shape, spec.num_classes, train_tf, random_offset=0)
-        test = FakeData(max(1, fake_size // 4), shape, spec.num_classes, test_tf, random_offset=fake_size)
+        train, test = _fake(spec, recipe, train_tf, fake_size)
     return Datasets(train, test, spec.num_classes, spec.in_chans, spec.img_size)
 
 
@@ -212,7 +238,7 @@ class _LocalCIFAR100(CIFAR100):
     meta = {"filename": "meta", "key": "fine_label_names", "md5": None}
 
 
-def _cifar100(root: Path, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
+def _cifar100(root: Path, spec: DatasetSpec, recipe: Recipe | None, train_tf: T.Compose) -> tuple[Dataset, Dataset]:
     folder = root / CIFAR100.base_folder
     missing = [f for f in ("train", "test", "meta") if not (folder / f).is_file()]
     if missing:
@@ -221,8 +247,9 @@ def _cifar100(root: Path, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Data
             f"{', '.join(missing)}). Extract the python version, cifar-100-python.tar.gz from "
             f"https://www.cs.toronto.edu/~kriz/cifar.html, into {root}/ or pass --data-dir."
         )
-    return (_LocalCIFAR100(str(root), train=True, transform=train_tf),
-            _LocalCIFAR100(str(root), train=False, transform=test_tf))
+    train, test = (_LocalCIFAR100(str(root), train=split, transform=train_tf) for split in (True, False))
+    return _in_memory(train.data, train.targets, spec, recipe, train_tf, train.classes), \
+        _in_memory(test.data, test.targets, spec, "none", None, test.classes)
 
 
 def _tiny_imagenet_root(root: Path) -> Path:
@@ -278,20 +305,31 @@ def _tiny_imagenet(root: Path, train_tf: T.Compose, test_tf: T.Compose) -> tuple
     return _TinyImageNetTrain(base, classes, train_tf), _TinyImageNetVal(base, classes, test_tf)
 
 
-class Mnist5k(Dataset):
-    """Real MNIST digits (28x28, zero-padded to 32x32) held in memory; PIL images through ``transform``."""
+class PILImages(Dataset):
+    """Images held in memory as uint8 arrays (N, H, W[, C]), each through ``transform`` as a PIL image in
+    ``mode``: the in-memory sets under a recipe with per-image operations."""
 
-    def __init__(self, images: np.ndarray, labels: np.ndarray, in_chans: int, transform: T.Compose) -> None:
-        self.images, self.targets = images, labels.tolist()
-        self.mode = "RGB" if in_chans == 3 else "L"
-        self.transform = transform
+    def __init__(self, images: np.ndarray, targets: list[int], mode: str, transform: T.Compose,
+                 classes: list[str] | None = None) -> None:
+        self.images, self.targets, self.mode, self.transform, self.classes = images, targets, mode, transform, classes
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        image = Image.fromarray(self.images[index]).convert(self.mode)
-        return self.transform(image), self.targets[index]
+        return self.transform(Image.fromarray(self.images[index]).convert(self.mode)), self.targets[index]
 
     def __len__(self) -> int:
         return len(self.targets)
+
+
+def _in_memory(images: np.ndarray, targets: list[int], spec: DatasetSpec, recipe: Recipe | None,
+               transform: T.Compose | None, classes: list[str] | None = None) -> Dataset:
+    """uint8 images (N, H, W[, C]) as a set of `spec`'s channels and size under `recipe`: decoded and resized
+    once into a `TensorImages` where the recipe runs on batches, else PIL images through `transform`."""
+    mode = "RGB" if spec.in_chans == 3 else "L"
+    batched = build_batch_transform(spec, recipe)
+    if batched is None:
+        return PILImages(images, list(targets), mode, transform, classes)
+    return TensorImages(decode((Image.fromarray(x) for x in images), mode, _resize(spec)), targets, batched,
+                        classes)
 
 
 def mnist5k_file() -> Path:
@@ -327,9 +365,19 @@ def load_mnist5k() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return images[~test], labels[~test], images[test], labels[test]
 
 
-def _mnist5k(in_chans: int, train_tf: T.Compose, test_tf: T.Compose) -> tuple[Dataset, Dataset]:
+def _mnist5k(spec: DatasetSpec, recipe: Recipe | None, train_tf: T.Compose) -> tuple[Dataset, Dataset]:
     x_train, y_train, x_test, y_test = load_mnist5k()
-    return Mnist5k(x_train, y_train, in_chans, train_tf), Mnist5k(x_test, y_test, in_chans, test_tf)
+    return (_in_memory(x_train, y_train.tolist(), spec, recipe, train_tf),
+            _in_memory(x_test, y_test.tolist(), spec, "none", None))
+
+
+def _fake(spec: DatasetSpec, recipe: Recipe | None, train_tf: T.Compose, size: int) -> tuple[Dataset, Dataset]:
+    """torchvision's FakeData images (train: ``size``, test: a quarter as many, other seeds), decoded once."""
+    shape = (spec.in_chans, spec.img_size, spec.img_size)
+    sets = (FakeData(size, shape, spec.num_classes, random_offset=0),
+            FakeData(max(1, size // 4), shape, spec.num_classes, random_offset=size))
+    arrays = [(np.stack([np.asarray(image) for image, _ in fake]), [int(label) for _, label in fake]) for fake in sets]
+    return _in_memory(*arrays[0], spec, recipe, train_tf), _in_memory(*arrays[1], spec, "none", None)
 
 
 def folder_spec(root: Path) -> DatasetSpec:

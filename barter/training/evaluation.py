@@ -3,20 +3,23 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from .loading import batches_of
 
 EVAL_BATCH = 256
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: Dataset, num_classes: int, device: torch.device, workers: int
+def evaluate(model: nn.Module, dataset: Dataset, num_classes: int, device: torch.device, workers: int | None
              ) -> dict[str, float]:
     """Cross-entropy, accuracy, top-5 accuracy and macro-F1 of `model` on `dataset` (eval mode, batches of 256)."""
     model.eval()
     outputs, labels = [], []
-    for images, target in DataLoader(dataset, batch_size=EVAL_BATCH, num_workers=workers):
-        outputs.append(model(images.to(device)).float().cpu())
-        labels.append(target)
+    batches = [range(i, min(i + EVAL_BATCH, len(dataset))) for i in range(0, len(dataset), EVAL_BATCH)]
+    for images, target in batches_of(dataset, batches, device, workers=workers):
+        outputs.append(model(images).float().cpu())
+        labels.append(target.cpu())
     model.train()
     logits, target = torch.cat(outputs), torch.cat(labels)
     pred = logits.argmax(1)

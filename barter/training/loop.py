@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ..baselines import CompactExport
@@ -22,6 +21,7 @@ from .batches import epoch_batches, granule, steps_per_epoch
 from .checkpoint import restore, save_checkpoints, save_compact, seed_all, source_checkpoint
 from .config import ConfigError, TrainConfig
 from .evaluation import evaluate
+from .loading import batches_of
 from .recipe import WarmupCosine, build_criterion
 from .runlog import CheckpointError, RunDir, plot_widths
 from .session import Data, Session, build_data, build_session, resolve_device
@@ -156,8 +156,8 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
     world = processes.world_size()
     if world > 1:
         generator = processes.seed_rank_streams(config.seed, epoch)
-    loader = DataLoader(data.train, batch_sampler=[processes.shard(b, granule(mixed)) for b in batches],
-                        num_workers=config.workers, generator=generator, pin_memory=device.type == "cuda")
+    loader = batches_of(data.train, [processes.shard(b, granule(mixed)) for b in batches], device,
+                        workers=config.workers, generator=generator)
     model, optimizer, meter = session.model, session.optimizer, session.meter
     net = next(m for m in (session.compiled, session.ddp, model) if m is not None)
     model.train()
@@ -169,7 +169,6 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
     for batch, (images, labels) in zip(batches, loader):
         if not _budget_allows(session, config.flop_budget):
             break
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         targets = labels
         if data.mixup is not None:
             images, targets = data.mixup(images, labels)

@@ -30,7 +30,7 @@ def cct_cifar100() -> TrainConfig:
     return TrainConfig(
         preset="cct_cifar100", model="cct_7_3x1_32", dataset="cifar100", val_size=5000, batch_size=128,
         epochs=300, lr=6e-4, min_lr=1e-5, warmup_epochs=10, weight_decay=0.06, decay="after",
-        label_smoothing=0.1, method="barter", density=0.3, workers=4,
+        label_smoothing=0.1, method="barter", density=0.3,
     )
 
 
@@ -40,7 +40,7 @@ def vit_tinyimagenet() -> TrainConfig:
     return TrainConfig(
         preset="vit_tinyimagenet", model="vit_paper_p8_64", dataset="tiny-imagenet", val_size=5000, passes=3,
         drop_last=True, batch_size=128, epochs=100, lr=1e-3, min_lr=1e-5, warmup_epochs=10, weight_decay=0.05,
-        decay="before", label_smoothing=0.1, method="barter", density=0.3, workers=4,
+        decay="before", label_smoothing=0.1, method="barter", density=0.3,
     )
 
 
@@ -51,7 +51,7 @@ def vit_finetune_cifar100() -> TrainConfig:
         preset="vit_finetune_cifar100", model="vit_paper_p8_64", dataset="cifar100", img_size=64,
         normalize_as="tiny-imagenet", recipe="vit", val_size=5000, passes=3, drop_last=True, batch_size=128,
         epochs=100, lr=5e-4, min_lr=1e-5, warmup_epochs=5, weight_decay=0.05, decay="before",
-        label_smoothing=0.1, method="barter", density=0.3, barter_options={"init": "magnitude"}, workers=4,
+        label_smoothing=0.1, method="barter", density=0.3, barter_options={"init": "magnitude"},
     )
 
 

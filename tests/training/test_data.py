@@ -62,7 +62,7 @@ def test_cifar100_layout(tmp_path: Path) -> None:
     assert (data.num_classes, data.in_chans, data.img_size) == (100, 3, 32)
     assert data.test.targets == [0, 7, 14, 21] and data.test.classes[7] == "class7"
     expected = arrays["test"][1].reshape(3, 32, 32).transpose(1, 2, 0)
-    assert np.array_equal(data.test.data[1], expected)
+    assert np.array_equal(data.test.images[1].permute(1, 2, 0).numpy(), expected)  # decoded once, (C, H, W)
     image, label = data.train[2]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and label == 14
 

@@ -85,6 +85,21 @@ def _softmax(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_function", fn, (args[0], args[1]), {"dtype": dtype} if dtype is not None else {}
 
 
+@lowers(aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d, aten.upsample_linear1d,
+        aten.upsample_bilinear2d, aten.upsample_bicubic2d, aten.upsample_trilinear3d)
+def _upsample(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """``upsample_<mode><n>d.vec``, the op ``F.interpolate`` calls; other overloads stay ATen calls."""
+    if node.target._overloadname != "vec":
+        return "call_function", node.target, args, kwargs
+    mode = _opname(node).split("_")[1].rstrip("123d")
+    x, size, *rest = args
+    scales = rest[-1] if rest else None
+    options = {"size": size} if size is not None else {"scale_factor": scales}
+    if mode != "nearest":
+        options["align_corners"] = rest[0]
+    return "call_function", F.interpolate, (x,), {**options, "mode": mode}
+
+
 @lowers(aten.embedding)
 def _embedding(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     weight, indices, *rest = args

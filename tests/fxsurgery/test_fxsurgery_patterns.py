@@ -183,3 +183,37 @@ def test_fused_parallel_blocks_are_told_at_the_block() -> None:
                 f"blocks.{i}.attn_out.weight, blocks.{i}.mlp_out.weight") in str(err.value)
     with pytest.raises(AnalysisError, match=r"blocks.0: in_proj.weight: holds all 11 units, but not in an"):
         Surgeon(ParallelModel(fused_out=True), (x,))
+
+
+class ResampledBias(nn.Module):
+    """Attention with a per-head bias table resampled to the token grid by ``F.interpolate``."""
+
+    def __init__(self, heads: int = 3, head_dim: int = 4, dim: int = 8):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * heads * head_dim)
+        self.proj = nn.Linear(heads * head_dim, dim)
+        self.table = nn.Parameter(torch.randn(1, heads, 3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = F.interpolate(self.table, size=(n, n), mode="bilinear", align_corners=False)
+        attn = (q @ k.transpose(-2, -1) + bias).softmax(-1)
+        return x + self.proj((attn @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("removed", [0, 1, 2])
+def test_a_resampled_per_head_table_follows_its_heads(removed: int) -> None:
+    torch.manual_seed(0)
+    model = ResampledBias().double()
+    masked = ResampledBias().double()
+    masked.load_state_dict(model.state_dict())
+    x = torch.randn(2, 5, 8, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    (head,) = s.groups
+    assert "table" in {sl.name for sl in head.slices}
+    s.remove(head, removed)
+    with torch.no_grad():
+        masked.proj.weight[:, 4 * removed: 4 * removed + 4] = 0
+        assert (model(x) - masked(x)).abs().max() <= 1e-12

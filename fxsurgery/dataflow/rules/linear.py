@@ -159,10 +159,11 @@ _POOL_FUNCS = (
 )
 
 
-@RULES.module(*_POOL_MODULES)
-@RULES.function(*_POOL_FUNCS)
+@RULES.module(*_POOL_MODULES, nn.Upsample)
+@RULES.function(*_POOL_FUNCS, F.interpolate)
 def pool(s: Step) -> Label | None:
-    """Pooling over space keeps channels (dim 1) apart, like a depthwise convolution without weights."""
+    """Pooling and resampling over space keep channels (dim 1) apart, like a depthwise convolution without
+    weights (a position embedding resized to another grid keeps its channels)."""
     x, xl = first_tensor(s)
     if not torch.is_tensor(s.out) or x.dim() < 3:  # indices returned too, or an unbatched input
         return fallback(s)

@@ -30,7 +30,28 @@ from torch import Tensor, nn
 from .update import cosine_drop_fraction, drop_and_grow
 
 
-class DynamicSparse:
+class ScheduledUpdates:
+    """The step protocol of the mask-based baselines: ``sp.step()`` right after every ``optimizer.step()``
+    counts it and, on an update step (scores taken by the optimizer's pre-step hook), updates the masks by
+    ``drop_fraction(step)``; then the masks are applied. Subclasses define ``_update`` and ``apply_masks``."""
+
+    step_count: int
+    _pending: bool
+    _grow_scores: Any
+
+    def step(self) -> None:
+        """Count the optimizer step just taken; on an update step drop and grow; then zero inactive weights."""
+        if not self._pending:
+            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
+        self._pending = False
+        self.step_count += 1
+        if self._grow_scores is not None:
+            self._update(self._grow_scores, self.drop_fraction(self.step_count))
+            self._grow_scores = None
+        self.apply_masks()
+
+
+class DynamicSparse(ScheduledUpdates):
     """Masks of the sparse weights, the update schedule, and the drop/grow rule of `method` ("rigl" or "set").
 
     `masks[name]` is a float tensor (1 active, 0 inactive) shaped like the weight; `counts[name]` its active
@@ -112,27 +133,21 @@ class DynamicSparse:
             raise RuntimeError(f"RigL grows by gradient, but these weights have none at an update step: {missing}")
         return {n: w.grad.abs() for n, w in self.weights.items()}
 
-    def step(self) -> None:
-        """Count the optimizer step just taken; on an update step drop and grow; then zero inactive weights."""
-        if not self._pending:
-            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
-        self._pending = False
-        self.step_count += 1
-        if self._grow_scores is not None:
-            self._update(self._grow_scores, self.drop_fraction(self.step_count))
-            self._grow_scores = None
-        self.apply_masks()
-
     @torch.no_grad()
     def _update(self, scores: dict[str, Tensor], fraction: float) -> None:
         """Drop and grow in every layer; new connections get zero weights and zero optimizer moments."""
         for name, w in self.weights.items():
-            mask, new = drop_and_grow(w, self.masks[name].bool(), scores[name], fraction)
-            self.masks[name] = mask.to(w.dtype)
-            w.masked_fill_(new, 0)
-            for value in self.optimizer.state.get(w, {}).values():
-                if isinstance(value, Tensor) and value.shape == w.shape:  # exp_avg(_sq), momentum_buffer, ...
-                    value.masked_fill_(new, 0)
+            self._set_mask(name, *drop_and_grow(w, self.masks[name].bool(), scores[name], fraction))
+
+    def _set_mask(self, name: str, mask: Tensor, new: Tensor) -> None:
+        """A layer's new mask; its new connections get zero weights and zero optimizer moments."""
+        w = self.weights[name]
+        self.masks[name] = mask.to(w.dtype)
+        self.counts[name] = int(mask.sum())
+        w.masked_fill_(new, 0)
+        for value in self.optimizer.state.get(w, {}).values():
+            if isinstance(value, Tensor) and value.shape == w.shape:  # exp_avg(_sq), momentum_buffer, ...
+                value.masked_fill_(new, 0)
 
     def state_dict(self) -> dict[str, Any]:
         """Method, step count, boolean masks and RNG state."""

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from fxsurgery import Surgeon, UnitGroup
 
 from ..analysis import default_example_inputs
+from .dynamic import ScheduledUpdates
 from .snfs import cosine_prune_rate
 
 
@@ -29,7 +30,7 @@ def unit_reduce(group: UnitGroup, tensors: dict[str, Tensor], fn: Any) -> Tensor
     return total
 
 
-class StructuredSparse:
+class StructuredSparse(ScheduledUpdates):
     """Unit masks over fxsurgery's exact head and channel groups, with S²ViTE's prune-and-grow of units.
 
     A dead unit's output slices (the output projection's columns, `ParamSlice.output`) are zero, which removes
@@ -81,7 +82,7 @@ class StructuredSparse:
         self.step_count = 0
         self.unit_masks = {name: self._random_units(g.count, live[name]) for name, g in self.groups.items()}
         self._pending = False
-        self._scores: dict[str, tuple[Tensor, Tensor]] | None = None
+        self._grow_scores: dict[str, tuple[Tensor, Tensor]] | None = None
         self._refresh_masks()
         self.apply_masks()
         optimizer.register_step_pre_hook(self._before_step)
@@ -109,7 +110,7 @@ class StructuredSparse:
         """Whether 1-based optimizer step `step` is a unit update."""
         return step % self.update_interval == 0 and step < self.end_step
 
-    def rate(self, step: int) -> float:
+    def drop_fraction(self, step: int) -> float:
         """The fraction of each group's live units dropped at update step `step`."""
         return cosine_prune_rate(step, self.death_rate, self.min_death_rate, self.total_steps)
 
@@ -133,7 +134,7 @@ class StructuredSparse:
             raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
         self._pending = True
         if self.is_update_step(self.step_count + 1):
-            self._scores = {name: self._unit_scores(g) for name, g in self.groups.items()}
+            self._grow_scores = {name: self._unit_scores(g) for name, g in self.groups.items()}
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
@@ -156,17 +157,6 @@ class StructuredSparse:
         else:
             importance = unit_reduce(g, weights, lambda u, sl: u.abs())
         return importance, growth
-
-    def step(self) -> None:
-        """Count the optimizer step just taken; on an update step drop and revive units; then apply the masks."""
-        if not self._pending:
-            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
-        self._pending = False
-        self.step_count += 1
-        if self._scores is not None:
-            self._update(self._scores, self.rate(self.step_count))
-            self._scores = None
-        self.apply_masks()
 
     @torch.no_grad()
     def _update(self, scores: dict[str, tuple[Tensor, Tensor]], rate: float) -> None:

@@ -143,18 +143,12 @@ class SparseMomentum(DynamicSparse):
         grow = redistribute([shares[n] for n in names], removed,
                             [self.weights[n].numel() - int(kept[n].sum()) for n in names])
         for name, n_grow in zip(names, grow):
-            w, before = self.weights[name], self.masks[name].bool()
+            before = self.masks[name].bool()
             score = momenta[name].flatten().masked_fill(kept[name].flatten(), -math.inf)
             grown = torch.zeros_like(before).flatten()
             grown[score.topk(n_grow, sorted=False).indices] = True
             grown = grown.view_as(before)
-            mask, new = kept[name] | grown, grown & ~before
-            self.masks[name] = mask.to(w.dtype)
-            self.counts[name] = int(mask.sum())
-            w.masked_fill_(new, 0)
-            for value in self.optimizer.state.get(w, {}).values():
-                if isinstance(value, Tensor) and value.shape == w.shape:
-                    value.masked_fill_(new, 0)
+            self._set_mask(name, kept[name] | grown, grown & ~before)
 
     def _layer_rate(self, name: str, rate: float, share: float, layers: int) -> float:
         """The reference's adjust_prune_rate: a layer over 80% dense that draws more than its even share of the

@@ -152,14 +152,8 @@ class ConstantFanInSparse(DynamicSparse):
     @torch.no_grad()
     def _update(self, scores: dict[str, Tensor], fraction: float) -> None:
         for name, w in self.weights.items():
-            mask, new = constant_fan_in_update(w, self.masks[name].bool(), scores[name], fraction,
-                                               target=self.targets[name], gamma_sal=self.gamma_sal)
-            self.masks[name] = mask.to(w.dtype)
-            self.counts[name] = int(mask.sum())
-            w.masked_fill_(new, 0)
-            for value in self.optimizer.state.get(w, {}).values():
-                if isinstance(value, Tensor) and value.shape == w.shape:
-                    value.masked_fill_(new, 0)
+            self._set_mask(name, *constant_fan_in_update(w, self.masks[name].bool(), scores[name], fraction,
+                                                         target=self.targets[name], gamma_sal=self.gamma_sal))
 
     def ablated_fraction(self) -> dict[str, float]:
         """The fraction of each layer's output neurons that are ablated (no active input)."""

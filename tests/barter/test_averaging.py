@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from tiny_vit import build_vit, vit_batch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import barter
@@ -12,17 +13,6 @@ from timm.utils import ModelEmaV3  # noqa: E402
 
 T = 30
 HEAD_DIM = 16
-
-
-def build():
-    torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8, depth=3,
-                             mlp_ratio=1.0, embed_dim=64, num_heads=4)
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
 def mask_donor(model, event):
@@ -47,14 +37,14 @@ UPDATES = {"timm_v3": lambda ema, model, step: ema.update(model, step=step),
 
 @pytest.mark.parametrize("kind", sorted(EMAS))
 def test_averaged_copy_follows_transfers_and_clones_keep_its_outputs(kind):
-    model = build()
+    model = build_vit()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ctl = barter.wrap(model, opt, total_steps=T, density=0.5, noise_std=0.0)
     ema = EMAS[kind](model)
     ctl.track(ema)
-    probe = batch(-1)[0]
+    probe = vit_batch(-1)[0]
     for step in range(T):
-        x, y = batch(step)
+        x, y = vit_batch(step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         before, events = copy.deepcopy(ema.module), len(ctl.events)
@@ -72,7 +62,7 @@ def test_averaged_copy_follows_transfers_and_clones_keep_its_outputs(kind):
 
 
 def test_an_averaged_copy_of_the_dense_model_is_refused():
-    model = build()
+    model = build_vit()
     ema = ModelEmaV3(model)
     ctl = barter.wrap(model, total_steps=T, density=0.5)
     with pytest.raises(ValueError, match="after barter.wrap"):

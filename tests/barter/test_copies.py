@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from tiny_vit import build_vit, vit_batch
 
 import barter
 
@@ -10,26 +11,15 @@ timm = pytest.importorskip("timm")
 T = 40
 
 
-def build():
-    torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8, depth=3,
-                             mlp_ratio=1.0, embed_dim=64, num_heads=4)
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)
-
-
 def new():
-    model = build()
+    model = build_vit()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     return barter.wrap(model, opt, total_steps=T, density=0.5), opt
 
 
 def train(model, opt, steps):
     for step in steps:
-        x, y = batch(step)
+        x, y = vit_batch(step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -37,7 +27,7 @@ def train(model, opt, steps):
 
 def probe(model):
     with torch.no_grad():
-        return model.eval()(batch(-1)[0]), model.train()
+        return model.eval()(vit_batch(-1)[0]), model.train()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 GradScaler skipped is not a step of the schedule, and bf16 autocast trains through transfers."""
 import pytest
 import torch
+from tiny_vit import build_vit, vit_batch
 
 import barter
 
@@ -9,26 +10,15 @@ timm = pytest.importorskip("timm")
 T = 40
 
 
-def build():
-    torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", num_classes=5, img_size=32, patch_size=8, depth=3,
-                             mlp_ratio=1.0, embed_dim=64, num_heads=4)
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)
-
-
 def new(auto=True, scaler=None):
-    model = build()
+    model = build_vit()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     return barter.wrap(model, opt, total_steps=T, density=0.5, auto=auto, scaler=scaler), opt
 
 
 def scaler_step(ctl, opt, scaler, step, overflow=False, autocast=None):
     """One GradScaler step; `overflow` makes every gradient inf, as an fp16 overflow does."""
-    x, y = batch(step)
+    x, y = vit_batch(step)
     with autocast or torch.autocast("cpu", enabled=False):
         loss = torch.nn.functional.cross_entropy(ctl.model(x), y)
     opt.zero_grad()
@@ -62,7 +52,7 @@ def test_scores_do_not_depend_on_the_loss_scale():
     plain, plain_opt = new()
     for step in range(T):
         scaler_step(scaled, scaled_opt, scaler, step)
-        x, y = batch(step)
+        x, y = vit_batch(step)
         plain_opt.zero_grad()
         torch.nn.functional.cross_entropy(plain.model(x), y).backward()
         plain_opt.step()
@@ -86,7 +76,7 @@ def test_manual_step_after_a_skipped_optimizer_step_is_ignored():
 def test_bf16_autocast_trains_through_the_transfers():
     ctl, opt = new()
     for step in range(T):
-        x, y = batch(step)
+        x, y = vit_batch(step)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(ctl.model(x), y)
         opt.zero_grad()

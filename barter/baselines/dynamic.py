@@ -39,6 +39,21 @@ class ScheduledUpdates:
     _pending: bool
     _grow_scores: Any
 
+    @torch.no_grad()
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The optimizer's pre-step hook: on an update step take the scores and drop every gradient (the update
+        replaces the optimizer step); otherwise the optimizer sees the masked gradients."""
+        if self._pending:
+            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
+        self._pending = True
+        if self.is_update_step(self.step_count + 1):
+            self._grow_scores = self._scores()
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        else:
+            self._mask_gradients()
+
     def step(self) -> None:
         """Count the optimizer step just taken; on an update step drop and grow; then zero inactive weights."""
         if not self._pending:
@@ -109,20 +124,10 @@ class DynamicSparse(ScheduledUpdates):
         """Zero the inactive weights."""
         torch._foreach_mul_(list(self.weights.values()), list(self.masks.values()))
 
-    @torch.no_grad()
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._pending:
-            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
-        self._pending = True
-        if self.is_update_step(self.step_count + 1):
-            self._grow_scores = self._scores()
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-        else:
-            pairs = [(w.grad, self.masks[n]) for n, w in self.weights.items() if w.grad is not None]
-            if pairs:
-                torch._foreach_mul_(*map(list, zip(*pairs)))
+    def _mask_gradients(self) -> None:
+        pairs = [(w.grad, self.masks[n]) for n, w in self.weights.items() if w.grad is not None]
+        if pairs:
+            torch._foreach_mul_(*map(list, zip(*pairs)))
 
     def _scores(self) -> dict[str, Tensor]:
         """Growth scores: |dense gradient| (RigL) or uniform random numbers (SET)."""

@@ -128,20 +128,13 @@ class StructuredSparse(ScheduledUpdates):
         """Zero the output slices of dead units."""
         torch._foreach_mul_([self.tensors[n] for n in self.masks], list(self.masks.values()))
 
-    @torch.no_grad()
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._pending:
-            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
-        self._pending = True
-        if self.is_update_step(self.step_count + 1):
-            self._grow_scores = {name: self._unit_scores(g) for name, g in self.groups.items()}
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-        else:
-            for name, mask in self.masks.items():
-                if self.tensors[name].grad is not None:
-                    self.tensors[name].grad.mul_(mask)
+    def _scores(self) -> dict[str, tuple[Tensor, Tensor]]:
+        return {name: self._unit_scores(g) for name, g in self.groups.items()}
+
+    def _mask_gradients(self) -> None:
+        for name, mask in self.masks.items():
+            if self.tensors[name].grad is not None:
+                self.tensors[name].grad.mul_(mask)
 
     def _unit_scores(self, g: UnitGroup) -> tuple[Tensor, Tensor]:
         """(importance, growth) of every unit of `g` from the current weights and dense gradients."""

@@ -24,6 +24,15 @@ masks, activations, workspace). On CPU, each configuration runs alone in a subpr
 growth of the process's peak RSS (ru_maxrss) from just before the model is built to after warm-up and one step:
 it includes allocator slack and is only comparable between rows of the same run.
 
+Amortised cost of topology updates, per model and density, over a run of the presets' length (RUN_STEPS): for
+BARTER, the seconds its controller spends in the steps that attempt transfers (proposals, surgery; synchronised on
+CUDA), measured on barter-after, whose first step runs every proposal of the schedule (as many as a run of any
+length has: their number depends on the unit budget, not on the horizon), divided by the run's steps and given as
+a fraction of barter-after's median step. Static never changes its topology. For RigL, "rigl-update" is RigL with a
+mask update at every step; the extra cost of an update step (its median minus RigL's ordinary median) times the
+updates a run of that length has (every 100 steps before 75% of it), divided by the run's steps and as a fraction
+of RigL's median step.
+
 With `--compile`, Static, BARTER and barter-after are also trained through `barter.compiling.compile_model`
 ("+compile" rows; warm-up includes the first compile) and one line per model and density prints the compiled /
 eager step-time ratios. `--amp bf16` runs every step under bf16 autocast.
@@ -55,12 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter
 import models  # noqa: F401  (registers the models)
 from barter.baselines import METHODS as BASELINES
-from barter.baselines import build_baseline, condensed_linear
+from barter.baselines import SparseTraining, build_baseline, condensed_linear
 from barter.compiling import compile_model
 from barter.training.flops import StepFlops, run_step
 
 MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
 METHODS = ("dense", "static", "barter", "barter-after", *BASELINES)
+UPDATE_EVERY_STEP = "rigl-update"  # RigL whose every step is a mask update, timing the update steps' extra cost
 DENSITIES = (0.1, 0.3, 0.5, 0.7)
 COMPILED = "+compile"  # suffix of a configuration trained through torch.compile (--compile)
 COMPILED_METHODS = ("static", "barter", "barter-after")
@@ -68,8 +78,44 @@ AUTOCAST: Callable[[], ContextManager] = contextlib.nullcontext  # --amp bf16 se
 AMP = "fp32"
 HORIZON = 1_000_000  # total steps given to every method: BARTER's taps stay on, no baseline's update is timed
 AFTER_HORIZON = 1  # window [rnd(0.1 T), rnd(0.4 T)] = [0, 0]: every proposal runs right after step 1
+# steps of the presets' runs: cct_cifar100 300 epochs of ceil(45,000 / 128), vit_tinyimagenet 100 of 3 x 100,000 // 128
+RUN_STEPS = {"cct_7_3x1_32": 300 * 352, "vit_paper_p8_64": 100 * 2343}
 CONDENSED_ROWS = 256  # input rows (tokens) of the condensed-layer timing
 CONDENSED_REPEATS = 20
+
+
+@dataclass
+class TransferTime:
+    """Seconds a controller spent in its steps that attempted transfers, and how many it attempted and executed."""
+
+    seconds: float = 0.0
+    attempted: int = 0
+    executed: int = 0
+
+
+def clock_transfers(ctl: barter.Controller, device: str) -> TransferTime:
+    """Time `ctl.step` whenever it attempts transfers, until its last scheduled proposal (then the plain step)."""
+    clock = TransferTime()
+    last = max(max(steps, default=0) for steps in ctl.schedule.values())
+    plain = ctl.step
+
+    def timed_step() -> None:
+        before = len(ctl.events)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plain()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if len(ctl.events) > before:
+            clock.seconds += time.perf_counter() - t0
+            clock.attempted += len(ctl.events) - before
+            clock.executed += sum(e["skipped"] is None for e in ctl.events[before:])
+        if ctl.step_count >= last:
+            del ctl.step  # the class's step again
+
+    ctl.step = timed_step
+    return clock
 
 
 @dataclass
@@ -81,6 +127,8 @@ class Run:
     after_step: Callable[[], None]
     controller: barter.Controller | None = None
     forward: torch.nn.Module | None = None  # the compiled model, for a "+compile" configuration
+    sparse: SparseTraining | None = None  # the baseline's driver
+    transfers: TransferTime | None = None  # barter-after's transfer time
 
 
 def build(arch: str, method: str, density: float, device: str) -> Run:
@@ -93,14 +141,19 @@ def build(arch: str, method: str, density: float, device: str) -> Run:
     torch.manual_seed(0)
     model = timm.create_model(arch).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
-    if method in BASELINES:
-        sp = build_baseline(method, model, opt, density=density, total_steps=HORIZON)
-        return Run(model, opt, sp.step)
+    if method == UPDATE_EVERY_STEP:
+        sp = build_baseline("rigl", model, opt, density=density, total_steps=HORIZON, update_interval=1)
+        return Run(model, opt, sp.step, sparse=sp)
+    if method in BASELINES:  # RigL's schedule is a preset run's, so that its updates can be counted
+        total = RUN_STEPS[arch] if method == "rigl" else HORIZON
+        sp = build_baseline(method, model, opt, density=density, total_steps=total)
+        return Run(model, opt, sp.step, sparse=sp)
     if method == "dense":
         return Run(model, opt, lambda: None)
     horizon = AFTER_HORIZON if method == "barter-after" else HORIZON
     ctl = barter.wrap(model, opt, total_steps=horizon, density=density, method=method.removesuffix("-after"))
-    return Run(model, opt, lambda: None, controller=ctl)
+    transfers = clock_transfers(ctl, device) if method == "barter-after" else None
+    return Run(model, opt, lambda: None, controller=ctl, transfers=transfers)
 
 
 def batch(arch: str, size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,11 +256,12 @@ def configs(densities: tuple[float, ...], compiled: bool = False) -> list[tuple[
     """(method, density) pairs; Dense once (its density is 1); with `compiled`, Static and BARTER (inside and
     after the window) also trained through torch.compile."""
     extra = [m + COMPILED for m in COMPILED_METHODS] if compiled else []
-    return [("dense", 1.0)] + [(m, d) for d in densities for m in (*METHODS[1:], *extra)]
+    return [("dense", 1.0)] + [(m, d) for d in densities for m in (*METHODS[1:], UPDATE_EVERY_STEP, *extra)]
 
 
 def measure(arch: str, densities: tuple[float, ...], args: argparse.Namespace) -> dict[tuple[str, float], dict]:
-    """{(method, density): {"time": median seconds, "mem": MiB or None, "flops": per step}} for one model."""
+    """{(method, density): {"time": median seconds, "mem": MiB or None, "flops": per step}} for one model, with
+    barter-after's "transfers" (TransferTime) and RigL's "updates" in a preset run."""
     x, y = batch(arch, args.batch, args.device)
     results = {c: {"time": math.nan, "mem": None, "flops": math.nan} for c in configs(densities, args.compile)}
     if args.memory:
@@ -225,8 +279,12 @@ def measure(arch: str, densities: tuple[float, ...], args: argparse.Namespace) -
                     results[c]["flops"] = counted.total
             else:
                 times[c].append(timed_step(run, x, y))
-    for c in runs:
+    for c, run in runs.items():
         results[c]["time"] = statistics.median(times[c])
+        if run.transfers is not None:
+            results[c]["transfers"] = run.transfers
+        if c[0] == "rigl":
+            results[c]["updates"] = sum(map(run.sparse.is_update_step, range(1, RUN_STEPS[arch] + 1)))
     return results
 
 
@@ -258,6 +316,24 @@ def report(name: str, results: dict[tuple[str, float], dict], densities: tuple[f
         print(f"{d:7.1f} {ratios[d][0]:17.3f} {b['time'] / static['time']:19.3f} {ratios[d][1]:18.3f} "
               f"{mems[0]:>16} {mems[1]:>18}")
     return ratios
+
+
+def report_topology_cost(name: str, arch: str, results: dict[tuple[str, float], dict],
+                         densities: tuple[float, ...]) -> None:
+    """Print the amortised per-step cost of topology updates of BARTER, Static and RigL (module docstring)."""
+    steps = RUN_STEPS[arch]
+    for d in densities:
+        after, rigl, update = (results[m, d] for m in ("barter-after", "rigl", UPDATE_EVERY_STEP))
+        clock = after["transfers"]
+        barter_cost = clock.seconds / steps
+        extra = update["time"] - rigl["time"]
+        rigl_cost = rigl["updates"] * extra / steps
+        print(f"{name} topology updates at {d:g}, amortised over a {steps:,}-step run: "
+              f"BARTER {clock.executed}/{clock.attempted} transfers executed, {clock.seconds * 1e3:.1f} ms in all, "
+              f"{barter_cost * 1e3:.4f} ms/step ({100 * barter_cost / after['time']:.4f}% of its median step); "
+              f"Static 0 ms/step (no updates); "
+              f"RigL {rigl['updates']} updates x {extra * 1e3:.1f} ms extra, {rigl_cost * 1e3:.4f} ms/step "
+              f"({100 * rigl_cost / rigl['time']:.4f}% of its median step)")
 
 
 def report_compiled(name: str, results: dict[tuple[str, float], dict], densities: tuple[float, ...]) -> None:
@@ -309,6 +385,7 @@ def main() -> None:
     for name, arch in MODELS.items():
         results = measure(arch, densities, args)
         ratios[name] = report(name, results, densities)
+        report_topology_cost(name, arch, results, densities)
         if args.compile:
             report_compiled(name, results, densities)
     print()

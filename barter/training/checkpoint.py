@@ -49,7 +49,9 @@ def restore(session: Session, state: dict[str, Any]) -> None:
     try:
         if session.controller is not None:
             session.controller.load_state_dict(state["controller"])
-        session.model.load_state_dict(state["model"])
+        session.model.load_state_dict(state["model"] if session.ema is None else state["live_model"])
+        if session.ema is not None:
+            session.ema.load_state_dict(state["model_ema"])
         session.optimizer.load_state_dict(state["optimizer"])
         if session.sparse is not None:
             session.sparse.load_state_dict(state["sparse"])
@@ -65,9 +67,11 @@ def restore(session: Session, state: dict[str, Any]) -> None:
 
 
 def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: RunDir, improved: bool) -> None:
-    """Export the model to the run's last checkpoint with the trainer state beside it (`barter.training.runlog`), and
-    copy it to the best one when it improved: `barter.load(run / "best")` gives the selected model."""
-    run.save_checkpoint(run.last, session.model, checkpoint_state(session, config), architecture=config.model,
+    """Export the model (its EMA under `model_ema`) to the run's last checkpoint with the trainer state beside it
+    (`barter.training.runlog`), and copy it to the best one when it improved: `barter.load(run / "best")` gives
+    the selected model."""
+    exported = session.model if session.ema is None else session.ema.module
+    run.save_checkpoint(run.last, exported, checkpoint_state(session, config), architecture=config.model,
                         model_kwargs=model_arguments(config, data),
                         example_inputs=example_batch(data, torch.device("cpu")))
     if improved:
@@ -89,9 +93,10 @@ def save_compact(session: Session, config: TrainConfig, data: Data, run: RunDir)
 
 
 def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:
-    """What resuming needs besides the weights: optimizer, controller and sparse states, FLOP meter, counters,
-    learning-rate schedule, best result, random states and the config."""
-    return {
+    """What resuming needs besides the exported weights: optimizer, controller and sparse states, FLOP meter,
+    counters, learning-rate schedule, best result, random states and the config; under `model_ema` the exported
+    weights are the EMA's, so the live model's and the EMA's whole states are here too."""
+    state = {
         "config": config.to_dict(), "epoch": session.epoch, "step": session.step, "finished": session.finished,
         "schedule": asdict(session.schedule), "optimizer": session.optimizer.state_dict(),
         "controller": None if session.controller is None else session.controller.state_dict(),
@@ -100,6 +105,9 @@ def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:
         "step_flops": session.step_flops, "wall_s": session.wall_s,
         "best": {"acc": session.best_acc, "epoch": session.best_epoch}, "rng": rng_state(),
     }
+    if session.ema is not None:
+        state.update(live_model=session.model.state_dict(), model_ema=session.ema.state_dict())
+    return state
 
 
 def rng_state() -> dict[str, Any]:

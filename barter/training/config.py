@@ -46,7 +46,9 @@ class TrainConfig:
     `flop_budget` stops at that cumulative F_total (a final partial epoch allowed); `continue_from` continues a
     finished run's endpoint up to `flop_budget` (matched compute). `amp`: "fp32" (the paper's), "bf16" autocast,
     or "fp16" autocast with loss scaling (`barter.training.precision`). `compile`: training steps run through
-    `torch.compile` (`barter.compiling.compile_model`; one process only).
+    `torch.compile` (`barter.compiling.compile_model`; one process only). `model_ema`: the decay of a timm
+    `ModelEmaV3` of the weights, updated after every optimizer step, evaluated beside the model, selecting the
+    best checkpoint and exported in the checkpoints (timm train.py's `--model-ema`).
     """
 
     preset: str = "custom"
@@ -80,6 +82,7 @@ class TrainConfig:
     device: str = "auto"
     amp: str = "fp32"
     compile: bool = False
+    model_ema: float | None = None
     flop_budget: float | None = None
     continue_from: str | None = None
     out_dir: str = "runs"
@@ -116,6 +119,7 @@ class TrainConfig:
              f"baseline_options apply to the baselines ({', '.join(BASELINE_METHODS)}), not to {self.method}"),
             (self.workers is None or self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
             (self.amp in AMP_MODES, f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"),
+            (self.model_ema is None or 0 < self.model_ema < 1, f"model_ema must be in (0, 1), got {self.model_ema}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -177,6 +181,7 @@ FIELD_HELP: dict[str, str] = {
     "barter_options": "barter.wrap options as a mapping (or the flags below)",
     "seed": "random seed of model, data order and method",
     "device": "auto (default), cpu, cuda, cuda:1, ...",
+    "model_ema": "decay of an EMA of the weights that is evaluated, selects the best checkpoint and is exported",
     "flop_budget": "stop at this cumulative F_total (FLOPs), or at the final F_total of the run directory given",
     "continue_from": "finished run to continue with its topology fixed (matched compute)",
     "out_dir": "parent of run directories",

@@ -30,7 +30,8 @@ from .session import Data, Session, build_data, build_session, resolve_device
 @dataclass(frozen=True)
 class RunResult:
     """Where a run wrote its files and how it ended (acc / macro_f1: the test split at the last epoch;
-    best_*: the checkpoint selected on validation, or on test without a validation split)."""
+    best_*: the checkpoint selected on validation, or on test without a validation split; the EMA's accuracy
+    under `model_ema`)."""
 
     run_dir: Path
     epochs: float
@@ -182,6 +183,8 @@ def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, d
         if session.sparse is not None:
             session.sparse.step()
         session.step += 1
+        if session.ema is not None:
+            session.ema.update(model, step=session.step)
         done += 1
         if len(batch) == config.batch_size:
             session.step_flops = meter.last.total
@@ -208,9 +211,10 @@ def widths_text(controller: Controller | None) -> str:
 
 def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, device: torch.device,
                train_stats: dict[str, float]) -> None:
-    """Evaluate, log the epoch (with the baseline driver's `metrics()`), keep the best and the last checkpoint,
-    and write events and topology. At the end of a run whose baseline removes whole units (S²ViTE), the selected
-    model's compact export goes to `run/compact` and its parameter count into the last record."""
+    """Evaluate (the EMA too, which then selects the best checkpoint), log the epoch (with the baseline driver's
+    `metrics()`), keep the best and the last checkpoint, and write events and topology. At the end of a run whose
+    baseline removes whole units (S²ViTE), the selected model's compact export goes to `run/compact` and its
+    parameter count into the last record."""
     test = evaluate(session.model, data.test, data.num_classes, device, config.workers)
     val = evaluate(session.model, data.val, data.num_classes, device, config.workers) if data.val is not None else None
     record = {"epoch": session.epoch, "step": session.step, **train_stats,
@@ -220,11 +224,18 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
               "wall_s": session.wall_s}
     if val is not None:
         record.update(val_loss=val["loss"], val_acc=val["acc"], val_macro_f1=val["macro_f1"])
+    ema_test = ema_val = None
+    if session.ema is not None:
+        ema_test = evaluate(session.ema.module, data.test, data.num_classes, device, config.workers)
+        record.update({f"ema_test_{k}": v for k, v in ema_test.items()})
+        if data.val is not None:
+            ema_val = evaluate(session.ema.module, data.val, data.num_classes, device, config.workers)
+            record.update({f"ema_val_{k}": v for k, v in ema_val.items()})
     if session.sparse is not None:
         record["sparse"] = session.sparse.metrics()
     if session.controller is not None:
         record["nonfinite_score_batches"] = session.controller.nonfinite_batches
-    selected = (val or test)["acc"]
+    selected = (ema_val or ema_test or val or test)["acc"]
     improved = selected > session.best_acc
     if improved:
         session.best_acc, session.best_epoch = selected, session.epoch
@@ -236,6 +247,7 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
         run.write_events(session.controller.events)
         run.write_json("topology.json", session.controller.topology())
     if config.progress:
+        ema_text = "" if ema_test is None else f"  EMA test acc {ema_test['acc']:.4f}"
         tqdm.write(f"epoch {session.epoch:g}: loss {record['loss']:.4f}  test acc {test['acc']:.4f}  "
                    f"macro-F1 {test['macro_f1']:.4f}  F_total {record['flops']:.4g}  {session.wall_s:.0f}s"
-                   f"{widths_text(session.controller)}")
+                   f"{ema_text}{widths_text(session.controller)}")

@@ -3,14 +3,16 @@ for S²ViTE `compact/`,
 and TensorBoard event files under `tensorboard/` when the `tensorboard` package is installed.
 
 summary.csv has one row per epoch, under timm's column names where timm has one (epoch, train_loss, eval_loss,
-eval_top1, eval_top5 in percent as timm writes them, lr) and ours for the rest; it is rewritten from metrics.jsonl,
-so a resumed run's table is that of the uninterrupted one. TensorBoard gets the same scalars against the step.
+eval_top1, eval_top5 in percent as timm writes them, lr; under `model_ema` the EMA's ema_eval_top1 and
+ema_eval_top5) and ours for the rest; it is rewritten from metrics.jsonl, so a resumed run's table is that of the
+uninterrupted one. TensorBoard gets the same scalars against the step.
 
 The checkpoints `best/` and `last/` are `barter.export` directories (`barter.load(run / "best")` gives the trained
-compact model) with the trainer state beside the weights in `trainer.pt`, a `torch.save` dictionary read back
-with `weights_only=True`. S²ViTE's `best/` and `last/` hold its masked full-width model (resuming needs the
-dead units' input weights); `compact/` is the best one with the dead units removed. Each is written
-atomically (a temporary directory, then renames); anything unreadable or incomplete raises `CheckpointError`
+compact model; under `model_ema` its EMA, which has the model's topology) with the trainer state beside the
+weights in `trainer.pt`, a `torch.save` dictionary read back with `weights_only=True` (under `model_ema` it holds
+the live model's and the EMA's whole states too). S²ViTE's `best/` and `last/` hold its masked full-width model
+(resuming needs the dead units' input weights); `compact/` is the best one with the dead units removed. Each is
+written atomically (a temporary directory, then renames); anything unreadable or incomplete raises `CheckpointError`
 with the path and the reason.
 """
 from __future__ import annotations
@@ -33,8 +35,8 @@ CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "f
 TRAINER_STATE = "trainer.pt"
 # summary.csv: timm's column (right) for a metrics.jsonl key (left); the other keys keep their names
 TIMM_COLUMNS = {"epoch": "epoch", "loss": "train_loss", "test_loss": "eval_loss", "acc": "eval_top1",
-                "top5": "eval_top5", "lr": "lr"}
-PERCENT = ("acc", "top5")  # timm writes top-1/top-5 in percent
+                "top5": "eval_top5", "lr": "lr", "ema_test_acc": "ema_eval_top1", "ema_test_top5": "ema_eval_top5"}
+PERCENT = ("acc", "top5", "ema_test_acc", "ema_test_top5")  # timm writes top-1/top-5 in percent
 
 
 class CheckpointError(ValueError):

@@ -6,6 +6,7 @@ from typing import Any
 
 import timm
 import torch
+from timm.utils import ModelEmaV3
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
@@ -51,6 +52,7 @@ class Session:
     ddp: DistributedModel | None = None  # what training steps run through in a multi-process run
     precision: Precision = field(default_factory=Precision)
     compiled: nn.Module | None = None  # what training steps run through under --compile
+    ema: ModelEmaV3 | None = None  # the weights' moving average under --model-ema
     epoch: float = 0
     step: int = 0
     finished: bool = False
@@ -102,6 +104,7 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         sparse = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
                                 seed=config.seed, example_inputs=example_batch(data, device),
                                 **config.baseline_options)
+    ema = build_ema(model, controller, config.model_ema)
     warmup = round(config.warmup_epochs * total_steps / config.epochs)
     schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
     try:
@@ -118,7 +121,18 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         raise ConfigError("compile runs in one process only")
     compiled = compile_model(model, controller) if config.compile else None
     return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp, precision=precision,
-                   compiled=compiled)
+                   compiled=compiled, ema=ema)
+
+
+def build_ema(model: nn.Module, controller: Controller | None, decay: float | None) -> ModelEmaV3 | None:
+    """timm's EMA of `model`'s weights (None without a decay), made after the wrap so that it follows the
+    controller's transfers."""
+    if decay is None:
+        return None
+    ema = ModelEmaV3(model, decay=decay)
+    if controller is not None:
+        controller.track(ema)
+    return ema
 
 
 def load_pretrained(model: nn.Module, source: str) -> None:

@@ -4,7 +4,7 @@
 A family is a module under `timm.models`. It has attention when one of its models, built on the meta
 device, holds a module the oracle counts as attention (`UNIT_MODULES["head"]`). Its representative is the
 attention model with the fewest parameters, built at the smallest settings it accepts (depth 2, then
-the default depth; 64-pixel images, then larger) and checked by one forward pass on the CPU.
+the default depth; 64-pixel images, then larger up to the model's own) and checked by one forward pass on the CPU.
 No weights are loaded; a family none of whose models builds is listed with the reason it was skipped.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from conformance_checks import UNIT_MODULES, timm_model
 
 FAMILIES = Path(__file__).resolve().parents[1] / "tests" / "conformance" / "timm_families.json"
-SIZES = (64, 96, 128, 224)  # image sides tried, smallest first
+SIZES = (64, 96, 128)  # image sides tried, smallest first, before the model's own
 CANDIDATES = 3  # models tried per family, fewest parameters first
 
 
@@ -66,8 +66,10 @@ def profile(name: str) -> Profile | None:
 
 def smallest_build(name: str) -> Build:
     """The smallest settings at which `name` builds and runs on the CPU; raises the last error otherwise."""
+    import timm
+
     error: Exception | None = None
-    for side in SIZES:
+    for side in (*SIZES, timm.models.get_pretrained_cfg(name).input_size[-1]):
         for depth in ({"depth": 2}, {}):
             for size in ({"img_size": side}, {}):
                 kwargs = {**depth, **size}
@@ -92,7 +94,7 @@ def representative(family: str, names: list[str]) -> dict | None:
         try:
             build = smallest_build(p.name)
         except Exception as e:  # the next candidate, or the family is skipped with this reason
-            reasons.append(f"{p.name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            reasons.append(f"{p.name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}")
             continue
         return {"model": p.name, "family": family, "attention": list(p.attention), "kwargs": build.kwargs,
                 "input": [3, build.side, build.side]}

@@ -177,24 +177,33 @@ def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor) -> Conform
 def model_cases(path: Path = LIST, depth: int | None = 2) -> list[tuple[str, Callable[[], nn.Module], torch.Tensor]]:
     """A JSON list as (name, builder, input). An entry names a timm model (``depth`` shrinks models that
     take it) or, with ``"factory": "module:callable"`` and ``"input": [C, H, W]``, any other constructor;
-    ``"tokens": V`` makes the input token ids below V of shape ``"input"`` (text models)."""
+    ``"tokens": V`` makes the input token ids below V of shape ``"input"`` (text models). Entries with a
+    ``"skip"`` reason are not cases (`skipped` lists them)."""
     cases = []
     for entry in json.loads(path.read_text()):
+        if "skip" in entry:
+            continue
         kw = dict(entry["kwargs"])
         if "factory" in entry:
             module, _, attr = entry["factory"].partition(":")
             build = functools.partial(getattr(importlib.import_module(module), attr), **kw)
             shape = tuple(entry["input"])
         else:
-            build = functools.partial(_timm_model, entry["model"], kw, depth)
+            build = functools.partial(timm_model, entry["model"], kw, depth)
             size = kw.get("img_size", 224)
-            shape = (3, size, size)
+            shape = tuple(entry.get("input", (3, size, size)))
         x = torch.randint(0, entry["tokens"], (2, *shape)) if "tokens" in entry else torch.randn(2, *shape)
         cases.append((entry["model"], build, x))
     return cases
 
 
-def _timm_model(name: str, kw: dict, depth: int | None) -> nn.Module:
+def skipped(path: Path) -> list[tuple[str, str]]:
+    """(model, reason) for the entries of a JSON list that cannot be built here."""
+    return [(entry["model"], entry["skip"]) for entry in json.loads(path.read_text()) if "skip" in entry]
+
+
+def timm_model(name: str, kw: dict, depth: int | None) -> nn.Module:
+    """A timm model with 2 classes and no weights, at ``depth`` where the model takes it and ``kw`` sets none."""
     import timm
 
     import models  # noqa: F401  (registers the project's models with timm)

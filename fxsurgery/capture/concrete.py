@@ -94,15 +94,22 @@ def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwar
     """The captured graph must compute what the module computes on the example inputs (same random draws):
     code that caches state between calls, or reads something the capture froze, is refused here."""
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    buffers = [(b, b.clone()) for b in module.buffers()]  # batch norm's statistics move in training mode
     try:
         with training_mode(module, training), forked_rng(leaves), torch.no_grad():
             torch.manual_seed(0)
             expected = [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
             torch.manual_seed(0)
             got = [t for t in pytree.tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
     except Exception as e:  # the graph does not even run where the module does
         raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not run: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
     shapes_agree = [t.shape for t in got] == [t.shape for t in expected]
     if not shapes_agree or any(not torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
                                for a, b in zip(got, expected) if a.is_floating_point()):

@@ -23,7 +23,7 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
     of coordinates, W's rows and b's entries belong to them. A weight ``computed`` from a parameter (a
     chunk of a packed one) lends its rows to the space but cannot be the sink. ``weight_in_rows``: W is
     stored [in, out] (``y = x W + b``, GPT-2's Conv1D), so its rows are read and its columns are the space."""
-    w_rank = 2 if weight is None else s.lab.module.get_parameter(weight).dim()
+    w_rank = 2 if weight is None else _state(s, weight).dim()
     kernel = (1,) * (w_rank - 2)
     reads, writes = ((-1, 1), (1, -1)) if weight_in_rows else ((1, -1, *kernel), (-1, 1, *kernel))
     if xl is not None:
@@ -55,6 +55,20 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
     return Label(align(space.reshape(n_out, *(1,) * (s.out.dim() - d_out - 1)), s.out.dim()))
 
 
+def _state(s: Step, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(s.lab.module.get_submodule(owner), attr)
+
+
+def _is_state(s: Step, node: Any) -> bool:
+    """A graph read of a parameter or buffer of the module (what surgery can slice), not of a plain attribute."""
+    if getattr(node, "op", None) != "get_attr":
+        return False
+    owner, _, name = node.target.rpartition(".")
+    module = s.lab.module.get_submodule(owner)
+    return name in module._parameters or name in module._buffers
+
+
 @RULES.module(nn.Linear)
 @always
 def linear_module(s: Step) -> Label:
@@ -69,7 +83,7 @@ def linear_module(s: Step) -> Label:
 def linear_function(s: Step) -> Label:
     x, xl = s.arg(0, "input")
     raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
-    weight = raw_w.target if getattr(raw_w, "op", None) == "get_attr" else None
+    weight = raw_w.target if _is_state(s, raw_w) else None
     bval, blab = s.arg(2, "bias")
     raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")
     bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
@@ -83,7 +97,7 @@ def addmm(s: Step) -> Label:
     (bval, blab), (x, xl) = s.arg(0, "input"), s.arg(1, "mat1")
     raw_b, raw_w = s.node.args[0], s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("mat2")
     scaled = s.arg(3, "beta", 1)[0] != 1 or s.arg(4, "alpha", 1)[0] != 1
-    weight = raw_w.target if getattr(raw_w, "op", None) == "get_attr" and not scaled else None
+    weight = raw_w.target if _is_state(s, raw_w) and not scaled else None
     bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
     if weight is None:  # a product of activations, or a scaled one: no linear map of a parameter
         return fallback(s)
@@ -106,7 +120,7 @@ def conv_module(s: Step) -> Label | None:
 @always
 def conv_function(s: Step) -> Label | None:
     raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
-    if getattr(raw_w, "op", None) != "get_attr":  # a computed kernel: nothing to slice
+    if not _is_state(s, raw_w):  # a computed kernel (or a plain attribute): nothing to slice
         return fallback(s)
     bval, blab = s.arg(2, "bias")
     raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")

@@ -128,6 +128,9 @@ class _Builder:
             if pin.at_output and self.head[c].any():  # returned per-head values: not the residual stream
                 self.hard.append((c[self.head[c]], f"{pin.reason.split(':')[0]}: {HEADS_AT_OUTPUT}"))
                 c = c[~self.head[c]]
+            elif pin.benign and self.head[c].any():  # heads meet a tensor that cannot be sliced: told, not dropped
+                self.hard.append((c[self.head[c]], pin.reason))
+                c = c[~self.head[c]]
             if pin.benign:
                 self.benign[c] = True
             elif c.numel():
@@ -224,9 +227,9 @@ class _Builder:
     def locate(self, k: int, units: list[int], out: GraphGroups) -> None:
         """Only where a candidate group lives (to pick the modules to trace on their own)."""
         ut = torch.tensor(units)
-        if self.benign[ut].any():
-            return
         hard = self.hard_reasons(units)
+        if self.benign[ut].any() and not hard:
+            return
         sinks = self.sinks_of(ut)
         if not hard and isinstance(sinks, str):
             hard = [sinks]

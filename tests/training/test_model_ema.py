@@ -5,6 +5,7 @@ import csv
 
 import pytest
 import torch
+from interrupted import cut_and_resume
 
 import barter
 import barter.training.loop as loop_module
@@ -39,21 +40,8 @@ def test_model_ema_resumes_exactly_and_exports_the_ema(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop_module, "save_checkpoints", keep_ema)
     whole = train(config(tmp_path, "whole"))
-    real_evaluate, calls = loop_module.evaluate, []
-
-    def crash_in_second_epoch(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # the model's and the EMA's test evaluation per epoch
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "evaluate", crash_in_second_epoch)
-    cut = config(tmp_path, "cut")
-    with pytest.raises(KeyboardInterrupt):
-        train(cut)
-    monkeypatch.setattr(loop_module, "evaluate", real_evaluate)
-    assert load_checkpoint(tmp_path / "cut" / "last")["epoch"] == 1
-    resumed = train(cut, resume=True)
+    # the model's and the EMA's test evaluations run per epoch: the third is in the second epoch
+    resumed = cut_and_resume(monkeypatch, config(tmp_path, "cut"), crash_at=3)
 
     a, b = load_checkpoint(whole.run_dir / "last"), load_checkpoint(resumed.run_dir / "last")
     assert a["controller"]["events"] == b["controller"]["events"]

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from interrupted import cut_and_resume
 
 import barter
-import barter.training.loop as loop_module
 from barter.training import PRESETS, ConfigError, TrainConfig, preset, train
 from barter.training.batches import epoch_batches, steps_per_epoch
 from barter.training.data import DatasetNotFoundError
@@ -74,21 +74,7 @@ def test_every_method_trains_and_writes_its_run(tmp_path, arch, method):
 def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     """Crash in the second epoch's evaluation, resume from the epoch-1 checkpoint: same weights and events."""
     whole = train(config(tmp_path, method="barter", name="whole"))
-    real_evaluate, calls = loop_module.evaluate, []
-
-    def crash_on_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "evaluate", crash_on_second)
-    cut = config(tmp_path, method="barter", name="cut")
-    with pytest.raises(KeyboardInterrupt):
-        train(cut)
-    monkeypatch.setattr(loop_module, "evaluate", real_evaluate)
-    assert load_checkpoint(tmp_path / "cut" / "last")["epoch"] == 1
-    resumed = train(cut, resume=True)
+    resumed = cut_and_resume(monkeypatch, config(tmp_path, method="barter", name="cut"), crash_at=2)
     a, b = load_checkpoint(whole.run_dir / "last"), load_checkpoint(resumed.run_dir / "last")
     assert a["controller"]["events"] == b["controller"]["events"]
     assert any(e["step"] > 4 and e["skipped"] is None for e in a["controller"]["events"])  # after the cut
@@ -104,21 +90,8 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
 def test_baseline_resume_equals_uninterrupted(tmp_path, monkeypatch, method):
     """A baseline cut in the second epoch's evaluation and resumed: same weights, masks, optimizer and FLOPs."""
     whole = train(config(tmp_path, method=method, name="whole", baseline_options=UPDATES))
-    real_evaluate, calls = loop_module.evaluate, []
-
-    def crash_on_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real_evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "evaluate", crash_on_second)
-    cut = config(tmp_path, method=method, name="cut", baseline_options=UPDATES)
-    with pytest.raises(KeyboardInterrupt):
-        train(cut)
-    monkeypatch.setattr(loop_module, "evaluate", real_evaluate)
-    assert load_checkpoint(tmp_path / "cut" / "last")["epoch"] == 1
-    resumed = train(cut, resume=True)
+    resumed = cut_and_resume(monkeypatch, config(tmp_path, method=method, name="cut", baseline_options=UPDATES),
+                             crash_at=2)
     a, b = load_checkpoint(whole.run_dir / "last"), load_checkpoint(resumed.run_dir / "last")
     masks = "unit_masks" if method == "s2vite" else "masks"
     assert a["sparse"][masks].keys() == b["sparse"][masks].keys() and a["sparse"]["step"] == b["sparse"]["step"]

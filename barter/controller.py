@@ -32,7 +32,7 @@ class Controller:
     `layers[kind]` are the exact unit groups of that kind in model order; a layer index in selection is a
     position in that list. With `auto`, `step` runs from a post-step hook of the attached optimizer.
     `edits` counts the surgeries on the model (each resizes tensors and renews their gradient accumulators),
-    so a DistributedDataParallel wrapper knows when to rebuild (`barter.DistributedModel`).
+    so a DistributedDataParallel wrapper knows when to rebuild its reducer (`barter.ddp.follow_transfers`).
     Mixed precision: `track_scaler(scaler)` makes the scores those of the unscaled loss; backwards with
     non-finite scores are skipped and counted (`nonfinite_batches`); an optimizer step that did not run
     (GradScaler skips it on inf gradients) is not a step of the schedule.

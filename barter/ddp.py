@@ -1,5 +1,6 @@
-"""BARTER under torch.distributed: the DistributedDataParallel wrapper that follows the transfers, and the
-all-reduce that gives every rank the global batch's scores.
+"""BARTER under torch.distributed: DistributedDataParallel that follows the transfers (`follow_transfers` for
+a wrapper a framework built, `DistributedModel` for your own loop), and the all-reduce that gives every rank
+the global batch's scores.
 
 Every rank makes every decision itself, on identical inputs: the score tables all-reduce their scores before
 each EMA update (`global_batch_scores`), selection's random variants draw from `select_rng` and split noise
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 
 class EditCounter(Protocol):
@@ -23,32 +25,54 @@ class EditCounter(Protocol):
 
 
 class DistributedModel(nn.Module):
-    """DistributedDataParallel over a model wrapped by `barter.wrap`, rebuilt after each transfer.
+    """DistributedDataParallel over a model wrapped by `barter.wrap`, that follows the transfers.
 
-    A transfer resizes parameters in place and renews their gradient accumulators, so the buckets and hooks
-    of a DistributedDataParallel built before it are stale. Before the first forward after the controller
-    edited the model, this wrapper drops the old one and builds a new one with the same options (the
-    optimizer keeps working: fxsurgery resizes the same parameter objects and their state). Every rank edits
-    at the same step, so every rank rebuilds at the same forward. `module` is the bare model: evaluate, save
-    and load through it. Without a controller it is plain DistributedDataParallel.
+    `ddp` is the DistributedDataParallel wrapper, kept valid across transfers by `follow_transfers`. `module`
+    is the bare model: evaluate, save and load through it. Without a controller it is plain
+    DistributedDataParallel.
     """
 
     def __init__(self, model: nn.Module, controller: EditCounter | None = None, **ddp_options: Any) -> None:
         super().__init__()
         self.module = model
         self.controller = controller
-        self.ddp_options = ddp_options
-        self._build()
+        self.ddp = DistributedDataParallel(model, **ddp_options)
+        if controller is not None:
+            follow_transfers(self.ddp, controller)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.controller is not None and self.controller.edits != self._edits_built:
-            self._build()
         return self.ddp(*args, **kwargs)
 
-    def _build(self) -> None:
-        self.ddp = None  # the old wrapper's gradient hooks go with it, before the new one adds its own
-        self._edits_built = 0 if self.controller is None else self.controller.edits
-        self.ddp = DistributedDataParallel(self.module, **self.ddp_options)
+
+def follow_transfers(ddp: DistributedDataParallel, controller: EditCounter) -> RemovableHandle:
+    """Keep `ddp`, a DistributedDataParallel over a model `controller` edits, valid across the transfers.
+
+    A transfer resizes parameters in place and renews their gradient accumulators, so the reducer (gradient
+    buckets and hooks) built before it is stale. Before the first forward after an edit, a pre-hook rebuilds
+    the reducer of the same wrapper object (`rebuild_reducer`), so a training loop's references to it stay
+    valid, and so does the optimizer (the same parameter objects, resized with their state). Every rank edits
+    at the same step, so every rank rebuilds at the same forward. Returns the hook's handle.
+    """
+    if ddp.process_group is not dist.group.WORLD:
+        raise ValueError("following transfers rebuilds DistributedDataParallel's reducer in place, which torch "
+                         "supports on the default process group only")
+    built = controller.edits
+
+    def rebuild_after_edits(module: nn.Module, args: tuple) -> None:
+        nonlocal built
+        if controller.edits != built:
+            built = controller.edits
+            rebuild_reducer(ddp)
+
+    return ddp.register_forward_pre_hook(rebuild_after_edits)
+
+
+def rebuild_reducer(ddp: DistributedDataParallel) -> None:
+    """Rebuild `ddp`'s reducer from its module's current parameters, with the wrapper's own options: torch's
+    unpickling path (`__setstate__` builds the reducer afresh), on the wrapper's own state."""
+    state = ddp.__getstate__()
+    ddp.reducer = ddp.logger = None  # the old reducer's gradient hooks go before the new one adds its own
+    ddp.__setstate__(state)
 
 
 def world_size() -> int:

@@ -17,9 +17,12 @@ step; a step that AMP's GradScaler skipped is not counted). `on_save` writes the
 (`barter.pt` in the checkpoint folder). The Trainer loads a checkpoint's weights before any callback event,
 so a resumed run names the checkpoint to the callback (`resume_from`): at the end of the Trainer's `__init__`
 (the model on its device) the callback wraps the model and restores the saved widths, then the compact weights
-and optimizer state fit. One process only: the Trainer builds its DistributedDataParallel wrapper before any
-callback event and hands it to none, so it could not be rebuilt after a transfer (`barter.DistributedModel`,
-the Lightning callback and `barter train` cover DDP).
+and optimizer state fit.
+
+Under DDP (torchrun, `accelerate launch`) the Trainer builds its DistributedDataParallel wrapper before any
+callback event and hands it to none, and its training loop keeps a reference to it. The callback finds it at
+its first forward (a one-shot global forward pre-hook), rebuilds its reducer in place for the compact model,
+and keeps that same object valid across the transfers (`barter.ddp.follow_transfers`). FSDP and DeepSpeed are refused.
 """
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..controller import Controller
-from ..ddp import world_size
+from ..ddp import follow_transfers, rebuild_reducer, world_size
 from ..wrapping import wrap
 
 STATE_FILE = "barter.pt"
@@ -49,6 +55,7 @@ class BarterCallback(TrainerCallback):
         self.resume_from = resume_from
         self.wrap_options = wrap_options
         self.controller: Controller | None = None
+        self._hooks: list[RemovableHandle] = []
 
     def _target(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(self.module) if self.module else model
@@ -71,9 +78,6 @@ class BarterCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
                        model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
-        if world_size() > 1:
-            raise RuntimeError("the HF BarterCallback runs in one process: the Trainer's DistributedDataParallel "
-                               "wrapper cannot follow transfers; use barter.DistributedModel in your own loop")
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         if self.controller is None:
             if state.global_step > 0:
@@ -85,6 +89,32 @@ class BarterCallback(TrainerCallback):
                                  f"{self.controller.step_count}, the Trainer resumes at step {state.global_step}")
             self.controller.attach_optimizer(inner)
         self.controller.track_scaler(getattr(optimizer, "scaler", None))
+        if world_size() > 1:
+            self._follow_the_trainers_wrapper(model)
+
+    def _follow_the_trainers_wrapper(self, model: nn.Module) -> None:
+        """At the model's first forward, find the DistributedDataParallel wrapper the Trainer runs it through
+        and keep it valid across the transfers; a training forward of the model outside one is refused."""
+
+        def find_the_wrapper(module: nn.Module, args: tuple) -> None:
+            if isinstance(module, DistributedDataParallel) and module.module is model:
+                search.remove()
+                rebuild_reducer(module)  # the Trainer built it before the wrap made the model compact
+                self._hooks.append(follow_transfers(module, self.controller))
+            elif module is model and model.training:
+                search.remove()
+                raise RuntimeError("under torch.distributed the HF BarterCallback needs the Trainer to run the "
+                                   "model through DistributedDataParallel, which it did not (FSDP and DeepSpeed "
+                                   "cannot follow the transfers)")
+
+        search = register_module_forward_pre_hook(find_the_wrapper)
+        self._hooks.append(search)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Write the controller into the checkpoint folder the Trainer just saved."""

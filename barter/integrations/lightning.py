@@ -11,8 +11,11 @@ it restores a checkpoint or wraps the model for DDP). `total_steps` defaults to 
 input size. When fitting starts the callback attaches the optimizer, so transfers run from its post-step
 hook (after every optimizer step, gradient accumulation and skipped AMP steps included). On resume the
 controller state is restored from the checkpoint in the module's `on_load_checkpoint` (which Lightning runs
-before it loads the weights), so the saved widths are back before the compact weights arrive. Under DDP the
-DistributedDataParallel wrapper is rebuilt after each transfer, as `barter.DistributedModel` does.
+before it loads the weights), so the saved widths are back before the compact weights arrive. Under
+`strategy="ddp"` the strategy's DistributedDataParallel wrapper follows the transfers
+(`barter.ddp.follow_transfers`, as in `barter.DistributedModel`). `ddp_spawn` and `ddp_fork` are refused:
+they fit in child processes, and the launching process, whose model never became compact, then loads the
+compact weights of rank 0.
 """
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from ..analysis import default_example_inputs
 from ..controller import Controller
+from ..ddp import follow_transfers
 from ..wrapping import wrap
 
 
@@ -39,11 +45,15 @@ class BarterCallback(pl.Callback):
         self.wrap_options = wrap_options
         self.controller: Controller | None = None
         self._restored = False
-        self._ddp_edits = 0
+        self._ddp_hook: RemovableHandle | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.controller is not None:
             return
+        if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+            raise RuntimeError("BarterCallback cannot fit in processes the Trainer spawns or forks (ddp_spawn, "
+                               "ddp_fork): the launching process would load the compact weights into its "
+                               "full-width model; use strategy='ddp' (one process per device, as torchrun starts)")
         target = pl_module.get_submodule(self.module) if self.module else pl_module
         target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
         options = dict(self.wrap_options)
@@ -61,6 +71,9 @@ class BarterCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and "on_load_checkpoint" in vars(pl_module):
             del pl_module.on_load_checkpoint
+        if stage == "fit" and self._ddp_hook is not None:
+            self._ddp_hook.remove()
+            self._ddp_hook = None
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
@@ -73,17 +86,8 @@ class BarterCallback(pl.Callback):
         if len(trainer.optimizers) != 1:
             raise ValueError(f"BarterCallback needs exactly one optimizer, got {len(trainer.optimizers)}")
         self.controller.attach_optimizer(trainer.optimizers[0])
-        self._ddp_edits = self.controller.edits
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        """Rebuild DistributedDataParallel when a transfer resized the model since it was built."""
-        ddp = trainer.strategy.model
-        if isinstance(ddp, DistributedDataParallel) and self.controller.edits != self._ddp_edits:
-            wrapped = ddp.module
-            trainer.strategy.model = None  # the old wrapper's gradient hooks go before the new one adds its own
-            trainer.strategy.model = trainer.strategy._setup_model(wrapped)
-            self._ddp_edits = self.controller.edits
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            self._ddp_hook = follow_transfers(trainer.strategy.model, self.controller)
 
     def state_dict(self) -> dict[str, Any]:
         return {"controller": None if self.controller is None else self.controller.state_dict()}

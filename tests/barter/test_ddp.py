@@ -1,12 +1,15 @@
 """BARTER on two gloo processes (forked, CPU): the processes agree bitwise with each other and with one process
-on the same global batches, and a non-finite score on one process makes every process skip that batch's scores."""
+on the same global batches, a non-finite score on one process makes every process skip that batch's scores, and a
+process group other than the default one is refused."""
 import os
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 from forked import WORLD, fork_processes
+from torch.multiprocessing import ProcessRaisedException
 
 import barter
 from barter import DistributedModel
@@ -97,3 +100,17 @@ def test_a_non_finite_score_on_one_process_is_skipped_on_every_process(tmp_path)
     assert all(torch.isfinite(ema).all() for ema in ranks[0]["scores"].values())
     channel = [e for e in ranks[0]["events"] if e["kind"] == "channel"]
     assert channel[0]["skipped"] is None and channel[1]["skipped"] is None
+
+
+def subgroup_worker(rank, init_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(minutes=2))
+    try:
+        DistributedModel(torch.nn.Linear(2, 2), SimpleNamespace(edits=0), process_group=dist.new_group([0, 1]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_other_than_the_default_is_refused(tmp_path):
+    with pytest.raises(ProcessRaisedException, match="on the default process group only"):
+        fork_processes(subgroup_worker, str(tmp_path / "init"))

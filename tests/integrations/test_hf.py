@@ -1,5 +1,9 @@
 """BarterCallback in a real transformers.Trainer on CPU: transfers run on the Trainer's own optimizer, budgets are
-conserved, and a run resumed from a step checkpoint continues with the uninterrupted run's events."""
+conserved, a run resumed from a step checkpoint continues with the uninterrupted run's events, and under DDP (two
+gloo processes) the Trainer's own DistributedDataParallel wrapper follows the transfers."""
+import os
+from datetime import timedelta
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -7,6 +11,10 @@ pytest.importorskip("accelerate")
 
 import timm  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from forked import WORLD, fork_processes, free_ports  # noqa: E402
+from torch.multiprocessing import ProcessRaisedException  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
@@ -42,11 +50,12 @@ class Images(Dataset):
         return {"pixel_values": self.images[i], "labels": self.labels[i]}
 
 
-def train(output_dir, resume_from=None):
+def train(output_dir, resume_from=None, **args_options):
     callback = BarterCallback(module="net", resume_from=resume_from, **OPTIONS)
-    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=8, num_train_epochs=3,
-                             learning_rate=1e-3, lr_scheduler_type="linear", save_strategy="steps", save_steps=4,
-                             logging_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    options = {"per_device_train_batch_size": 8, "save_strategy": "steps", "save_steps": 4, **args_options}
+    args = TrainingArguments(output_dir=str(output_dir), num_train_epochs=3, learning_rate=1e-3,
+                             lr_scheduler_type="linear", logging_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, **options)
     model = Classifier()
     trainer = Trainer(model=model, args=args, train_dataset=Images(), callbacks=[callback])
     params_before = [p for group in (trainer.create_optimizer().param_groups) for p in group["params"]]
@@ -78,3 +87,52 @@ def test_transfers_budgets_and_resume(tmp_path):
 def test_resume_without_the_checkpoint_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a checkpoint of a BARTER run"):
         train(tmp_path / "resumed", resume_from=tmp_path)
+
+
+def ddp_worker(rank, port, out_dir):
+    """One torchrun-like process: the Trainer runs DDP itself (accelerate reads the environment)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    AcceleratorState._reset_state(reset_partial_state=True)  # the fork copied this process's one-process state
+    GradientState._reset_state()
+    try:  # half the batch per process: the global batch and the 12 steps of the one-process run
+        callback, model, trainer = train(os.path.join(out_dir, "run"), per_device_train_batch_size=4,
+                                         save_strategy="no", ddp_backend="gloo", ddp_timeout=120)
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        ctl = callback.controller
+        counts = {kind: [g.count for g in ctl.layers[kind]] for kind in ctl.layers}
+        torch.save({"events": ctl.events, "params": model.state_dict(), "counts": counts, "initial": ctl.initial,
+                    "steps": (ctl.step_count, trainer.state.global_step)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_make_the_same_transfers_and_keep_identical_weights(tmp_path):
+    fork_processes(ddp_worker, free_ports(1)[0], str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    executed = [e for e in ranks[0]["events"] if e["skipped"] is None]
+    assert executed and ranks[0]["steps"] == (12, 12)
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counts"] == ranks[1]["counts"]
+    for kind, counts in ranks[0]["counts"].items():
+        assert sum(counts) == sum(ranks[0]["initial"][kind])  # budgets conserved
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
+    for name, p in ranks[0]["params"].items():  # the gradients were all-reduced through every rebuild
+        torch.testing.assert_close(ranks[1]["params"][name], p, rtol=0, atol=0, msg=name)
+
+
+def unwrapped_worker(rank, init_file, out_dir):
+    """A process group the Trainer does not know of: it trains each process's model without DDP."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(minutes=2))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        train(out_dir, save_strategy="no")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_distributed_run_without_ddp_is_refused(tmp_path):
+    with pytest.raises(ProcessRaisedException, match="run the model through DistributedDataParallel"):
+        fork_processes(unwrapped_worker, str(tmp_path / "init"), str(tmp_path))

@@ -1,5 +1,9 @@
-"""BarterCallback in a real lightning.Trainer on CPU: transfers run, budgets are conserved, and a run resumed
-from an epoch checkpoint continues with the uninterrupted run's events."""
+"""BarterCallback in a real lightning.Trainer on CPU: transfers run, budgets are conserved, a run resumed from an
+epoch checkpoint continues with the uninterrupted run's events, and under DDP (two gloo processes) the strategy's
+DistributedDataParallel wrapper follows the transfers."""
+import os
+from datetime import timedelta
+
 import pytest
 
 pytest.importorskip("lightning")
@@ -7,6 +11,10 @@ pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 import timm  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from forked import WORLD, fork_processes, free_ports  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch.multiprocessing import ProcessRaisedException  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from barter.integrations.lightning import BarterCallback  # noqa: E402
@@ -33,20 +41,21 @@ class TinyViT(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def loader():
+def loader(batch_size=8):
     generator = torch.Generator().manual_seed(0)
     images, labels = torch.randn(32, 3, 32, 32, generator=generator), torch.randint(0, 4, (32,), generator=generator)
     data = TensorDataset(images, labels)
-    return DataLoader(data, batch_size=8)
+    return DataLoader(data, batch_size=batch_size)
 
 
-def fit(tmp_path, ckpt_path=None, **trainer_options):
+def fit(tmp_path, ckpt_path=None, batch_size=8, **trainer_options):
     callback = BarterCallback(module="net", **OPTIONS)
     saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, callbacks=[callback, saver],
-                         enable_progress_bar=False, enable_model_summary=False, **trainer_options)
+    options = {"devices": 1, **trainer_options}
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=3, logger=False, callbacks=[callback, saver],
+                         enable_progress_bar=False, enable_model_summary=False, **options)
     model = TinyViT()
-    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    trainer.fit(model, loader(batch_size), ckpt_path=ckpt_path)
     return callback, model
 
 
@@ -64,3 +73,38 @@ def test_transfers_budgets_and_resume(tmp_path):
     assert resumed.controller.topology() == ctl.topology()
     for a, b in zip(resumed_model.state_dict().values(), model.state_dict().values()):
         torch.testing.assert_close(a, b)
+
+
+def ddp_worker(rank, port, out_dir):
+    """One process as torchrun starts it: Lightning's "ddp" strategy reads the environment and launches nothing."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      GROUP_RANK="0", WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), TORCHELASTIC_RUN_ID="test")
+    try:  # half the batch per process: the global batch and the 12 steps of the one-process run
+        callback, model = fit(os.path.join(out_dir, "run"), batch_size=4, devices=WORLD,
+                              strategy=DDPStrategy(timeout=timedelta(minutes=2)))
+        ctl = callback.controller
+        counts = {kind: [g.count for g in ctl.layers[kind]] for kind in ctl.layers}
+        torch.save({"events": ctl.events, "params": model.state_dict(), "counts": counts, "initial": ctl.initial,
+                    "steps": ctl.step_count}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_ranks_make_the_same_transfers_and_keep_identical_weights(tmp_path):
+    fork_processes(ddp_worker, free_ports(1)[0], str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    executed = [e for e in ranks[0]["events"] if e["skipped"] is None]
+    assert executed and ranks[0]["steps"] == 12
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counts"] == ranks[1]["counts"]
+    for kind, counts in ranks[0]["counts"].items():
+        assert sum(counts) == sum(ranks[0]["initial"][kind])  # budgets conserved
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
+    for name, p in ranks[0]["params"].items():  # the gradients were all-reduced through every rebuild
+        torch.testing.assert_close(ranks[1]["params"][name], p, rtol=0, atol=0, msg=name)
+
+
+def test_processes_the_trainer_forks_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", str(free_ports(1)[0]))  # the launcher would set it for the rest of the session
+    with pytest.raises(ProcessRaisedException, match="cannot fit in processes the Trainer spawns or forks"):
+        fit(tmp_path, devices=WORLD, strategy=DDPStrategy(start_method="fork", timeout=timedelta(minutes=2)))

@@ -427,7 +427,7 @@ class _Builder:
                 continue
             site = Site(node=node, in_dim=in_dim, out_dim=out_dim, in_shape=lab.shapes.get(src),
                         out_shape=lab.shapes.get(node), count=n, size_reads=lab.rec.size_reads,
-                        values=lab.values, axes=axes)
+                        values=lab.values, axes=axes, in_ids=getattr(lab.labels.get(src), "ids", None))
             consts += RULES.constants_of(site)
             notes += site.notes
         return consts, notes

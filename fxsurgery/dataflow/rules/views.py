@@ -43,8 +43,9 @@ def view_constants(site: Site) -> list[ConstantSpec]:
 
 def _merges_positions(site: Site) -> bool:
     """The output's unit axis also spans positions (heads folded into the batch): the input's unit axis
-    repeats its coordinates, or it is merged with input dims along which no coordinates vary. Its size
-    follows the batch as well as the count, so no per-unit constant can stand for it."""
+    repeats its coordinates, or it is merged with outer input dims along which no coordinates vary (inner
+    ones may be a head's features, which carry the head's id). Its size follows the batch as well as the
+    count, so no per-unit constant can stand for it."""
     if site.in_dim is None or site.in_ids is None or 0 in site.in_shape or 0 in site.out_shape:
         return False
     ids = align(site.in_ids, len(site.in_shape))
@@ -53,7 +54,7 @@ def _merges_positions(site: Site) -> bool:
         return True
     for ins, outs in reshape_blocks(site.in_shape, site.out_shape):
         if site.out_dim in outs:
-            return site.in_dim in ins and any(d != site.in_dim and ids.shape[d] == 1 and site.in_shape[d] > 1
+            return site.in_dim in ins and any(d < site.in_dim and ids.shape[d] == 1 and site.in_shape[d] > 1
                                               for d in ins)
     return False
 

@@ -76,6 +76,7 @@ class Site:
     values: dict  # concrete non-tensor values of nodes (sizes read at run time)
     axes: dict  # (node, output index) -> unit axis, for every value that carries the units
     notes: list[str] = field(default_factory=list)  # why the group needs at least one unit
+    in_ids: torch.Tensor | None = None  # the first input's ids (where it carries coordinates)
 
     def follows_units(self, shape: Node) -> bool:
         """``shape`` is the full size of a tensor whose unit axis sits where the output's does, so
@@ -105,12 +106,30 @@ class Site:
         if size % self.count:
             raise Unsupported(f"{self.node.name}: size {size} on the unit axis is not a multiple of {self.count} units")
         value = get_path(self.node, path)
+        scaled = self.scaled_literal(value)
+        if scaled is not None:
+            return scaled
         if isinstance(value, Node) and value not in self.size_reads:
             raise Unsupported(f"{self.node.name}: the size on the unit axis is computed by {value.name}; "
                               "cannot rewrite it")
         if isinstance(value, int) and value not in (-1, size):
             raise Unsupported(f"{self.node.name}: argument {value} does not match unit-axis size {size}")
         return ConstantSpec(self.node, path, size // self.count)
+
+
+    def scaled_literal(self, value: Any) -> ConstantSpec | None:
+        """``size * k`` with ``k`` a literal multiple of the count and ``size`` read at run time (heads folded
+        into the batch, ``B * num_heads``): the literal is what follows the count."""
+        if not (isinstance(value, Node) and value.op == "call_function" and value.target is operator.mul):
+            return None
+        literals = [k for k, a in enumerate(value.args) if isinstance(a, int) and not isinstance(a, bool)]
+        if len(value.args) != 2 or len(literals) != 1 or not isinstance(value.args[1 - literals[0]], Node):
+            return None
+        k = literals[0]
+        literal = value.args[k]
+        if literal % self.count or value.args[1 - k] not in self.size_reads:
+            return None
+        return ConstantSpec(value, ("args", k), literal // self.count)
 
 
 def shape_paths(node: Node, first: int) -> list[Path]:

@@ -16,6 +16,7 @@ import torch.fx
 from ..slicing import ParamSlice
 from .classes import classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
+from .gates import silent_softmaxes
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
 from .records import Act, Sink
@@ -183,9 +184,10 @@ class _Builder:
 
     def build(self, locate: bool) -> GraphGroups:
         out = GraphGroups()
+        offered: list[int] = []
         for k, units in enumerate(self.groups()):
             if locate:
-                self.locate(k, units, out)
+                offered += units if self.locate(k, units, out) else []
                 continue
             try:
                 spec = self.group(k, units)
@@ -201,6 +203,9 @@ class _Builder:
             else:
                 out.groups.append(spec)
         self.refuse_overlaps(out)
+        if locate:  # each region is located once; its hosts' analyses would tell it again
+            told = silent_softmaxes(self, torch.tensor(offered, dtype=torch.long))
+            out.refusals += [Refusal([module_of(t.node)], [t.reason]) for t in told]
         for opaque in self.rec.opaque:  # unless its module already tells of it (units it refused)
             where = module_of(opaque.node)
             told = [w for r in out.refusals if common_module(r.modules) == where for w in r.reasons]
@@ -224,19 +229,21 @@ class _Builder:
                 out.refusals.append(Refusal(spec.modules, [f"{', '.join(names)}: sliced by another group too "
                                                            "(a module called more than once)"]))
 
-    def locate(self, k: int, units: list[int], out: GraphGroups) -> None:
-        """Only where a candidate group lives (to pick the modules to trace on their own)."""
+    def locate(self, k: int, units: list[int], out: GraphGroups) -> bool:
+        """Only where a candidate group lives (to pick the modules to trace on their own); True if located."""
         ut = torch.tensor(units)
         hard = self.hard_reasons(units)
         if self.benign[ut].any() and not hard:
-            return
+            return False
         sinks = self.sinks_of(ut)
         if not hard and isinstance(sinks, str):
             hard = [sinks]
         if hard:
             out.refusals += self.refusals_of(k, ut, hard)
-        else:  # the output projection may sit in a sibling module (an "output" block beside "self" attention)
-            out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
+            return False
+        # the output projection may sit in a sibling module (an "output" block beside "self" attention)
+        out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
+        return True
 
     def hard_reasons(self, units: list[int]) -> list[str]:
         ut = torch.tensor(units)
@@ -420,7 +427,7 @@ class _Builder:
                 continue
             site = Site(node=node, in_dim=in_dim, out_dim=out_dim, in_shape=lab.shapes.get(src),
                         out_shape=lab.shapes.get(node), count=n, size_reads=lab.rec.size_reads,
-                        values=lab.values, axes=axes)
+                        values=lab.values, axes=axes, in_ids=getattr(lab.labels.get(src), "ids", None))
             consts += RULES.constants_of(site)
             notes += site.notes
         return consts, notes

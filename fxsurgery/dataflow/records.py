@@ -75,6 +75,15 @@ class Opaque(NamedTuple):
     reason: str
 
 
+class Weighing(NamedTuple):
+    """A softmax over dim ``dim`` (of ``size`` positions) of a value whose ids are ``ids``."""
+
+    node: Node
+    ids: torch.Tensor
+    dim: int
+    size: int
+
+
 class Note(NamedTuple):
     """What a unit of the group holding ``ids`` is, when it is more than one head or one channel."""
 
@@ -100,6 +109,8 @@ class Records:
     size_reads: set[Node] = field(default_factory=set)
     opaque: list[Opaque] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
+    products: list[torch.Tensor] = field(default_factory=list)  # ids of products of two activations (q·kᵀ)
+    softmaxes: list[Weighing] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

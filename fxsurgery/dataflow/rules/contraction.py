@@ -89,7 +89,10 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
         else:
             s.rec.pin(reps[labelled[0]], f"{s.name}: contraction of parameters")
             return None
-    return _output_label(s, views, reps, consumed, letters, out_sub)
+    out = _output_label(s, views, reps, consumed, letters, out_sub)
+    if out is not None and sum(v.activation for v in views) >= 2:
+        s.rec.products.append(out.ids)
+    return out
 
 
 def _output_label(s: Step, views: list[Operand], reps: list[torch.Tensor | None], consumed: list[set[int]],

@@ -61,11 +61,16 @@ def cat(s: Step) -> Label | None:
 
 @RULES.function(F.pad)
 def pad(s: Step) -> Label:
-    """Padding adds positions that carry no unit coordinate."""
+    """Padding along a dim whose positions carry different coordinates adds positions that carry none; along
+    a dim whose positions all carry the same ones (space, beside the channels) the new positions are theirs
+    too: they go with their channel."""
     x, xl = first_tensor(s)
-    widths = s.arg(1, "pad")[0]
+    widths = list(s.arg(1, "pad")[0])
+    ids = align(xl.ids, x.dim())
     dims = [x.dim() - 1 - k // 2 for k in range(len(widths))]
-    ids = expand_dims(align(xl.ids, x.dim()), x.shape, dims)
+    apart = [d for d in dims if ids.shape[d] > 1 or x.shape[d] == 1]
+    widths = [w if d in apart else 0 for w, d in zip(widths, dims)]
+    ids = expand_dims(ids, x.shape, apart)
     return Label(compact(F.pad(ids, tuple(widths), value=NO_ID)), xl.param)
 
 
@@ -78,6 +83,16 @@ def reorder(s: Step) -> Any:
     ids = expand_dims(align(xl.ids, x.dim()), x.shape, range(x.dim()))
     fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
     return Label(compact(fn(*s.args[1:], **s.kwargs)), xl.param)
+
+
+@RULES.method("unfold")
+def windows(s: Step) -> Label:
+    """``x.unfold(dim, size, step)``: overlapping windows along ``dim`` (a new last dim of window positions):
+    run it on ids expanded along ``dim``."""
+    x, xl = first_tensor(s)
+    d = wrap_dim(s.arg(1, "dimension")[0], x.dim())
+    ids = expand_dims(align(xl.ids, x.dim()), x.shape, [d])
+    return Label(compact(ids.unfold(d, s.arg(2, "size")[0], s.arg(3, "step")[0])), xl.param)
 
 
 @RULES.function(F.unfold)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ..constants import ConstantSpec, Site
 from ..ids import align
 from ..labeller import Label, Step
+from ..records import Weighing
 from .base import RULES, elementwise_labels, first_tensor, mix, param_label, wrap_dim
 
 
@@ -21,19 +22,25 @@ def _normalise(s: Step, x: torch.Tensor, xl: Label | None, dims: Sequence[int], 
     return elementwise_labels(s, operands, x.dim())
 
 
+def _softmax(s: Step, x: torch.Tensor, xl: Label | None, dim: int) -> Label | None:
+    """A softmax mixes what it normalises; it is recorded, so one that weighs no heads can be told of."""
+    d = wrap_dim(dim, x.dim())
+    if xl is not None and not xl.param:
+        s.rec.softmaxes.append(Weighing(s.node, align(xl.ids, x.dim()), d, x.shape[d] if x.dim() else 1))
+    return _normalise(s, x, xl, [d], "softmax")
+
+
 @RULES.function(F.softmax, torch.softmax, F.log_softmax, torch.log_softmax)
 @RULES.method("softmax", "log_softmax")
 def softmax(s: Step) -> Label:
     x, xl = first_tensor(s)
-    d = s.arg(1, "dim")[0]
-    return _normalise(s, x, xl, [wrap_dim(d, x.dim())], "softmax")
+    return _softmax(s, x, xl, s.arg(1, "dim")[0])
 
 
 @RULES.module(nn.Softmax)
 def softmax_module(s: Step) -> Label:
     x, xl = first_tensor(s)
-    mod = s.lab.module.get_submodule(s.node.target)
-    return _normalise(s, x, xl, [wrap_dim(mod.dim, x.dim())], "softmax")
+    return _softmax(s, x, xl, s.lab.module.get_submodule(s.node.target).dim)
 
 
 @RULES.function(F.layer_norm, F.rms_norm)

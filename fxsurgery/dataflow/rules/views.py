@@ -1,6 +1,8 @@
 """Reshapes, dim moves and expands act on ids as on the value; reshape and expand hold unit-axis sizes."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn as nn
 from torch.fx.node import Node
@@ -32,7 +34,40 @@ def view_constants(site: Site) -> list[ConstantSpec]:
         return []
     if len(paths) != len(site.out_shape):
         raise Unsupported(f"{site.node.name}: shape built at run time; cannot rewrite the unit axis")
+    value = get_path(site.node, paths[site.out_dim])
+    if (value == -1 or _read_along_units(site, value)) and _merges_positions(site):
+        site.notes.append(f"{site.node.name}: the unit axis holds positions too, its size is inferred at run time")
+        return []
     return [site.constant(paths[site.out_dim], site.out_shape[site.out_dim])]
+
+
+def _merges_positions(site: Site) -> bool:
+    """The output's unit axis also spans positions (heads folded into the batch): the input's unit axis
+    repeats its coordinates, or it is merged with outer input dims along which no coordinates vary (inner
+    ones may be a head's features, which carry the head's id). Its size follows the batch as well as the
+    count, so no per-unit constant can stand for it."""
+    if site.in_dim is None or site.in_ids is None or 0 in site.in_shape or 0 in site.out_shape:
+        return False
+    ids = align(site.in_ids, len(site.in_shape))
+    along = ids.movedim(site.in_dim, -1).reshape(-1, ids.shape[site.in_dim])
+    if ids.shape[site.in_dim] > 1 and any(torch.unique(row).numel() < row.numel() for row in along[:1]):
+        return True
+    for ins, outs in reshape_blocks(site.in_shape, site.out_shape):
+        if site.out_dim in outs:
+            return site.in_dim in ins and any(d < site.in_dim and ids.shape[d] == 1 and site.in_shape[d] > 1
+                                              for d in ins)
+    return False
+
+
+def _read_along_units(site: Site, value: object) -> bool:
+    """``value`` is a size read, at run time, of a tensor's own unit axis: it follows the count by itself."""
+    if not isinstance(value, Node) or value not in site.size_reads or value.op != "call_function":
+        return False
+    if value.target is not operator.getitem or not isinstance(value.args[0], Node):
+        return False
+    shape = value.args[0]
+    source = shape.args[0] if shape.op == "call_function" and shape.target is getattr else None
+    return isinstance(source, Node) and site.axes.get((source, None)) == value.args[1]
 
 
 @RULES.constants(functions=[torch.reshape], methods=["view", "reshape"])

@@ -21,6 +21,7 @@ from .ids import NO_ID, align, varies
 from .labeller import Labeller
 from .records import Act, Sink
 from .rules import RULES
+from .single_head import HeadAct, SingleHead
 from .unit_layout import describe_layout, layout
 
 
@@ -73,6 +74,7 @@ class UnitAct(NamedTuple):
     classes: torch.Tensor
     units: torch.Tensor
     param: bool
+    ids: torch.Tensor  # the raw ids (feature coordinates), before classes
 
 
 def _at_output(reasons: list[str]) -> bool:
@@ -109,11 +111,11 @@ class _Builder:
         rec = self.rec
         self.rep = join_parameters(classes(rec.next_id, rec.ties + shared_uses(rec.members)), rec.tentative)
         n = rec.next_id
-        is_space = torch.zeros(n, dtype=torch.bool)
+        self.is_space = torch.zeros(n, dtype=torch.bool)
         for space in rec.spaces:
-            is_space[space.start:space.stop] = True
+            self.is_space[space.start:space.stop] = True
         self.unit_class = torch.zeros(n, dtype=torch.bool)
-        self.unit_class[self.rep[is_space]] = True
+        self.unit_class[self.rep[self.is_space]] = True
         self.head = torch.zeros(n, dtype=torch.bool)
         for ids in rec.contracted:
             c = self.cls(ids)
@@ -149,7 +151,7 @@ class _Builder:
     def unit_act(self, act: Act) -> UnitAct:
         c = self.cls(act.ids)
         present = torch.unique(c[c >= 0])
-        return UnitAct(act.node, act.index, c, present[self.unit_class[present]], act.param)
+        return UnitAct(act.node, act.index, c, present[self.unit_class[present]], act.param, act.ids)
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
@@ -275,16 +277,15 @@ class _Builder:
         n = len(units)
         if sorted(order) != units:
             return Refusal(self.home_of(k, ut), [f"{sink.weight} reads only some of the units"])
-        if n < 2 and not self.one_coordinate(ut):
-            return Refusal(self.home_of(k, ut), [
-                "a single unit of several coordinates (one head): where its axis lies in each tensor cannot be "
-                "told from sizes alone; only a unit of one coordinate (an FFN channel) is located"])
         mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
-        members = [self.member(m.name, m.ids, index, n, sink) for m in self.rec.members]
-        members = list(dict.fromkeys(m for m in members if m is not None))
-        axes = self.unit_axes(k, index, n)
+        if n < 2 and not self.one_coordinate(ut):
+            members, axes = self.single_head(k, index, sink)
+        else:
+            members = [self.member(m.name, m.ids, index, n, sink) for m in self.rec.members]
+            members = list(dict.fromkeys(m for m in members if m is not None))
+            axes = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, n)
         sink_member = next(m for m in members if m.output)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
@@ -372,6 +373,27 @@ class _Builder:
         if lay is None:
             raise Unsupported(f"{name}: {describe_layout(u1.flatten(), n)} along dim {d}")
         return ParamSlice(name, d, lay[0], lay[1], name == sink.weight and d == sink.weight_dim)
+
+    def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
+        """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie
+        along the dim of their coordinate ids, every other tensor of the head along the dim the graph tells."""
+        head = SingleHead(self.lab, [HeadAct(a.node, a.index, a.ids, a.param) for a in self.acts_of.get(k, [])])
+        members, seeds = [], {}
+        for name, ids in self.rec.members:
+            c = self.cls(ids)
+            unit = torch.where(c >= 0, index[c.clamp(min=0)], c) >= 0
+            if not unit.any():
+                continue
+            shape = self.shape_of(name)
+            if bool(self.is_space[ids[unit]].all()):
+                members.append((name, ids, unit, shape))
+            else:  # a tensor of the head's own (one id per element)
+                found = head.element_seed(name, shape)
+                seeds.update(found)
+                members.append(ParamSlice(name, next(iter(found.values())), 1, 1, False))
+        axes = head.axes(seeds)  # also where reshapes split and merge the coordinates
+        slices = [m if isinstance(m, ParamSlice) else head.coordinate_slice(*m, sink) for m in members]
+        return list(dict.fromkeys(slices)), axes
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         root = self.lab.module

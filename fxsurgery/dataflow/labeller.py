@@ -63,6 +63,7 @@ class Labeller(torch.fx.Interpreter):
         self.dynamic: set[Node] = set()  # nodes whose values depend on the inputs
         self.labels: dict[Node, Any] = {}
         self.shapes: dict[Node, Any] = {}
+        self.dtypes: dict[Node, Any] = {}  # beside ``shapes``: what a value is made of, to re-run a node on meta
         self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
 
     def run_node(self, n: Node) -> Any:
@@ -80,10 +81,11 @@ class Labeller(torch.fx.Interpreter):
             self.dynamic.discard(n)                    # from sizes on x.device are computed for real
             out = torch.device("cpu") if isinstance(out, torch.device) and out.type == "meta" else out
         if torch.is_tensor(out):
-            self.shapes[n] = tuple(out.shape)
+            self.shapes[n], self.dtypes[n] = tuple(out.shape), out.dtype
         elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out):
             self.shapes[n] = tuple(tuple(o.shape) for o in out)
-        elif out is None or isinstance(out, (int, float, bool, torch.Size, tuple, list)):
+            self.dtypes[n] = tuple(o.dtype for o in out)
+        elif out is None or isinstance(out, (int, float, bool, torch.Size, tuple, list, torch.device, torch.dtype)):
             self.values[n] = out
         label = self.rules.label(Step(self, n, out))
         self.labels[n] = label

@@ -369,3 +369,33 @@ def test_groups_come_in_model_order() -> None:
     s = Surgeon(model, (torch.randn(2, 3, 32, 32),))
     assert [g.name for g in s.groups] == [f"blocks.{i}.{part}" for i in range(12)
                                           for part in ("attn:head", "mlp:channel")]
+
+
+def test_a_compact_model_analysed_again_has_exact_single_head_groups() -> None:
+    """A ViT reduced to one head per layer, analysed afresh: each layer of one head is a group that clones with
+    the outputs kept and reaches zero heads exactly as masking its columns does."""
+    from tiny_vit import build_vit
+
+    model = build_vit().double().eval()
+    first = Surgeon(model, (torch.randn(2, 3, 32, 32, dtype=torch.double),))
+    for g in [g for g in first.groups if g.kind == "head"]:
+        while g.count > 1:
+            first.remove(g, 0)
+    x = torch.randn(3, 3, 32, 32, dtype=torch.double)
+    again = Surgeon(model, (torch.randn(1, 3, 32, 32, dtype=torch.double),))
+    heads = [g for g in again.groups if g.kind == "head"]
+    assert [g.count for g in heads] == [1, 1, 1] and all(g.exact for g in heads)
+    with torch.no_grad():
+        y0 = model(x)
+        original = copy.deepcopy(model)
+        for g in heads:
+            again.clone(g, 0, noise_std=0.0)
+        assert (model(x) - y0).abs().max().item() <= 1e-9
+        for g in heads:
+            again.remove(g, 0)
+            again.remove(g, 0)
+        masked = copy.deepcopy(original)
+        for i in range(3):
+            masked.blocks[i].attn.proj.weight.zero_()
+        assert [g.count for g in heads] == [0, 0, 0]
+        assert (model(x) - masked(x)).abs().max().item() <= 1e-9

@@ -2,6 +2,8 @@
 parameters shared by every block, fused parallel blocks."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -61,8 +63,8 @@ def test_one_channel_ffn_is_a_group_that_receives() -> None:
 
 
 def test_compact_model_analysed_again_at_one_unit() -> None:
-    """A model operated down to one FFN channel and one head, then wrapped again: the channel is a
-    group that can receive; the single head is reported at its module, not silently dropped."""
+    """A model operated down to one FFN channel and one head, then wrapped again: both are groups that can
+    receive (clones keep the outputs) and donate (the head reaches zero heads as masking its columns does)."""
     torch.manual_seed(0)
     model = TinyTransformer(Style(heads=3, mlp_hidden=4, depth=1)).double()
     x = torch.randn(3, 6, 5, dtype=torch.double)
@@ -70,14 +72,21 @@ def test_compact_model_analysed_again_at_one_unit() -> None:
     for g in s.groups:
         s.keep(g, [1])
     again = Surgeon(model, (x,))
-    ffn = again.group("blocks.0.mlp:channel")
-    assert ffn.count == 1
-    assert [lo.module for lo in again.left_out if any("single unit" in r for r in lo.reasons)] == ["blocks.0.attn"]
+    ffn, head = again.group("blocks.0.mlp:channel"), again.group("blocks.0.attn:head")
+    assert ffn.count == 1 and head.count == 1 and head.exact and head.min_count == 0
     with torch.no_grad():
         y0 = model(x)
     again.clone(ffn, 0, noise_std=0.1)
+    again.clone(head, 0, noise_std=0.1)
+    assert head.count == 2
     with torch.no_grad():
         assert (model(x) - y0).abs().max() <= 1e-9
+        masked = copy.deepcopy(model)
+        masked.blocks[0].attn.proj.weight.zero_()
+        again.remove(head, 0)
+        again.remove(head, 0)
+        assert head.count == 0
+        assert (model(x) - masked(x)).abs().max() <= 1e-9
 
 
 class RelAttn(nn.Module):

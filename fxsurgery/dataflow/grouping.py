@@ -146,6 +146,11 @@ class _Builder:
                 if k >= 0 and self.unit_class[k]:
                     self.mixed.setdefault(k, []).append(mixed.reason)
         self.acts = [self.unit_act(act) for act in rec.acts]
+        self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
+        self.sinks_of_class: dict[int, list[int]] = {}  # unit class -> indices of the sinks that read it
+        for i, sink in enumerate(self.sinks):
+            for c in torch.unique(sink.columns[sink.columns >= 0]).tolist():
+                self.sinks_of_class.setdefault(c, []).append(i)
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units
 
     def unit_act(self, act: Act) -> UnitAct:
@@ -258,7 +263,7 @@ class _Builder:
         """Where a refused group lives, for the report: the modules of the linear maps that produce and read its
         units (its dataflow may pass through a module shared by several blocks); all its modules if none."""
         names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
-        names |= {sink.node for sink in self.rec.sinks if torch.isin(self.cls(sink.columns), ut).any()}
+        names |= {sink.node for sink in self.sinks_reading(ut)}
         nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
         return [module_of(n) for n in nodes] or self.modules_of(k)
 
@@ -304,8 +309,7 @@ class _Builder:
         they all use (a module every block calls) are told at each layer (the module of its output projection),
         with that parameter."""
         shared = self.shared_members(ut)
-        sink_modules = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.rec.sinks
-                               if torch.isin(self.cls(s.columns), ut).any()})
+        sink_modules = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.sinks_reading(ut)})
         if not shared or len(sink_modules) < 2:
             return [Refusal(self.home_of(k, ut), reasons, _at_output(reasons))]
         names = ", ".join(shared)
@@ -326,8 +330,7 @@ class _Builder:
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
         reads them, or why there is no such single map."""
-        sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in self.rec.sinks
-                 if torch.isin(self.cls(sink.columns), ut).any()]
+        sinks = self.sinks_reading(ut)
         names = sorted({sink.weight for sink in sinks})
         if len(names) != 1:
             if not names:
@@ -339,6 +342,11 @@ class _Builder:
                         f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
+
+    def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
+        """The sinks that read any of units ``ut`` (columns as classes), in recording order."""
+        found = {i for u in ut.tolist() for i in self.sinks_of_class.get(u, ())}
+        return [self.sinks[i] for i in sorted(found)]
 
     def producers(self, ut: torch.Tensor) -> list[str]:
         """Modules of the linear maps whose spaces give units ``ut`` their coordinates."""

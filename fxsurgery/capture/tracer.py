@@ -18,6 +18,9 @@ from .calls import training_mode
 from .decompositions import DECOMPOSITIONS
 from .graph_forward import GraphForward
 
+# torch.fx names the tensors a traced module's code made (not its parameters or buffers) so; the capture too
+CODE_CONSTANT = "_tensor_constant"
+
 
 def tracer_options() -> tuple[tuple[type, ...], tuple[Any, ...]]:
     """Leaf module types and autowrap functions that timm registers, when timm is installed."""

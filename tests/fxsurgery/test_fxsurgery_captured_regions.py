@@ -59,3 +59,42 @@ def test_constants_and_no_grad_region_in_a_captured_host() -> None:
     model(x).sum().backward()
     assert model[1].gain.grad is None and model[1].fc1.weight.grad is not None  # the region still blocks it
     assert torch.is_grad_enabled()
+
+
+class ListFusion(nn.Module):
+    """An FFN over the concatenation of a list of feature maps: symbolic tracing would freeze the list's
+    tensors as constants (the graph would ignore its inputs), so the capture serves."""
+
+    def __init__(self, dim: int = 4, hidden: int = 5):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2 * dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(torch.cat(features, dim=-1))))
+
+
+class TwoScales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.fuse, self.head = nn.Linear(3, 4), nn.Linear(3, 4), ListFusion(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # neither front end reads the model (data-dependent): its modules are read on their own
+            x = x * 2
+        return self.head(self.fuse([self.a(x), self.b(x)]))
+
+
+def test_a_list_of_tensors_is_an_input_not_a_constant() -> None:
+    torch.manual_seed(0)
+    model, x = TwoScales().double(), torch.randn(2, 6, 3, dtype=torch.double)
+    masked = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (ffn,) = [g for g in s.groups if g.module == "fuse"]
+    assert (ffn.count, ffn.exact) == (5, True)
+    assert "holds tensors in a list" in s.explain()
+    other = torch.randn(3, 7, 3, dtype=torch.double)  # the installed graph reads its inputs, not frozen ones
+    with torch.no_grad():
+        assert (model(other) - masked(other)).abs().max() <= 1e-9
+        s.remove(ffn, 2)
+        masked.fuse.fc2.weight[:, 2] = 0
+        assert (model(other) - masked(other)).abs().max() <= 1e-9

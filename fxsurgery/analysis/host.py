@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ..capture.calls import training_mode
 from ..capture.front_ends import SYMBOLIC, Recording, record, record_concrete
+from ..capture.tracer import CODE_CONSTANT
 from ..dataflow.constants import ConstantSpec
 from ..dataflow.grouping import GroupSpec, Refusal
 from ..errors import AnalysisError, TraceError
@@ -86,7 +87,7 @@ def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: 
     for mode in (True, False):
         gm, values, used = front_end(module, host, args, kwargs, mode)
         tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
-                        if n.op == "get_attr" and n.target.startswith("_tensor_constant")})
+                        if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)})
         if mode is False and gm.code == graphs[True].owning_module.code:
             graphs[False], results[False] = graphs[True], results[True]
             break

@@ -149,8 +149,11 @@ def _einsum(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
 
 @lowers(aten._to_copy, aten.to)
 def _to(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """``Tensor.to`` with the call's dtype and device: positional (``to.dtype``, ``to.other``, and ``to.device``
+    which takes the dtype second) or keywords (``to.dtype_layout``, ``_to_copy``); copy flags do not matter here."""
     kept = {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
-    return "call_method", "to", (args[0], *args[1:2]) if len(args) > 1 and not kept else (args[0],), kept
+    leading = 2 if node.target._overloadname == "device" else 1
+    return "call_method", "to", (args[0], *args[1:1 + leading]), kept
 
 
 @lowers(aten.alias, aten.lift_fresh_copy, aten.detach)

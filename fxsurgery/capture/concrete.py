@@ -23,6 +23,8 @@ from torch.utils import _pytree as pytree
 from ..errors import TraceError
 from .aten import lower
 from .calls import forked_rng, materialize, training_mode
+from .grad_regions import inline_grad_regions
+from .tracer import CODE_CONSTANT
 
 
 def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -64,14 +66,18 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     for node in list(graph.nodes):
         if node.op == "call_module" and not node.users:  # the input guards export adds
             graph.erase_node(node)
+    try:
+        inline_grad_regions(exported, graph)
+    except TraceError as e:
+        raise TraceError(f"cannot capture {name or 'the model'} ({type(module).__name__}): {e}") from e
     lower(graph)
     for node in graph.nodes:  # the analysis reads module paths; export's fake values are neither needed nor picklable
         node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
     _keep_constants(module, exported, graph)
-    graph.lint()
     info = graph._codegen.pytree_info
     values = torch.fx._pytree.tree_flatten_spec((args, kwargs), info.in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)
+    gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
     if replayed:
         _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
     return gm, list(values)
@@ -131,10 +137,10 @@ def _keep_constants(module: nn.Module, exported: torch.fx.GraphModule, graph: to
             pass
         value = _lookup(exported, node.target)
         k = 0
-        while f"_tensor_constant{k}" in module.__dict__:
+        while f"{CODE_CONSTANT}{k}" in module.__dict__:
             k += 1
-        module.__dict__[f"_tensor_constant{k}"] = value
-        node.target = f"_tensor_constant{k}"
+        module.__dict__[f"{CODE_CONSTANT}{k}"] = value
+        node.target = f"{CODE_CONSTANT}{k}"
 
 
 def _lookup(root: nn.Module, target: str) -> Any:

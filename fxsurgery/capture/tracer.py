@@ -18,6 +18,9 @@ from .calls import training_mode
 from .decompositions import DECOMPOSITIONS
 from .graph_forward import GraphForward
 
+# torch.fx names the tensors a traced module's code made (not its parameters or buffers) so; the capture too
+CODE_CONSTANT = "_tensor_constant"
+
 
 def tracer_options() -> tuple[tuple[type, ...], tuple[Any, ...]]:
     """Leaf module types and autowrap functions that timm registers, when timm is installed."""
@@ -97,7 +100,7 @@ def _decomposed_class(cls: type, forward: Callable[..., Any]) -> type:
 
 def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a call into traced tensor inputs and concrete values frozen at what the call passed
-    (defaults for omitted optional arguments)."""
+    (defaults for omitted optional arguments). Tensors inside a list or dict cannot be either: refused."""
     sig = inspect.signature(type(module).forward)
     bound = sig.bind(module, *args, **kwargs)
     bound.apply_defaults()
@@ -108,6 +111,9 @@ def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str,
             if value:
                 raise TraceError(f"{type(module).__name__}.forward takes *args/**kwargs; pass them by name")
             continue
+        if not torch.is_tensor(value) and any(torch.is_tensor(t) for t in torch.utils._pytree.tree_leaves(value)):
+            raise TraceError(f"{type(module).__name__}.forward's argument {name} holds tensors in a "
+                             f"{type(value).__name__}: symbolic tracing would freeze them as constants")
         (traced if torch.is_tensor(value) else concrete)[name] = value
     return traced, concrete
 

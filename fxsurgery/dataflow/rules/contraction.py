@@ -194,6 +194,15 @@ def _repeat_heads(s: Step, t: torch.Tensor, lab: Label | None, times: int) -> tu
     return torch.empty(shape, device="meta"), Label(ids, lab.param)
 
 
+def _shared_by_heads(s: Step, lab: Label | None, heads: int) -> Label | None:
+    """The one key or value head that all query heads read: like a parameter they share, its coordinates join
+    no query head (each query head stays a unit) and, not being a unit axis itself, stay whole."""
+    if lab is None:
+        return None
+    s.rec.pin(lab.ids, f"{s.name}: one key/value head read by all {heads} query heads", benign=True)
+    return Label(lab.ids, True)
+
+
 @RULES.function(F.scaled_dot_product_attention)
 def sdpa(s: Step) -> Label | None:
     (q, lq), (k, lk), (v, lv) = s.arg(0, "query"), s.arg(1, "key"), s.arg(2, "value")
@@ -202,7 +211,11 @@ def sdpa(s: Step) -> Label | None:
         pin_all(s, "attention with query and key batch dims that differ has no rule")
         return None
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    if heads != kv_heads:  # grouped-query attention: query head h reads key/value head h // (heads / kv_heads)
+    if kv_heads == 1 < heads:  # multi-query attention: the key/value head broadcasts to every query head
+        lk, lv = _shared_by_heads(s, lk, heads), _shared_by_heads(s, lv, heads)
+        if lq is not None and lk is not None:  # q·kᵀ still contracts each query head's coordinates: heads
+            s.rec.contracted.append(lq.ids)
+    elif heads != kv_heads:  # grouped-query attention: query head h reads key/value head h // (heads / kv_heads)
         if not s.arg(7, "enable_gqa", False)[0] or kv_heads == 0 or heads % kv_heads:
             pin_all(s, f"attention of {heads} query heads on {kv_heads} key/value heads")
             return None

@@ -30,6 +30,8 @@ def cat(s: Step) -> Label | None:
     d = wrap_dim(dim, nd)
     pieces, plain_shapes = [], []
     for v, lab in zip(tensors, labels):
+        if v.numel() == 0 and not stack:  # an empty piece (no prefix tokens: ``x[:, :0]``) adds no positions
+            continue
         shape = list(v.shape)
         if stack:
             shape.insert(d, 1)
@@ -41,6 +43,8 @@ def cat(s: Step) -> Label | None:
             pieces.append(Piece(None, False, shape))
             plain_shapes.append(shape)
     labelled = [p for p in pieces if p.ids is not None]
+    if not pieces:
+        return None
     if all(p.param for p in labelled) and plain_shapes:
         for p in labelled:
             s.rec.pin(p.ids, f"{s.name}: parameter concatenated with a plain activation", True)

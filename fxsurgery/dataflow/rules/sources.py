@@ -7,6 +7,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ...capture.tracer import CODE_CONSTANT
 from ..labeller import Label, Step
 from .base import RULES, param_label
 
@@ -21,6 +22,11 @@ def get_attr(s: Step) -> Label | None:
         return None
     if s.node.users and all(_read_by_name(user, s.node) for user in s.node.users):
         return None
+    if s.node.target.startswith(CODE_CONSTANT):  # like a parameter it joins the units it is used with alone
+        ids = s.rec.fresh(tuple(s.out.shape))
+        s.rec.pin(ids, f"{s.name}: a tensor the code made (not a parameter or buffer) spans the units: "
+                       f"surgery cannot slice it")
+        return Label(ids, True)
     return param_label(s, s.node.target, s.out)
 
 

@@ -1,0 +1,80 @@
+"""Attention with rotary position embeddings on q and k: the rotation acts within each head's dims, alike for
+every head, so heads stay separable units. The tokens that skip the rotation (prefix tokens, none or a class
+token) are concatenated back, an empty slice included."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxsurgery import Surgeon
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """[x0 x1 x2 x3] -> [-x1 x0 -x3 x2]."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x0 x1 x2 x3] -> [-x2 -x3 x0 x1]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class RopeAttention(nn.Module):
+    """Fused q/k/v; sin and cos tables (one row per rotated token) applied to q and k after the prefix."""
+
+    def __init__(self, dim: int = 8, heads: int = 3, head_dim: int = 4, prefix: int = 0, half: bool = False):
+        super().__init__()
+        self.heads, self.head_dim, self.prefix, self.half = heads, head_dim, prefix, half
+        self.qkv, self.proj = nn.Linear(dim, 3 * heads * head_dim), nn.Linear(heads * head_dim, dim)
+
+    def rope(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        rotated = (rotate_half if self.half else rotate_pairs)(x)
+        return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        sin, cos = table.chunk(2, dim=-1)
+        p = self.prefix
+        q = torch.cat([q[:, :, :p], self.rope(q[:, :, p:], sin, cos)], dim=2)
+        k = torch.cat([k[:, :, :p], self.rope(k[:, :, p:], sin, cos)], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class RopeModel(nn.Module):
+    def __init__(self, prefix: int, half: bool, tokens: int = 5, head_dim: int = 4):
+        super().__init__()
+        self.embed, self.attn, self.head = nn.Linear(3, 8), RopeAttention(prefix=prefix, half=half), nn.Linear(8, 2)
+        angles = torch.arange(tokens - prefix)[:, None] * torch.linspace(0.1, 1.0, head_dim)
+        self.register_buffer("table", torch.cat([angles.sin(), angles.cos()], dim=-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(h + self.attn(h, self.table))
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+@pytest.mark.parametrize("half", [False, True])
+def test_rotary_heads_are_one_exact_group(prefix: int, half: bool) -> None:
+    torch.manual_seed(0)
+    model, x = RopeModel(prefix, half).double(), torch.randn(2, 5, 3, dtype=torch.double)
+    masked, cloned = copy.deepcopy(model), copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (heads,) = [g for g in s.groups if g.kind == "head"]
+    assert (heads.module, heads.count, heads.exact) == ("attn", 3, True)
+    assert not [lo for lo in s.left_out if lo.module.startswith("attn")]
+    with torch.no_grad():
+        s.remove(heads, 1)
+        masked.attn.proj.weight[:, 4:8] = 0  # head 1's dims of the output projection
+        assert (model(x) - masked(x)).abs().max() <= 1e-9
+        y0 = cloned(x)
+    sc = Surgeon(cloned, (x,))
+    sc.clone(sc.group(heads.name), 2, noise_std=0.1)
+    with torch.no_grad():
+        assert cloned.attn.qkv.weight.shape[0] == 48 and (cloned(x) - y0).abs().max() <= 1e-9

@@ -340,6 +340,9 @@ class _Builder:
             if len(names) == len(sinks) and torch.unique(readers).numel() == readers.numel():
                 return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
                         f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
+            if self.head[ut].any():  # an attention without an output projection adds its heads to the stream
+                return (f"attention heads read by several linear maps ({shown}) and no output projection of their "
+                        "own: their values are the width of the stream they join, not units of one layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
 

@@ -226,3 +226,30 @@ def test_a_resampled_per_head_table_follows_its_heads(removed: int) -> None:
     with torch.no_grad():
         masked.proj.weight[:, 4 * removed: 4 * removed + 4] = 0
         assert (model(x) - masked(x)).abs().max() <= 1e-12
+
+
+class UnprojectedHeads(nn.Module):
+    """Blocks whose one-head attention has no output projection (its head is as wide as the stream it is
+    added to), each followed by an FFN; then a classifier."""
+
+    def __init__(self, dim: int = 6, depth: int = 2):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(depth))
+        self.ffn = nn.ModuleList(nn.Sequential(nn.Linear(dim, 5), nn.GELU(), nn.Linear(5, dim)) for _ in range(depth))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for qkv, ffn in zip(self.qkv, self.ffn):
+            q, k, v = qkv(x).unsqueeze(1).chunk(3, dim=-1)
+            x = x + F.scaled_dot_product_attention(q, k, v).squeeze(1)
+            x = x + ffn(x)
+        return self.head(x)
+
+
+def test_heads_without_an_output_projection_are_told_as_the_stream_width() -> None:
+    """Such heads cannot be removed by slicing; the report says why, and the FFNs stay groups."""
+    torch.manual_seed(0)
+    s = Surgeon(UnprojectedHeads(), (torch.randn(2, 4, 6),))
+    assert [g.kind for g in s.groups] == ["channel", "channel"]
+    reasons = " ".join(r for lo in s.left_out for r in lo.reasons)
+    assert "no output projection of their own: their values are the width of the stream they join" in reasons

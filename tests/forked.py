@@ -1,7 +1,9 @@
 """Multi-process tests on CPU: WORLD gloo processes, forked (no re-import of torch and timm)."""
+import os
 import socket
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 if "fork" not in mp.get_all_start_methods():
@@ -22,3 +24,23 @@ def free_ports(n):
     for s in sockets:
         s.close()
     return ports
+
+
+def save_rank(out_dir, rank, controller, model, steps):
+    """What a rank of a framework's DDP run ends with: events, weights, layer counts, budgets, steps."""
+    counts = {kind: [g.count for g in controller.layers[kind]] for kind in controller.layers}
+    torch.save({"events": controller.events, "params": model.state_dict(), "counts": counts,
+                "initial": controller.initial, "steps": steps}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def assert_ranks_agree(out_dir, steps):
+    """Every rank made the same executed transfers, conserved the budgets, and ends with identical weights."""
+    ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    executed = [e for e in ranks[0]["events"] if e["skipped"] is None]
+    assert executed and ranks[0]["steps"] == steps
+    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counts"] == ranks[1]["counts"]
+    for kind, counts in ranks[0]["counts"].items():
+        assert sum(counts) == sum(ranks[0]["initial"][kind])  # budgets conserved
+    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
+    for name, p in ranks[0]["params"].items():  # the gradients were all-reduced through every rebuild
+        torch.testing.assert_close(ranks[1]["params"][name], p, rtol=0, atol=0, msg=name)

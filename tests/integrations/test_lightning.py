@@ -12,7 +12,7 @@ import lightning.pytorch as pl  # noqa: E402
 import timm  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from forked import WORLD, fork_processes, free_ports  # noqa: E402
+from forked import WORLD, assert_ranks_agree, fork_processes, free_ports, save_rank  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch.multiprocessing import ProcessRaisedException  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -84,24 +84,14 @@ def ddp_worker(rank, port, out_dir):
         callback, model = fit(os.path.join(out_dir, "run"), batch_size=4, devices=WORLD,
                               strategy=DDPStrategy(timeout=timedelta(minutes=2)))
         ctl = callback.controller
-        counts = {kind: [g.count for g in ctl.layers[kind]] for kind in ctl.layers}
-        torch.save({"events": ctl.events, "params": model.state_dict(), "counts": counts, "initial": ctl.initial,
-                    "steps": ctl.step_count}, os.path.join(out_dir, f"rank{rank}.pt"))
+        save_rank(out_dir, rank, ctl, model, ctl.step_count)
     finally:
         dist.destroy_process_group()
 
 
 def test_ddp_ranks_make_the_same_transfers_and_keep_identical_weights(tmp_path):
     fork_processes(ddp_worker, free_ports(1)[0], str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    executed = [e for e in ranks[0]["events"] if e["skipped"] is None]
-    assert executed and ranks[0]["steps"] == 12
-    assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counts"] == ranks[1]["counts"]
-    for kind, counts in ranks[0]["counts"].items():
-        assert sum(counts) == sum(ranks[0]["initial"][kind])  # budgets conserved
-    assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
-    for name, p in ranks[0]["params"].items():  # the gradients were all-reduced through every rebuild
-        torch.testing.assert_close(ranks[1]["params"][name], p, rtol=0, atol=0, msg=name)
+    assert_ranks_agree(tmp_path, 12)
 
 
 def test_processes_the_trainer_forks_are_refused(tmp_path, monkeypatch):

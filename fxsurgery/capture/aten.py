@@ -57,7 +57,7 @@ for _packet, _target in [(aten.linear, F.linear), (aten.conv1d, F.conv1d), (aten
                          (aten.max_pool2d, F.max_pool2d), (aten.avg_pool2d, F.avg_pool2d),
                          (aten.adaptive_avg_pool2d, F.adaptive_avg_pool2d),
                          (aten.adaptive_avg_pool1d, F.adaptive_avg_pool1d),
-                         (aten.rms_norm, F.rms_norm), (aten.group_norm, F.group_norm)]:
+                         (aten.rms_norm, F.rms_norm)]:
     LOWERINGS[_packet] = _function(_target)
 for _name in ("view", "reshape", "expand", "contiguous", "type_as", "expand_as", "view_as", "reshape_as", "repeat"):
     LOWERINGS[getattr(aten, _name)] = _method(_name)
@@ -67,9 +67,11 @@ LOWERINGS[aten.im2col] = _function(F.unfold)
 LOWERINGS[aten.sym_size] = _method("size")
 
 
-@lowers(aten.layer_norm)
-def _layer_norm(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
-    return "call_function", F.layer_norm, args[:5], {}  # drops cudnn_enable
+@lowers(aten.layer_norm, aten.group_norm)
+def _norm(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """layer_norm and group_norm: (input, shape or groups, weight, bias, eps), without ATen's cudnn flag."""
+    target = F.layer_norm if node.target.overloadpacket is aten.layer_norm else F.group_norm
+    return "call_function", target, args[:5], {}
 
 
 @lowers(aten.dropout, aten.feature_dropout, aten.alpha_dropout)

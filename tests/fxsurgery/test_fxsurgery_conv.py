@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
 from test_fxsurgery_properties import assert_masked_then_clones_exact, layer_groups, remove_random_unit
@@ -134,3 +136,32 @@ def test_pooling_keeps_channels_apart() -> None:
     with torch.no_grad():
         s.remove(g, 2)
         assert (model(x) - masked_copy(original, {"fc2.weight": {2}}, {"fc2.weight": 1})(x)).abs().max().item() <= 1e-9
+
+
+class ShapeBranchNormedFFN(nn.Module):
+    """A 1x1-convolution FFN behind a normalisation, under a shape branch (the concrete-shape capture serves)."""
+
+    def __init__(self, norm: nn.Module, dim: int = 8, hidden: int = 6):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = norm, nn.Conv2d(dim, hidden, 1), nn.Conv2d(hidden, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 2:
+            x = x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+        return x
+
+
+@pytest.mark.parametrize("norm", [nn.GroupNorm(2, 8), nn.LayerNorm([8, 4, 4])], ids=["group_norm", "layer_norm"])
+def test_captured_norms_replay_and_their_ffn_is_exact(norm: nn.Module) -> None:
+    """ATen's group_norm and layer_norm carry a cudnn flag their torch functions do not take."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ShapeBranchNormedFFN(norm), ShapeBranchNormedFFN(copy.deepcopy(norm))).double()
+    x = torch.randn(2, 8, 4, 4, dtype=torch.double)
+    masked = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert [(g.module, g.count, g.exact) for g in s.groups] == [("0", 6, True), ("1", 6, True)]
+    assert "torch.export" in s.explain()
+    with torch.no_grad():
+        s.remove(s.groups[1], 2)
+        masked[1].fc2.weight[:, 2] = 0
+        assert (model(x) - masked(x)).abs().max() <= 1e-9

@@ -101,14 +101,9 @@ def clock_transfers(ctl: barter.Controller, device: str) -> TransferTime:
 
     def timed_step() -> None:
         before = len(ctl.events)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        plain()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        seconds = synchronised_seconds(plain, device)
         if len(ctl.events) > before:
-            clock.seconds += time.perf_counter() - t0
+            clock.seconds += seconds
             clock.attempted += len(ctl.events) - before
             clock.executed += sum(e["skipped"] is None for e in ctl.events[before:])
         if ctl.step_count >= last:
@@ -225,16 +220,18 @@ def peak_memory_cpu(arch: str, method: str, density: float, batch_size: int, war
 def median_seconds(fn: Callable[[], torch.Tensor], device: str, repeats: int) -> float:
     """Median wall time of `fn()` after one warm-up call (synchronised on CUDA)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(synchronised_seconds(fn, device) for _ in range(repeats))
+
+
+def synchronised_seconds(fn: Callable[[], object], device: str) -> float:
+    """Wall time of one call of `fn`, with the GPU's queued work finished before and after it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 @torch.no_grad()

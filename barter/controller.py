@@ -170,12 +170,25 @@ class Controller:
                 return
             self._uncounted = 0
         self.step_count += 1
+        self._check_taps_ran()
         for kind in KINDS:
             table = self.tables[kind]
             table.fold()
             for _ in range(self._due[kind][self.step_count]):
                 self._attempt(kind)
         self._drop_finished_taps()
+
+    def _check_taps_ran(self) -> None:
+        """After a training forward and backward (some tap ran), every tapped layer with units must have been
+        tapped too: a layer whose tap never ran would keep zero scores and be chosen on ties, blind."""
+        tapped = [(kind, i, g) for kind in KINDS if self._taps[kind] for i, g in enumerate(self.layers[kind])]
+        if not any(self.tables[kind].dirty for kind, _, _ in tapped):
+            return  # no training forward since the last step (nothing to score)
+        silent = [g.name for kind, i, g in tapped if g.count and i not in self.tables[kind].armed]
+        if silent:
+            raise RuntimeError(f"the score taps of {', '.join(silent)} did not run in this training step while "
+                               "others did: the model's forward bypassed the graphs fxsurgery installed (or ran "
+                               "them without gradients), so BARTER would choose on zero scores")
 
     def _attempt(self, kind: str) -> None:
         table, groups = self.tables[kind], self.layers[kind]

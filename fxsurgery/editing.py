@@ -11,6 +11,7 @@ from .dataflow.constants import ConstantSpec, set_path
 from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
 from .module_sizes import sync_sizes
 from .slicing import ParamSlice, clone_state, clone_unit, state_tensors
+from .taps import TapPoint
 
 TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
 
@@ -39,6 +40,10 @@ class Editor:
     def host(self, g: UnitGroup) -> nn.Module:
         host = self.plumbing[g].host
         return self.model.get_submodule(host) if host else self.model
+
+    def tap_point(self, g: UnitGroup) -> TapPoint:
+        """The point where the group's host graphs hand its units to the output projection."""
+        return self.host(g).__dict__[self.plumbing[g].tap_point]
 
     def keep(self, g: UnitGroup, idx: torch.Tensor) -> None:
         """Only the units ``idx``, in that order: parameters and optimizer state alike."""

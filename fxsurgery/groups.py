@@ -64,11 +64,10 @@ class ConstantSlot(NamedTuple):
 
 @dataclass(kw_only=True)
 class GroupPlumbing:
-    """What the engine needs to operate on one group: its host module (whose graph it rewrites), the
-    output projection module it taps, the graph constants that follow the count, and their slots."""
+    """What the engine needs to operate on one group: its host module (whose graph it rewrites), the host
+    attribute holding its tap point, the graph constants that follow the count, and their slots."""
 
     host: str
-    sink_module: str | None
-    tap: TapLayout
+    tap_point: str
     constants: list[ConstantSpec]
     slots: list[ConstantSlot] = field(default_factory=list)

@@ -86,22 +86,10 @@ class Surgeon:
 
     def tap(self, group: UnitGroup, fn: Callable[[torch.Tensor], None]) -> torch.utils.hooks.RemovableHandle:
         """Call ``fn(a)`` in every forward with the activations that feed the group's output
-        projection, viewed as ``(*lead, count, per_unit)``. ``handle.remove()`` stops it."""
+        projection, viewed as ``(*lead, count, per_unit)``; changes ``fn`` makes to ``a`` reach the
+        projection. Every front end's graph calls the tap. ``handle.remove()`` stops it."""
         g = self._own(group)
-        plumbing = self._editor.plumbing[g]
-        if plumbing.sink_module is None:
-            raise ValueError(f"{g.name}: its output projection is not a Linear or convolution module; cannot tap it")
-        sink = self.model.get_submodule(plumbing.sink_module)
-        outer, inner, dim = plumbing.tap
-
-        def hook(module: nn.Module, args: tuple) -> tuple:
-            x = args[0].movedim(dim, -1).unflatten(-1, (outer, g.count, inner))
-            a = x.movedim(-3, -2).flatten(-2)  # (*lead, count, outer*inner): a view when outer is 1
-            fn(a)
-            x = a.unflatten(-1, (outer, inner)).movedim(-2, -3).flatten(-3)
-            return (x.movedim(-1, dim), *args[1:])  # the projection reads a: gradients reach it
-
-        return sink.register_forward_pre_hook(hook)
+        return self._editor.tap_point(g).add(fn)
 
     def explain(self) -> str:
         """A table of the groups (count / max, exactness, sliced tensors, rewritten constants) and of

@@ -16,17 +16,18 @@ from ..capture.calls import training_mode
 from ..capture.front_ends import SYMBOLIC, Recording, record, record_concrete
 from ..capture.tracer import CODE_CONSTANT
 from ..dataflow.constants import ConstantSpec
-from ..dataflow.grouping import GroupSpec, Refusal
+from ..dataflow.grouping import GroupSpec, Refusal, TapSite
 from ..errors import AnalysisError, TraceError
 from .find import find_groups
 
 
 @dataclass
 class HostGroup:
-    """A group found in both graphs of a host: its spec and the constants of both graphs."""
+    """A group found in both graphs of a host: its spec, and the constants and tap sites of both graphs."""
 
     spec: GroupSpec
     constants: list[ConstantSpec]
+    sites: list[TapSite]
 
 
 @dataclass
@@ -43,8 +44,11 @@ class HostAnalysis:
         """Fresh graphs, with every constant re-pointed to the same-named node of its graph's copy."""
         copies = {id(g): copy.deepcopy(g) for g in self.graphs.values()}
         by_name = {gid: {n.name: n for n in g.nodes} for gid, g in copies.items()}
-        groups = [HostGroup(hg.spec, [ConstantSpec(by_name[id(c.node.graph)][c.node.name], c.path, c.per_unit)
-                                      for c in hg.constants])
+        def same(node: torch.fx.Node) -> torch.fx.Node:
+            return by_name[id(node.graph)][node.name]
+
+        groups = [HostGroup(hg.spec, [ConstantSpec(same(c.node), c.path, c.per_unit) for c in hg.constants],
+                            [TapSite(same(site.sink), same(site.input)) for site in hg.sites])
                   for hg in self.groups]
         return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, groups, self.refusals, self.tensors,
                             self.front_end)
@@ -101,5 +105,11 @@ def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: 
         if other is None or other.count != spec.count:
             refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
             continue
-        groups.append(HostGroup(spec, spec.constants + ([] if other is spec else other.constants)))
+        if not spec.sites or not other.sites:
+            refusals.append(Refusal(spec.modules, [f"{spec.sink} is called inside an opaque function: no tap "
+                                                   "could see the units it reads"]))
+            continue
+        both = other is not spec
+        groups.append(HostGroup(spec, spec.constants + (other.constants if both else []),
+                                spec.sites + (other.sites if both else [])))
     return HostAnalysis(graphs, groups, refusals, tensors, used)

@@ -12,13 +12,12 @@ from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec, common_module
 from ..editing import Editor, bind_constants
 from ..errors import AnalysisError, TraceError
-from ..groups import ConstantSlot, GroupPlumbing, LeftOut, TapLayout, UnitGroup
+from ..groups import GroupPlumbing, LeftOut, TapLayout, UnitGroup
 from ..slicing import ParamSlice
+from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .regions import find_regions, join_path, locate_hosts
 from .verify import self_check
-
-_PROJECTIONS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # output projections a tap can hook
 
 
 @dataclass
@@ -109,10 +108,12 @@ class _Installer:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
+        points = [add_tap_point(module, hg) for hg in found.groups]
         GraphForward(module, found.graphs).install()
-        for hg, group_slots in zip(found.groups, slots):
+        for hg, group_slots, point in zip(found.groups, slots, points):
             g = self.make_group(host, hg.spec)
-            self.editor.plumbing[g] = self.plumbing(host, hg, group_slots)
+            self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, constants=hg.constants,
+                                                    slots=group_slots)
             # identical code, layout and inputs give identical self-check outcomes
             check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
             if check not in self.checked:
@@ -135,19 +136,11 @@ class _Installer:
         return UnitGroup(name=name, kind=spec.kind, module=module, count=spec.count, max_count=spec.count,
                          exact=spec.exact, slices=slices, notes=tuple(spec.notes), min_count=spec.min_count)
 
-    def plumbing(self, host: str, hg: HostGroup, slots: list[ConstantSlot]) -> GroupPlumbing:
-        sink = join_path(host, hg.spec.sink.rsplit(".", 1)[0])
-        tappable = _tappable(self.editor.submodule(sink), hg.spec.sink.rsplit(".", 1)[-1])
-        return GroupPlumbing(host=host, sink_module=sink if tappable else None,
-                             tap=TapLayout(hg.spec.tap_outer, hg.spec.tap_inner, hg.spec.tap_dim),
-                             constants=hg.constants, slots=slots)
 
-
-def _tappable(module: nn.Module | None, weight: str) -> bool:
-    """A tap hooks the output projection module's first input: a Linear or convolution, or any leaf module
-    that holds only the projection's weight and bias (a linear map stored [in, out], GPT-2's Conv1D)."""
-    if isinstance(module, _PROJECTIONS):
-        return True
-    if module is None or next(module.children(), None) is not None:
-        return False
-    return weight in dict(module.named_parameters()) and set(dict(module.named_parameters())) <= {weight, "bias"}
+def add_tap_point(module: nn.Module, hg: HostGroup) -> str:
+    """Give ``module`` a tap point for the group and route every call of its output projection through it."""
+    attr = f"{POINT_PREFIX}{sum(k.startswith(POINT_PREFIX) for k in module.__dict__)}"
+    module.__dict__[attr] = TapPoint(TapLayout(hg.spec.tap_outer, hg.spec.tap_inner, hg.spec.tap_dim))
+    for site in hg.sites:
+        insert_tap_point(attr, site.sink, site.input)
+    return attr

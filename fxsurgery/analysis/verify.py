@@ -14,8 +14,9 @@ from ..slicing import clone_unit
 
 
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str | None:
-    """Clone and remove unit 0 on the live host, compare its outputs, and restore everything. Returns
-    what went wrong, or None."""
+    """Clone and remove unit 0 on the live host, compare its outputs, and restore everything; zeroing unit 0
+    at the group's tap point must equal masking it (the tap sees what the projection reads). Returns what went
+    wrong, or None."""
     module = editor.host(g)
     args, kwargs = materialize(inputs)
     saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
@@ -48,6 +49,13 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
             out.unit(w.data, count, 0).zero_()
             y_mask = run()
             restore()
+            handle = editor.tap_point(g).add(_zero_first_unit)
+            try:
+                y_tap = run()
+            finally:
+                handle.remove()
+            if _max_rel_diff(y_mask, y_tap) > tol:
+                return f"zeroing unit 0 at its tap point differs from masking it by {_max_rel_diff(y_mask, y_tap):.2e}"
             rest = torch.arange(1, count)
             editor.edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
             y_rm = run()
@@ -61,6 +69,10 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
     finally:
         restore()
     return None
+
+
+def _zero_first_unit(a: torch.Tensor) -> None:
+    a[..., 0, :] = 0
 
 
 def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -14,6 +14,7 @@ import torch.fx
 import torch.nn as nn
 
 from ..errors import TraceError
+from ..taps import strip_tap_points
 from .calls import training_mode
 from .decompositions import DECOMPOSITIONS
 from .graph_forward import GraphForward
@@ -122,7 +123,7 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
     """Trace ``module`` in the given mode; returns the graph module and the values of its placeholders."""
     installed = GraphForward.of(module)
     if installed is not None:  # already operated on: its current graph is the truth
-        graph = _with_literal_counts(copy.deepcopy(installed.graphs[training]), module)
+        graph = _with_literal_counts(strip_tap_points(copy.deepcopy(installed.graphs[training])), module)
         return torch.fx.GraphModule(module, graph, type(module).__name__), _placeholder_values(graph, args, kwargs)
     traced, concrete = bind_inputs(module, args, kwargs)
     tracer = Tracer()

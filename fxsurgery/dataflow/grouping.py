@@ -12,6 +12,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 import torch.fx
+from torch.fx.node import Node
 
 from ..slicing import ParamSlice
 from .classes import classes, join_parameters, shared_uses
@@ -37,11 +38,18 @@ class GroupSpec:
     notes: list[str]
     modules: list[str]
     sink: str  # the output projection's weight
-    sink_node: str
+    sites: list[TapSite]  # where the graph feeds the units to it (one per call of the projection)
     tap_outer: int  # the sink input's feature layout is [tap_outer][unit][tap_inner]
     tap_inner: int
     tap_dim: int  # the sink input's feature dim: -1 for a Linear, 1 for a pointwise convolution
     min_count: int
+
+
+class TapSite(NamedTuple):
+    """A call of a group's output projection (``sink``) and the node of the activations it reads (``input``)."""
+
+    sink: Node
+    input: Node
 
 
 @dataclass
@@ -300,9 +308,17 @@ class _Builder:
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
-                         notes=about + mixed + notes_zero, modules=mods, sink=sink.weight, sink_node=sink.node,
+                         notes=about + mixed + notes_zero, modules=mods, sink=sink.weight, sites=self.sites(sinks),
                          tap_outer=sink_member.outer, tap_inner=sink_member.inner, tap_dim=sink.dim,
                          min_count=min_count)
+
+    def sites(self, sinks: list[Sink]) -> list[TapSite]:
+        """The calls of the output projection with their input nodes; none if one call is out of sight (an
+        opaque function's body), so no tap could see every use of the units."""
+        if any(sink.input is None for sink in sinks):
+            return []
+        nodes = {n.name: n for n in self.lab.module.graph.nodes}
+        return [TapSite(nodes[sink.node], nodes[sink.input]) for sink in sinks]
 
     def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
         """Why units ``ut`` are left out, at their home; units of several layers tied only through a parameter

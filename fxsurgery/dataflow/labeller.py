@@ -158,6 +158,11 @@ class Step:
             if torch.is_tensor(v):
                 yield v, lab if isinstance(lab, Label) else None
 
+    def node_of(self, value: Any) -> Node | None:
+        """The argument node whose value is ``value`` (the object itself), at the top level or in a list."""
+        nodes = [a for a in self.node.all_input_nodes if self.lab.env.get(a) is value]
+        return nodes[0] if nodes else None
+
     def has_labels(self) -> bool:
         return any(lab is not None for _, lab in self.tensors())
 

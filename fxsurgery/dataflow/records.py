@@ -43,13 +43,14 @@ class Member(NamedTuple):
 
 class Sink(NamedTuple):
     """A linear map (graph node ``node``) reading coordinates ``columns`` with its weight's columns, over
-    feature dim ``dim`` of its input."""
+    feature dim ``dim`` of its input (graph node ``input``: where a tap sees the units)."""
 
     weight: str
     node: str
     columns: torch.Tensor
     dim: int
     weight_dim: int = 1  # the weight dim that meets the input features (0 for a weight stored [in, out])
+    input: str | None = None  # None where the input is no node of the labelled graph (inside an opaque call)
 
 
 class NonEmpty(NamedTuple):

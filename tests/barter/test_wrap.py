@@ -194,3 +194,15 @@ def test_magnitude_init_keeps_the_largest_units():
     for g in ctl.surgeon.groups:
         top = norms[g.name].sort(descending=True).values[:g.count]
         torch.testing.assert_close(ctl.surgeon.unit_norms(g).sort(descending=True).values, top)
+
+
+def test_a_layer_whose_tap_did_not_run_is_an_error_not_a_zero_score():
+    """A host whose forward no longer runs the installed graph (here: its class forward put back) is never
+    tapped; the controller refuses to choose on its zero scores, naming the layer."""
+    ctl, opt = new()
+    bypassed = ctl.model.blocks[1].mlp
+    bypassed.forward = type(bypassed).forward.__get__(bypassed)
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(ctl.model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.mlp:channel did not run"):
+        opt.step()

@@ -36,7 +36,9 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
             s.rec.tie(tie)
             col = col.reshape(reads)
             s.rec.member(weight, col)
-            s.rec.sinks.append(Sink(weight, s.name, col.flatten(), dim, 0 if weight_in_rows else 1))
+            source = None if s.lab.nested else s.node_of(x)
+            s.rec.sinks.append(Sink(weight, s.name, col.flatten(), dim, 0 if weight_in_rows else 1,
+                                    None if source is None else source.name))
     d_out = dim % s.out.dim()
     n_out = s.out.shape[d_out]
     space = s.rec.fresh((n_out,))

@@ -12,7 +12,8 @@ Glossary (as the code uses the words):
 - *space*: the fresh ids a linear map (Linear, ``F.linear``, pointwise convolution) gives its output
   features. A class that holds space ids is a unit; units that share a tensor axis form a group.
 - *sink*: the weight whose columns read a unit's coordinates (the output projection). A group has
-  exactly one sink weight; its column slice is the group's ``output`` slice, and ``tap`` hooks it.
+  exactly one sink weight; its column slice is the group's ``output`` slice, and ``tap`` sees its input
+  (each installed graph passes that input through the group's tap point).
 - *member*: a parameter or buffer whose elements carry ids (weight rows and columns, biases, norm
   weights); a member whose ids line up with the units along one axis becomes a ``ParamSlice``.
 - *tie*: a pair of ids that must belong to one unit (an elementwise op of two activations, a dim
@@ -25,9 +26,10 @@ Glossary (as the code uses the words):
 - *mix*: ids normalised or reduced together (softmax, layer norm, a sum): removing one unit changes
   the others, so the group is kept but not ``exact``.
 """
-from .errors import AnalysisError, OptimizerStateError, TraceError
+from .errors import AnalysisError, OptimizerStateError, TraceError, UnservedCall
 from .groups import LeftOut, UnitGroup
 from .slicing import ParamSlice
 from .surgeon import Surgeon
 
-__all__ = ["Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError", "OptimizerStateError"]
+__all__ = ["Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError", "OptimizerStateError",
+           "UnservedCall"]

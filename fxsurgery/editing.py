@@ -100,20 +100,26 @@ class Editor:
             sync_sizes(self.submodule(owner) if owner else self.model, pname)
 
 
-def bind_constants(module: nn.Module, consts: list[ConstantSpec], count: int) -> list[ConstantSlot]:
-    """Make each count-dependent argument (a literal, or a size read that follows the units) a read of
-    a plain attribute of the host, so an edit sets attributes instead of regenerating the host's code."""
-    slots, seen = [], set()
+def bind_constants(module: nn.Module, consts: list[ConstantSpec], count: int,
+                   slots: list[ConstantSlot] | None = None) -> list[ConstantSlot]:
+    """Make each count-dependent argument (a literal, or a size read that follows the units) a read of a plain
+    attribute of the host, so an edit sets attributes instead of regenerating the host's code. Arguments of one
+    per-unit size share one attribute (a slot); ``slots``, the group's slots so far, gains any new ones."""
+    slots = [] if slots is None else slots
+    seen = set()
     for c in consts:
         if (c.node, c.path) in seen:
             continue
         seen.add((c.node, c.path))
-        attr = f"_fxsurgery_constant{sum(k.startswith('_fxsurgery_constant') for k in module.__dict__)}"
-        module.__dict__[attr] = c.per_unit * count
+        slot = next((s for s in slots if s.per_unit == c.per_unit), None)
+        if slot is None:
+            k = sum(name.startswith("_fxsurgery_constant") for name in module.__dict__)
+            slot = ConstantSlot(f"_fxsurgery_constant{k}", c.per_unit)
+            module.__dict__[slot.attr] = c.per_unit * count
+            slots.append(slot)
         with c.node.graph.inserting_before(c.node):
-            read = c.node.graph.create_node("get_attr", attr, name=attr)
+            read = c.node.graph.create_node("get_attr", slot.attr)
         set_path(c.node, c.path, read)
-        slots.append(ConstantSlot(attr, c.per_unit))
     return slots
 
 

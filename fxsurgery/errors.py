@@ -11,3 +11,9 @@ class AnalysisError(ValueError):
 
 class OptimizerStateError(TypeError):
     """An attached optimizer keeps per-parameter state that surgery cannot map."""
+
+
+class UnservedCall(TypeError):
+    """A host was called in a way no graph serves (its graphs were captured on other calls), no capture for this
+    call finds its groups again, and its own forward does not follow the widths; the message names the host
+    and the arguments that differ from the analysed call."""

@@ -7,9 +7,10 @@ from .slicing import ParamSlice
 
 
 def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
-            plumbing: dict[UnitGroup, GroupPlumbing], *, front_ends: dict[str, str]) -> str:
+            plumbing: dict[UnitGroup, GroupPlumbing], *, front_ends: dict[str, str],
+            served: dict[str, list[str]]) -> str:
     """Each group's count / max, exactness, sliced tensors and rewritten constants; then the left out; then
-    the front end of each host module (hosts recorded alike and for the same reason share a line)."""
+    the front end of each host module and the calls it serves, how (hosts alike share a line)."""
     lines = [f"fxsurgery: {len(groups)} unit groups in {model_name}"]
     w = max([len(g.name) for g in groups] + [5])
     lines.append(f"{'group':<{w}}  {'kind':<7}  {'module':<{w}}  {'units':>9}  exact")
@@ -30,10 +31,29 @@ def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
         hosts_of: dict[str, list[str]] = {}
         for host, front_end in front_ends.items():
             hosts_of.setdefault(front_end, []).append(host or "(model)")
-        for front_end, hosts in hosts_of.items():
-            shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
-            lines.append(f"  {shown}: {front_end}")
+        lines += [f"  {_hosts(hosts)}: {front_end}" for front_end, hosts in hosts_of.items()]
+    if served:
+        lines.append("calls served (a graph per call signature; the analysed call in train and eval mode):")
+        hosts_of = {}
+        for host, ways in served.items():
+            hosts_of.setdefault(_served(ways), []).append(host or "(model)")
+        lines += [f"  {_hosts(hosts)}: {ways}" for ways, hosts in hosts_of.items()]
     return "\n".join(lines)
+
+
+def _hosts(hosts: list[str]) -> str:
+    return ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
+
+
+def _served(ways: list[str]) -> str:
+    """How many calls a host serves each way: 'analysed', 'captured for this call', 'its own forward (why)'."""
+    counts: dict[str, int] = {}
+    for way in ways:
+        counts[way] = counts.get(way, 0) + 1
+    graphs = sum(n for way, n in counts.items() if not way.startswith("its own forward"))
+    parts = [f"{graphs} graph{'s' if graphs != 1 else ''}"]
+    parts += [f"{n} by {way}" for way, n in counts.items() if way.startswith("its own forward")]
+    return "; ".join(parts)
 
 
 def _describe(sl: ParamSlice) -> str:

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from .analysis.model import analyse_model
+from .capture.graph_forward import GraphForward
 from .editing import Editor
 from .groups import LeftOut, UnitGroup
 from .report import explain
@@ -14,17 +15,21 @@ from .slicing import state_tensors
 
 
 class Surgeon:
-    """Trace ``model``, find its unit groups, and operate on them in place.
+    """Trace ``model`` called as ``model(*example_inputs, **example_kwargs)``, find its unit groups, and
+    operate on them in place.
 
     The model keeps its class, methods, parameter objects and ``state_dict`` keys; the modules that
     host units get a rewritten forward. Every group is checked once on the live model at analysis:
     a clone must leave the host's outputs unchanged and a removal must equal masking the unit."""
 
-    def __init__(self, model: nn.Module, example_inputs: Any):
+    def __init__(self, model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None):
+        if not example_inputs and not example_kwargs:
+            raise ValueError("Surgeon needs an example call of the model: example_inputs and/or example_kwargs")
         self.model = model
         self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        self.example_kwargs = dict(example_kwargs or {})
         self._editor = Editor(model)
-        found = analyse_model(model, self.example_inputs, self._editor)
+        found = analyse_model(model, (self.example_inputs, self.example_kwargs), self._editor)
         self.groups: list[UnitGroup] = found.groups
         self.left_out: list[LeftOut] = found.left_out
         self._front_ends = found.front_ends
@@ -93,9 +98,14 @@ class Surgeon:
 
     def explain(self) -> str:
         """A table of the groups (count / max, exactness, sliced tensors, rewritten constants) and of
-        what was left out and why, and which front end recorded each host module."""
+        what was left out and why, which front end recorded each host module, and how many graphs each host
+        holds for the calls it has served (or which calls its own forward served, and why)."""
+        served = {}
+        for host in self._front_ends:
+            installed = GraphForward.of(self.model.get_submodule(host))
+            served[host] = list(installed.served.values()) if installed is not None else []
         return explain(type(self.model).__name__, self.groups, self.left_out, self._editor.plumbing,
-                       front_ends=self._front_ends)
+                       front_ends=self._front_ends, served=served)
 
     def _own(self, group: UnitGroup) -> UnitGroup:
         if not any(group is g for g in self.groups):

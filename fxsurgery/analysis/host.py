@@ -70,14 +70,15 @@ def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return tuple(parts), call
 
 
-def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> HostAnalysis:
-    """Trace the host in train and eval mode and find its groups in both graphs. Where the symbolic trace
-    leaves units out, the concrete-shape capture is tried too and serves if it finds more groups."""
-    found = _analyse_with(record, module, host, args, kwargs)
+def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
+                 modes: tuple[bool, ...] = (True, False)) -> HostAnalysis:
+    """Trace the host in train and eval mode (or in ``modes``) and find its groups in every graph. Where the
+    symbolic trace leaves units out, the concrete-shape capture is tried too and serves if it finds more groups."""
+    found = _analyse_with(record, module, host, args, kwargs, modes)
     if found.refusals and found.front_end == SYMBOLIC:
         why = f"the symbolic trace left out: {found.refusals[0].reasons[0]}"
         try:
-            captured = _analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs)
+            captured = _analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs, modes)
         except (TraceError, AnalysisError):
             return found
         if len(captured.groups) > len(found.groups):
@@ -86,21 +87,22 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict) -> Hos
 
 
 def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple,
-                  kwargs: dict) -> HostAnalysis:
+                  kwargs: dict, modes: tuple[bool, ...]) -> HostAnalysis:
     graphs, results, tensors = {}, {}, {}
-    for mode in (True, False):
+    for mode in modes:
         gm, values, used = front_end(module, host, args, kwargs, mode)
         tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
                         if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)})
-        if mode is False and gm.code == graphs[True].owning_module.code:
+        if mode is False and True in graphs and gm.code == graphs[True].owning_module.code:
             graphs[False], results[False] = graphs[True], results[True]
             break
         graphs[mode] = gm.graph
         with training_mode(module, mode):
             results[mode] = find_groups(gm, values, host)
-    eval_specs = {s.sink: s for s in results[False].groups}
-    groups, refusals = [], list(results[True].refusals)
-    for spec in results[True].groups:
+    first, last = results[modes[0]], results[modes[-1]]
+    eval_specs = {s.sink: s for s in last.groups}
+    groups, refusals = [], list(first.refusals)
+    for spec in first.groups:
         other = eval_specs.get(spec.sink)
         if other is None or other.count != spec.count:
             refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))

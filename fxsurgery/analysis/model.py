@@ -16,6 +16,8 @@ from ..groups import GroupPlumbing, LeftOut, TapLayout, UnitGroup
 from ..slicing import ParamSlice
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
+from .own_forward import GroupRecord
+from .recapture import Analyses, HostServer, meta_template
 from .regions import find_regions, join_path, locate_hosts
 from .verify import self_check
 
@@ -34,14 +36,15 @@ class Findings:
             self.left_out.append(LeftOut(module, reasons))
 
 
-def analyse_model(model: nn.Module, example_inputs: tuple, editor: Editor) -> Findings:
-    """Find, install and check the groups of ``model``; their plumbing goes to ``editor``."""
+def analyse_model(model: nn.Module, example: tuple[tuple, dict], editor: Editor) -> Findings:
+    """Find, install and check the groups of ``model`` called as ``example`` (args, kwargs); their plumbing
+    goes to ``editor``."""
     findings = Findings()
-    regions, failures = find_regions(model, example_inputs, findings.leave_out)
+    regions, failures = find_regions(model, example, findings.leave_out)
     hosts = locate_hosts(model, regions, findings.leave_out)
     if hosts:
-        inputs = capture_inputs(model, example_inputs, [n for n, _ in model.named_modules() if n])
-        inputs[""] = (example_inputs, {})
+        inputs = capture_inputs(model, example, [n for n, _ in model.named_modules() if n])
+        inputs[""] = example
         installer = _Installer(model, editor, findings)
         for host in _callers_of_returned_heads(hosts, inputs, installer):
             installer.install(host, inputs[host])
@@ -83,6 +86,7 @@ class _Installer:
         self.model, self.editor, self.findings = model, editor, findings
         self.templates: dict[tuple, HostAnalysis | str] = {}  # an analysis, or why it failed
         self.checked: dict[tuple, str | None] = {}
+        self.recaptured: Analyses = {}  # the hosts' captures for other calls, shared by hosts built alike
 
     def analysis(self, host: str, inputs: tuple[tuple, dict]) -> HostAnalysis | str:
         """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
@@ -106,10 +110,13 @@ class _Installer:
         self.findings.front_ends[host] = found.front_end
         for r in found.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
+        template = meta_template(module)  # before the host changes: other calls are captured from it
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
         points = [add_tap_point(module, hg) for hg in found.groups]
-        GraphForward(module, found.graphs).install()
+        forward = GraphForward(module, found.graphs, inputs)
+        forward.install()
+        served = []
         for hg, group_slots, point in zip(found.groups, slots, points):
             g = self.make_group(host, hg.spec)
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, constants=hg.constants,
@@ -123,6 +130,9 @@ class _Installer:
                 del self.editor.plumbing[g]
             else:
                 self.findings.groups.append(g)
+                served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
+                                          tuple(hg.spec.members), group_slots, point))
+        forward.server = HostServer(template, host, inputs, served, self.recaptured)
 
     def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
         module = join_path(host, common_module(spec.modules))

@@ -35,18 +35,18 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def find_regions(model: nn.Module, example_inputs: tuple,
+def find_regions(model: nn.Module, example: tuple[tuple, dict],
                  leave_out: LeaveOut) -> tuple[list[Region], list[TraceFailure]]:
     """The whole model if it traces (plus the modules it keeps as opaque fx leaves), else the
     largest submodules that do."""
     try:
-        gm, values, _ = record(model, "", example_inputs, {}, model.training, replayed=False)
+        gm, values, _ = record(model, "", *example, model.training, replayed=False)
     except TraceError as e:
-        return _submodule_regions(model, example_inputs, [TraceFailure("", e)])
+        return _submodule_regions(model, example, [TraceFailure("", e)])
     leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"
               and not type(gm.get_submodule(n.target)).__module__.startswith("torch.")]
     regions = [Region("", gm, values)]
-    calls = capture_inputs(model, example_inputs, leaves) if leaves else {}
+    calls = capture_inputs(model, example, leaves) if leaves else {}
     for name in leaves:
         if name in calls:
             try:
@@ -57,10 +57,10 @@ def find_regions(model: nn.Module, example_inputs: tuple,
     return regions, []
 
 
-def _submodule_regions(model: nn.Module, example_inputs: tuple,
+def _submodule_regions(model: nn.Module, example: tuple[tuple, dict],
                        failures: list[TraceFailure]) -> tuple[list[Region], list[TraceFailure]]:
     names = [n for n, _ in model.named_modules() if n]
-    calls = capture_inputs(model, example_inputs, names)
+    calls = capture_inputs(model, example, names)
     regions = []
 
     def visit(prefix: str, module: nn.Module) -> None:

@@ -39,7 +39,7 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
             if g.exact:
                 noise = editor.noise(g, 0, 0.5, None, True)
                 editor.edit(g, count + 1, lambda sl, t: clone_unit(t, sl, count, 0, noise.get(sl.name)), None)
-                err = _max_rel_diff(y0, run())
+                err = max_rel_diff(y0, run())
                 restore()
                 if err > tol:
                     return f"a clone changed the outputs by {err:.2e}"
@@ -54,12 +54,12 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
                 y_tap = run()
             finally:
                 handle.remove()
-            if _max_rel_diff(y_mask, y_tap) > tol:
-                return f"zeroing unit 0 at its tap point differs from masking it by {_max_rel_diff(y_mask, y_tap):.2e}"
+            if max_rel_diff(y_mask, y_tap) > tol:
+                return f"zeroing unit 0 at its tap point differs from masking it by {max_rel_diff(y_mask, y_tap):.2e}"
             rest = torch.arange(1, count)
             editor.edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
             y_rm = run()
-            err = _max_rel_diff(y_mask, y_rm)
+            err = max_rel_diff(y_mask, y_rm)
             if g.exact and err > tol:
                 return f"a removal differs from masking by {err:.2e}"
             if [y.shape for y in y_rm] != [y.shape for y in y0]:
@@ -75,7 +75,7 @@ def _zero_first_unit(a: torch.Tensor) -> None:
     a[..., 0, :] = 0
 
 
-def _max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     if [x.shape for x in a] != [y.shape for y in b]:
         return float("inf")
     scale = max([1.0] + [float(x.abs().max()) for x in a if x.numel()])

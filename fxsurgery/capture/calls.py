@@ -9,6 +9,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from .call_signature import without_objects
+
 
 @contextmanager
 def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
@@ -44,21 +46,22 @@ def materialize(obj: Any, seed: int = 0) -> Any:
     return torch.utils._pytree.tree_map(real, obj)
 
 
-def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) -> dict[str, tuple[tuple, dict]]:
-    """Run ``model`` once on the meta device (shapes only) and record the (args, kwargs) of the
-    first call of each named submodule; falls back to a real run for data-dependent models."""
+def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[str]) -> dict[str, tuple[tuple, dict]]:
+    """Run ``model`` once on the meta device (shapes only) on the ``example`` call (args, kwargs) and record
+    the (args, kwargs) of the first call of each named submodule; falls back to a real run for data-dependent
+    models."""
     seen: dict[str, tuple[tuple, dict]] = {}
     handles = [model.get_submodule(name).register_forward_pre_hook(_recorder(seen, name), with_kwargs=True)
                for name in names]
     state = meta_state(model)
-    meta_inputs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example_inputs)
+    meta_args, meta_kwargs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example)
     try:
-        with torch.no_grad(), forked_rng(_tensors(example_inputs)):
+        with torch.no_grad(), forked_rng(_tensors(example)):
             try:
-                torch.func.functional_call(model, state, meta_inputs)
+                torch.func.functional_call(model, state, meta_args, meta_kwargs)
             except Exception:
                 seen.clear()
-                model(*example_inputs)
+                model(*example[0], **example[1])
     finally:
         for h in handles:
             h.remove()
@@ -66,9 +69,12 @@ def capture_inputs(model: nn.Module, example_inputs: tuple, names: list[str]) ->
 
 
 def _recorder(seen: dict[str, tuple[tuple, dict]], name: str) -> Any:
-    """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with."""
+    """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with; an object
+    argument (a key/value cache, which no graph can take) is recorded as None."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        seen.setdefault(name, (args, kwargs))
+        if name not in seen:
+            seen[name] = without_objects((args, kwargs))
+    hook.records_calls = True  # not a hook an installed graph must honour (``hooked_submodules``)
     return hook
 
 

@@ -1,64 +1,131 @@
-"""A host module's forward made of its (rewritten) fx graphs.
+"""A host module's forward made of its (rewritten) fx graphs, one per call signature.
 
-Tracing bakes ``self.training`` (dropout, drop path, the attention dropout probability), so a host keeps
-a train graph and an eval graph and runs the one that matches ``module.training``, like torchvision's
-feature extraction. The object is installed as the module instance's ``forward``: the module keeps its
-class, its other methods and its ``state_dict`` keys; ``copy.deepcopy`` of the model copies it along.
+Tracing bakes what a call passed: ``self.training`` (dropout, drop path), which optional arguments were
+None, flags such as ``output_attentions``, tensor ranks and dtypes. So a host keeps one graph per call
+signature (``call_signature``), like torchvision's feature extraction keeps a train and an eval graph, and runs
+the one that matches the call. A call of a new signature is handed to the host's ``server``, which captures a
+graph for it whose count constants follow the current widths (or refuses the call, naming the argument); the
+graphs are kept per signature, at most ``MAX_GRAPHS`` of them. The object is installed as the module
+instance's ``forward``: the module keeps its class, its other methods and its ``state_dict`` keys;
+``copy.deepcopy`` of the model copies it along.
 """
 from __future__ import annotations
 
 import itertools
 import linecache
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Protocol
 
+import torch
 import torch.fx
-import torch.nn as nn
+
+from .call_signature import call_signature, hooked_submodules
+
+MAX_GRAPHS = 16  # graphs a host keeps (the oldest goes first); the analysed call's graphs always stay
 
 _serial = itertools.count()
 
 
 def compile_graph(graph: torch.fx.Graph) -> Callable[..., Any]:
-    """Python function ``forward(self, ...)`` generated from ``graph``."""
+    """Python function ``forward(self, ...)`` generated from ``graph``. A graph that flattens structured
+    arguments reads its pytree specs from the function's own globals, not from ``self``, so graphs of several
+    call signatures can serve one module."""
     code = graph.python_code(root_module="self")
+    src = code.src.replace("self._in_spec", "_fxsurgery_in_spec").replace("self._out_spec", "_fxsurgery_out_spec")
     key = f"<fxsurgery-{next(_serial)}>"
-    linecache.cache[key] = (len(code.src), None, code.src.splitlines(True), key)
+    linecache.cache[key] = (len(src), None, src.splitlines(True), key)
     scope = dict(code.globals)
-    exec(compile(code.src, key, "exec"), scope)
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None:
+        scope["_fxsurgery_in_spec"], scope["_fxsurgery_out_spec"] = info.in_spec, info.out_spec
+    exec(compile(src, key, "exec"), scope)
     return scope["forward"]
 
 
-class GraphForward:
-    """Runs the train graph while the host module trains and the eval graph otherwise."""
+class CallServer(Protocol):
+    """What serves a host's calls of a signature it holds no graph for."""
 
-    def __init__(self, module: nn.Module, graphs: dict[bool, torch.fx.Graph]):
+    def serve(self, module: torch.nn.Module, args: tuple, kwargs: dict, training: bool,
+              hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
+        """A graph for this call (count constants bound to the host's current widths) and how it was made;
+        or None and why the host's own forward serves it. Raises when neither can serve it."""
+
+    def own_forward(self) -> Callable[..., Any]:
+        """The host's own forward as a function of (module, *args, **kwargs), its taps still run."""
+
+
+class GraphForward:
+    """Runs the graph captured for the call's signature (train/eval mode included)."""
+
+    def __init__(self, module: torch.nn.Module, graphs: dict[bool, torch.fx.Graph], analysed: tuple[tuple, dict],
+                 server: CallServer | None = None):
         self.module = module
-        self.graphs = graphs
-        self.fns: dict[bool, Callable[..., Any]] = {}
+        self.server = server
+        self.inner = [(name, m) for name, m in module.named_modules() if name]  # whose hooks a graph would skip
+        self.analysed_in = {mode: call_signature(*analysed, mode) for mode in graphs}
+        self.analysed = set(self.analysed_in.values())
+        self.graphs: OrderedDict[tuple, torch.fx.Graph | None] = OrderedDict(
+            (call_signature(*analysed, mode), g) for mode, g in graphs.items())
+        self.served: dict[tuple, str] = {key: "analysed" for key in self.graphs}
+        self.fns: dict[tuple, Callable[..., Any]] = {}
         self.compile()
 
     def compile(self) -> None:
-        """Generate the code of both graphs (count-dependent constants are host attributes, read at run time)."""
-        info = getattr(self.graphs[True]._codegen, "pytree_info", None)
-        if info is not None:  # code that flattens structured arguments reads the specs from self
-            self.module.__dict__["_in_spec"], self.module.__dict__["_out_spec"] = info.in_spec, info.out_spec
+        """Generate the code of every graph (count-dependent constants are host attributes, read at run time)."""
         compiled: dict[int, Callable[..., Any]] = {}
-        for mode, g in self.graphs.items():
+        for key, g in self.graphs.items():
+            if g is None:
+                self.fns[key] = self.server.own_forward()
+                continue
             if id(g) not in compiled:
                 compiled[id(g)] = compile_graph(g)
-            self.fns[mode] = compiled[id(g)]
+            self.fns[key] = compiled[id(g)]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fns[self.module.training](self.module, *args, **kwargs)
+        if any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values())):  # a symbolic trace runs through
+            return self.fns[self.analysed_in[self.module.training]](self.module, *args, **kwargs)
+        hooked = hooked_submodules(self.inner)
+        key = call_signature(args, kwargs, self.module.training, hooked)
+        fn = self.fns.get(key)
+        if fn is None:
+            fn = self._serve(key, args, kwargs, self.module.training, hooked)
+        return fn(self.module, *args, **kwargs)
+
+    def graph_for(self, args: tuple, kwargs: dict, training: bool) -> torch.fx.Graph | None:
+        """The graph that serves this call in the given mode (None: the host's own forward serves it)."""
+        hooked = hooked_submodules(self.inner)
+        key = call_signature(args, kwargs, training, hooked)
+        if key not in self.fns:
+            self._serve(key, args, kwargs, training, hooked)
+        return self.graphs[key]
+
+    @torch.compiler.disable
+    def _serve(self, key: tuple, args: tuple, kwargs: dict, training: bool,
+               hooked: tuple[str, ...]) -> Callable[..., Any]:
+        """Get a graph for a call of a new signature from the server (in the call's mode)."""
+        if self.server is None:
+            raise TypeError(f"{type(self.module).__name__}: this call differs from the one its graph was "
+                            "captured on, and nothing can capture another")
+        graph, how = self.server.serve(self.module, args, kwargs, training, hooked)
+        while len(self.graphs) >= MAX_GRAPHS + len(self.analysed):
+            oldest = next(k for k in self.graphs if k not in self.analysed)
+            del self.graphs[oldest], self.fns[oldest], self.served[oldest]
+        self.graphs[key], self.served[key] = graph, how
+        self.fns[key] = self.server.own_forward() if graph is None else compile_graph(graph)
+        return self.fns[key]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"module": self.module, "graphs": self.graphs}  # generated code is rebuilt, not pickled
+        state = dict(self.__dict__)
+        del state["fns"]  # generated code is rebuilt, not pickled
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.module, self.graphs, self.fns = state["module"], state["graphs"], {}
+        self.__dict__.update(state)
+        self.fns = {}
         self.compile()
 
     @staticmethod
-    def of(module: nn.Module) -> "GraphForward | None":
+    def of(module: torch.nn.Module) -> "GraphForward | None":
         fwd = module.__dict__.get("forward")
         return fwd if isinstance(fwd, GraphForward) else None
 

@@ -122,8 +122,9 @@ def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str,
 def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool) -> tuple[torch.fx.GraphModule, list]:
     """Trace ``module`` in the given mode; returns the graph module and the values of its placeholders."""
     installed = GraphForward.of(module)
-    if installed is not None:  # already operated on: its current graph is the truth
-        graph = _with_literal_counts(strip_tap_points(copy.deepcopy(installed.graphs[training])), module)
+    served = installed.graph_for(args, kwargs, training) if installed is not None else None
+    if served is not None:  # already operated on: its current graph for this call is the truth
+        graph = _with_literal_counts(strip_tap_points(copy.deepcopy(served)), module)
         return torch.fx.GraphModule(module, graph, type(module).__name__), _placeholder_values(graph, args, kwargs)
     traced, concrete = bind_inputs(module, args, kwargs)
     tracer = Tracer()

@@ -1,0 +1,180 @@
+"""The host class's own forward, serving the calls no graph can take (a key/value cache, hooks inside the host).
+
+It serves only where it follows the widths, which is checked on the host's template, never assumed: removing
+the first units of every group (one, then two) must equal masking them, on the analysed call; a group left with
+no units is served only if removing all of them passed too. Code that keeps a
+count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
+attributes follow the count: the int attributes of the host's own modules that are a multiple of a group's
+count are the candidates, and the smallest set of them that passes both trials is kept and set from the
+current widths before every call the own forward serves. The taps still run, from pre-hooks on the groups'
+output projections (modules there, not graph nodes).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..capture.calls import materialize, training_mode
+from ..errors import UnservedCall
+from ..groups import ConstantSlot
+from ..module_sizes import sync_sizes
+from ..slicing import ParamSlice
+from ..taps import TapPoint
+from .verify import max_rel_diff
+
+MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
+
+
+class GroupRecord(NamedTuple):
+    """What serving a host's other calls needs of one of its groups (names relative to the host)."""
+
+    sink: str  # the output projection's weight
+    kind: str
+    max_count: int  # the count in the template
+    min_count: int
+    slices: tuple[ParamSlice, ...]
+    slots: list[ConstantSlot]  # the group's plumbing slots: a new graph's constants join them
+    tap_point: str
+
+
+class CountAttribute(NamedTuple):
+    """A plain int attribute of a module in the host that holds ``per_unit`` × the count of group ``group``."""
+
+    module: str
+    name: str
+    group: int
+    per_unit: int
+
+
+def current_count(module: nn.Module, record: GroupRecord) -> int:
+    """The group's count now, read off its output projection's weight."""
+    out = next(sl for sl in record.slices if sl.output)
+    return module.get_parameter(out.name).shape[out.dim] // (out.outer * out.inner)
+
+
+class OwnForward:
+    """The host class's forward with its count attributes set from the current widths and its taps run."""
+
+    def __init__(self, groups: list[GroupRecord], counts: list[CountAttribute], template: nn.Module, *,
+                 empty: str):
+        self.groups = groups
+        self.counts = counts
+        self.empty = empty  # what goes wrong with a group left with no units ("" if nothing)
+        self.sinks = [(r.sink.rpartition(".")[0], r.tap_point) for r in groups if _is_projection(template, r.sink)]
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        counts = [current_count(module, r) for r in self.groups]
+        if self.empty and 0 in counts:
+            empty = self.groups[counts.index(0)].sink
+            raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the units "
+                               f"read by {empty} are all removed, and with 0 units it {self.empty}")
+        for c in self.counts:
+            setattr(module.get_submodule(c.module), c.name, c.per_unit * counts[c.group])
+        points = [(path, module.__dict__[attr]) for path, attr in self.sinks]
+        handles = [module.get_submodule(path).register_forward_pre_hook(_through(point))
+                   for path, point in points if point.hooks]
+        try:
+            return type(module).forward(module, *args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord],
+                         call: tuple[tuple, dict]) -> tuple[list[CountAttribute] | None, str, str]:
+    """The count attributes with which the class's forward follows the widths (``real()`` makes a copy of the
+    host at its analysed widths), or None and what went wrong without any; and what goes wrong with the groups
+    that may be emptied left with no units ("" if nothing)."""
+    trials = [_Trial(real, groups, k) for k in (1, 2) if any(r.max_count > k for r in groups)]
+    args, kwargs = materialize(call)
+    candidates = _candidates(trials[0].masked, groups) if trials else []
+    fault = ""
+    tried = 0
+    for size in range(len(candidates) + 1):
+        for chosen in itertools.combinations(candidates, size):
+            if len({(c.module, c.name) for c in chosen}) < size:
+                continue  # one attribute follows one group
+            why = next((w for w in (t.run(chosen, args, kwargs) for t in trials) if w), "")
+            if not why:
+                return list(chosen), "", _Trial(real, groups, None).run(chosen, args, kwargs)
+            fault = fault or why
+            tried += 1
+            if tried >= MAX_TRIALS:
+                return None, fault, ""
+    return None, fault, ""
+
+
+class _Trial:
+    """The template with the first ``k`` units of every group masked, and a copy with them removed (``k`` None:
+    every unit of the groups that may be emptied)."""
+
+    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupRecord], k: int | None):
+        self.masked, self.removed, self.groups = real(), real(), groups
+        for r in groups:
+            n = (r.max_count if r.min_count == 0 else 0) if k is None else (k if r.max_count > k else 0)
+            if not n:
+                continue
+            out = next(sl for sl in r.slices if sl.output)
+            with torch.no_grad():
+                for i in range(n):
+                    out.unit(self.masked.get_parameter(out.name).data, r.max_count, i).zero_()
+            rest = torch.arange(n, r.max_count)
+            for sl in r.slices:
+                owner, _, name = sl.name.rpartition(".")
+                holder = self.removed.get_submodule(owner)
+                tensor = getattr(holder, name)
+                tensor.data = sl.keep(tensor.data, r.max_count, rest)
+                sync_sizes(holder, name)
+
+    def run(self, counts: tuple[CountAttribute, ...], args: tuple, kwargs: dict) -> str:
+        """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked ones)."""
+        saved = [(c, getattr(self.removed.get_submodule(c.module), c.name)) for c in counts]
+        for c in counts:
+            setattr(self.removed.get_submodule(c.module), c.name,
+                    c.per_unit * current_count(self.removed, self.groups[c.group]))
+        forward = type(self.masked).forward
+        try:
+            with training_mode(self.masked, False), training_mode(self.removed, False), torch.no_grad():
+                expected = [t for t in pytree.tree_leaves(forward(self.masked, *args, **kwargs)) if torch.is_tensor(t)]
+                got = [t for t in pytree.tree_leaves(forward(self.removed, *args, **kwargs)) if torch.is_tensor(t)]
+        except Exception as e:  # any failure means the forward does not follow the widths
+            return f"fails once a unit is removed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        finally:
+            for c, value in saved:
+                setattr(self.removed.get_submodule(c.module), c.name, value)
+        err = max_rel_diff(expected, got)
+        return "" if err <= 1e-4 else f"reads a unit count it stores (a removal differs from masking by {err:.1e})"
+
+
+def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribute]:
+    """Plain positive int attributes of the host's own modules (torch's modules keep theirs in step already)
+    that are a multiple of a group's count."""
+    out = []
+    for path, m in host.named_modules():
+        if type(m).__module__.startswith("torch."):
+            continue
+        for name, value in vars(m).items():
+            if name.startswith("_") or type(value) is not int or value <= 0:
+                continue
+            out += [CountAttribute(path, name, i, value // r.max_count) for i, r in enumerate(groups)
+                    if r.max_count > 1 and value % r.max_count == 0]
+    return out
+
+
+def _through(point: TapPoint) -> Callable[[nn.Module, tuple], tuple]:
+    def hook(projection: nn.Module, args: tuple) -> tuple:
+        return (point(args[0]), *args[1:])
+    return hook
+
+
+def _is_projection(host: nn.Module, weight: str) -> bool:
+    """The weight's owner is a leaf module holding only it and a bias (a Linear, a convolution, a Conv1D), so a
+    pre-hook on it sees exactly the projection's input."""
+    owner, _, name = weight.rpartition(".")
+    module = host.get_submodule(owner)
+    params = dict(module.named_parameters())
+    return next(module.children(), None) is None and name in params and set(params) <= {name, "bias"}

@@ -1,0 +1,163 @@
+"""Serving calls a host was not analysed on: a graph captured for the call, or the host's own forward.
+
+At installation a host keeps a template of itself at its analysed widths (parameters on the meta device, so it
+costs no memory; buffers real: index tables matter). A call of a new signature materialises the template with
+random weights, records and analyses it with the call's inputs in the call's mode (both front ends, as at
+installation), finds every group again by its output projection, binds the new graph's count constants to the
+group's slots (so every later edit sets them, as it sets the first graph's) and routes its projections through
+the group's tap points. Re-capturing the template rather than rewriting the first graph by hand is what keeps
+the guarantee: the new graph is read by the same analysis that proved the first one, so a branch the first
+call did not take (a mask, returned attention weights) is analysed, not assumed. Hosts built alike share one
+analysis per signature.
+
+A call no graph can take (it passes an object such as a key/value cache, whose own methods a graph would drop;
+submodules inside the host carry hooks, which a graph that inlines them would skip), or whose capture does not
+find the groups again, is served by the host's own forward where that follows the widths (``own_forward``).
+Otherwise the call is refused, naming the host and the arguments that differ from the analysed call.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..capture.call_signature import call_signature, differing_arguments, holds_objects
+from ..capture.calls import materialize
+from ..capture.tracer import CODE_CONSTANT
+from ..editing import bind_constants
+from ..errors import AnalysisError, TraceError, UnservedCall
+from ..taps import insert_tap_point
+from .host import HostAnalysis, analyse_host, fingerprint
+from .own_forward import CountAttribute, GroupRecord, OwnForward, current_count, fit_count_attributes
+
+Analyses = dict[tuple, "HostAnalysis | str"]  # (template fingerprint, call signature) -> analysis or why not
+
+
+class HostServer:
+    """Serves one host's calls of new signatures (see the module docstring)."""
+
+    def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupRecord],
+                 shared: Analyses):
+        self.template = template
+        self.host = host
+        self.analysed = analysed
+        self.groups = groups
+        self.shared = shared
+        self.own_fault: str | None = None  # why the host's own forward cannot serve ("" once it is known to)
+        self.counts: list[CountAttribute] = []  # the attributes it reads that follow the counts
+        self.empty_fault = ""  # what goes wrong in it once a group has no units
+
+    def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
+              hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
+        if hooked:
+            return self.own(module, args, kwargs, f"hooks on {', '.join(hooked)}, whose calls a graph inlines")
+        if holds_objects((args, kwargs)):
+            return self.own(module, args, kwargs, "the call passes an object a graph cannot take")
+        try:
+            return self.capture(module, args, kwargs, training), "captured for this call"
+        except (TraceError, AnalysisError, UnservedCall) as err:
+            return self.own(module, args, kwargs, str(err).splitlines()[0])
+
+    def capture(self, module: nn.Module, args: tuple, kwargs: dict, training: bool) -> torch.fx.Graph:
+        """A graph of the template for this call in mode ``training``, bound to ``module``'s slots and tap points."""
+        real = self.materialize(module)
+        inputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, materialize((args, kwargs)))
+        key = (fingerprint(real, (), {})[0], call_signature(args, kwargs, training))
+        if key not in self.shared:
+            try:
+                with _no_autocast(), torch.no_grad():
+                    self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,))
+            except (TraceError, AnalysisError) as err:
+                self.shared[key] = str(err)
+        analysis = self.shared[key]
+        if isinstance(analysis, str):
+            raise TraceError(analysis)
+        found = analysis.copy()
+        by_sink = {(hg.spec.sink, hg.spec.kind): hg for hg in found.groups if hg.spec.count}
+        lost = [r.sink for r in self.groups if by_sink.get((r.sink, r.kind)) is None
+                or by_sink[(r.sink, r.kind)].spec.count != r.max_count]
+        if lost:
+            why = "; ".join(reason for refusal in found.refusals for reason in refusal.reasons) or "not found"
+            raise UnservedCall(f"the units read by {', '.join(lost)} are no group in this call's graph ({why})")
+        for r in self.groups:
+            hg = by_sink[(r.sink, r.kind)]
+            bind_constants(module, hg.constants, current_count(module, r), r.slots)
+            for site in hg.sites:
+                insert_tap_point(r.tap_point, site.sink, site.input)
+        graph = found.graphs[training]
+        _adopt_code_constants(module, graph, found.tensors)
+        return graph
+
+    def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
+        """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
+        if self.own_fault is None:
+            counts, self.own_fault, self.empty_fault = fit_count_attributes(lambda: self.materialize(None),
+                                                                            self.groups, self.analysed)
+            self.counts = counts or []
+        if self.own_fault:
+            own = type(module).forward.__get__(module)
+            differs = ", ".join(differing_arguments(own, (args, kwargs), self.analysed)) or "the analysed arguments"
+            raise UnservedCall(f"{self.host or 'the model'} ({type(module).__name__}) cannot serve a call with "
+                               f"{differs}: {why}; and its own forward {self.own_fault}")
+        return None, f"its own forward ({why})"
+
+    def own_forward(self) -> OwnForward:
+        return OwnForward(self.groups, self.counts, self.template, empty=self.empty_fault)
+
+    def materialize(self, like: nn.Module | None) -> nn.Module:
+        """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""
+        real = copy.deepcopy(self.template)
+        live = dict(like.named_parameters()) if like is not None else {}
+        live_buffers = dict(like.named_buffers()) if like is not None else {}
+        gen = torch.Generator().manual_seed(0)
+        names = {id(p): name for name, p in real.named_parameters()}
+        made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
+        for owner in real.modules():
+            for pname, p in list(owner._parameters.items()):
+                if p is not None and id(p) not in made:
+                    ref = live.get(names[id(p)])
+                    value = torch.randn(p.shape, generator=gen).mul_(0.02)
+                    made[id(p)] = nn.Parameter(value.to(dtype=p.dtype if ref is None else ref.dtype,
+                                                        device="cpu" if ref is None else ref.device),
+                                               requires_grad=p.requires_grad)
+                if p is not None:
+                    owner._parameters[pname] = made[id(p)]
+        for name, b in real.named_buffers():
+            ref = live_buffers.get(name)
+            if ref is not None:
+                b.data = b.data.to(device=ref.device, dtype=ref.dtype if b.is_floating_point() else b.dtype)
+        return real
+
+
+def meta_template(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters are on the meta device (no memory); buffers are copied."""
+    memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                            for p in module.parameters()}
+    return copy.deepcopy(module, memo)
+
+
+def _adopt_code_constants(module: nn.Module, graph: torch.fx.Graph, tensors: dict[str, torch.Tensor]) -> None:
+    """Tensors the capture made from the code become attributes of the live host under fresh names."""
+    renamed: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in tensors:
+            if node.target not in renamed:
+                k = sum(name.startswith(CODE_CONSTANT) for name in module.__dict__)
+                while f"{CODE_CONSTANT}{k}" in module.__dict__:
+                    k += 1
+                renamed[node.target] = f"{CODE_CONSTANT}{k}"
+                module.__dict__[renamed[node.target]] = tensors[node.target]
+            node.target = renamed[node.target]
+
+
+def _no_autocast() -> ExitStack:
+    """A capture in the middle of a mixed-precision forward records the module's own dtypes, not autocast's."""
+    stack = ExitStack()
+    for device in ("cpu", "cuda"):
+        if device == "cpu" or torch.cuda.is_available():
+            stack.enter_context(torch.autocast(device, enabled=False))
+    return stack

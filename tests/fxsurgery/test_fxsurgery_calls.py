@@ -1,0 +1,290 @@
+"""Installation is invisible to every call a model's forward accepts: keyword arguments, padded masks, flags
+(``output_attentions``, ``output_hidden_states``, ``return_dict``, ``use_cache``), labels, other batch sizes and
+lengths, train and eval. For each drawn call the operated model equals an untouched copy before any edit, the
+original with the removed units' own columns zeroed after removals (the reference is built from each model's
+layout table, not from fxsurgery's slices), and itself after noisy clones. Models at their default configs:
+the causal LMs pass key/value caches, and ``generate`` runs after edits."""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fxsurgery import Surgeon, UnservedCall
+
+transformers = pytest.importorskip("transformers")
+
+HIDDEN = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24)
+QUIET = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+class Projection(NamedTuple):
+    """An output projection: its weight, the dim that meets the units, and a unit's width along it."""
+
+    weight: str
+    dim: int
+    width: int
+
+
+class Case(NamedTuple):
+    build: Callable[[], torch.nn.Module]
+    example: Callable[[], torch.Tensor]  # the positional call the model is analysed on
+    call: Callable[[st.DataObject], dict]  # draws the keyword arguments of one call
+    heads: list[Projection]
+    channels: list[Projection]
+
+
+def _hf(model: str, config: str, **options) -> torch.nn.Module:
+    return getattr(transformers, model)(getattr(transformers, config)(**options))
+
+
+def _layers(pattern: str, dim: int, width: int) -> list[Projection]:
+    return [Projection(pattern.format(i), dim, width) for i in range(2)]
+
+
+def _flags(data: st.DataObject, *names: str) -> dict:
+    """Each flag left out, or passed as True or False."""
+    out = {}
+    for name in names:
+        value = data.draw(st.sampled_from([None, True, False]), label=name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _text(data: st.DataObject, *, labels: str, flags: tuple[str, ...]) -> dict:
+    batch, length = data.draw(st.integers(1, 3), label="batch"), data.draw(st.integers(2, 9), label="length")
+    call = {"input_ids": torch.randint(0, 50, (batch, length))}
+    if data.draw(st.booleans(), label="mask"):
+        lengths = [data.draw(st.integers(1, length), label="unpadded") for _ in range(batch)]
+        call["attention_mask"] = (torch.arange(length) < torch.tensor(lengths)[:, None]).long()
+    if data.draw(st.booleans(), label="labels"):
+        call["labels"] = torch.randint(0, 3, (batch,)) if labels == "class" else call["input_ids"]
+    return {**call, **_flags(data, *flags)}
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 50, (2, 6))
+
+
+def _pixels() -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16, dtype=torch.float64)
+
+
+def _images(data: st.DataObject) -> dict:
+    batch = data.draw(st.integers(1, 3), label="batch")
+    call = {"pixel_values": torch.randn(batch, 3, 16, 16, dtype=torch.float64)}
+    if data.draw(st.booleans(), label="labels"):
+        call["labels"] = torch.randint(0, 3, (batch,))
+    return {**call, **_flags(data, "output_attentions", "output_hidden_states", "return_dict")}
+
+
+CASES = {
+    "hf_vit_eager": Case(  # eager attention returns per-head weights when asked
+        functools.partial(_hf, "ViTForImageClassification", "ViTConfig", image_size=16, patch_size=8, num_labels=3,
+                          attn_implementation="eager", **HIDDEN, **QUIET),
+        _pixels, _images, _layers("vit.layers.{}.attention.o_proj.weight", 1, 8),
+        _layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
+    "hf_bert_classifier": Case(
+        functools.partial(_hf, "BertForSequenceClassification", "BertConfig", vocab_size=50, num_labels=3,
+                          **HIDDEN, **QUIET),
+        _ids, functools.partial(_text, labels="class",
+                                flags=("output_attentions", "output_hidden_states", "return_dict")),
+        _layers("bert.encoder.layer.{}.attention.output.dense.weight", 1, 8),
+        _layers("bert.encoder.layer.{}.output.dense.weight", 1, 1)),
+    "hf_gpt2_lm": Case(  # default config: use_cache=True, Conv1D weights stored [in, out]
+        functools.partial(_hf, "GPT2LMHeadModel", "GPT2Config", vocab_size=50, n_embd=32, n_layer=2, n_head=4,
+                          n_inner=24, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        _ids, functools.partial(_text, labels="tokens", flags=("use_cache", "output_hidden_states", "return_dict")),
+        _layers("transformer.h.{}.attn.c_proj.weight", 0, 8), _layers("transformer.h.{}.mlp.c_proj.weight", 0, 1)),
+    "hf_llama_lm": Case(  # default config: use_cache=True; 2 query heads per key/value head
+        functools.partial(_hf, "LlamaForCausalLM", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
+                          max_position_embeddings=32, **HIDDEN),
+        _ids, functools.partial(_text, labels="tokens", flags=("use_cache", "output_hidden_states", "return_dict")),
+        _layers("model.layers.{}.self_attn.o_proj.weight", 1, 16),
+        _layers("model.layers.{}.mlp.down_proj.weight", 1, 1)),
+}
+
+
+@functools.cache
+def _prepared(name: str) -> tuple[torch.nn.Module, Surgeon]:
+    """The untouched model and an operated copy, analysed on a plain positional call (ids or images only)."""
+    torch.manual_seed(0)
+    original = CASES[name].build().double().eval()
+    return original, Surgeon(copy.deepcopy(original), (CASES[name].example(),))
+
+
+def _compared(output: object) -> list[torch.Tensor]:
+    """The outputs a masked reference must reproduce: everything but per-head attention weights and caches."""
+    items = output.items() if hasattr(output, "items") else enumerate(output if isinstance(output, tuple) else [output])
+    tensors = []
+    for key, value in items:
+        if "attentions" in str(key) or "past_key_values" in str(key) or "cache" in str(key):
+            continue
+        tensors += [t for t in torch.utils._pytree.tree_leaves(value) if torch.is_tensor(t) and t.is_floating_point()]
+    return tensors
+
+
+def _rel_diff(a: object, b: object, *, every: bool = False) -> float:
+    pick = (lambda y: [t for t in torch.utils._pytree.tree_leaves(y) if torch.is_tensor(t)]) if every else _compared
+    a, b = pick(a), pick(b)
+    assert [t.shape for t in a] == [t.shape for t in b]
+    scale = max([1.0] + [float(t.abs().max()) for t in b if t.numel()])
+    return max([0.0] + [float((x - y).abs().max()) for x, y in zip(a, b) if x.numel()]) / scale
+
+
+def _run(model: torch.nn.Module, call: dict, train: bool) -> object:
+    model.train(train)
+    with torch.no_grad():
+        return model(**call)
+
+
+def _layer_groups(name: str, surgeon: Surgeon) -> list[tuple[object, Projection]]:
+    pairs = []
+    for kind, projections in (("head", CASES[name].heads), ("channel", CASES[name].channels)):
+        for p in projections:
+            owners = [g for g in surgeon.groups if g.kind == kind and p.weight.startswith(g.module + ".")]
+            assert len(owners) == 1, f"{p.weight}: {len(owners)} {kind} groups: {surgeon.explain()}"
+            pairs.append((owners[0], p))
+    return pairs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_installation_is_invisible_to_every_call(name: str, data: st.DataObject) -> None:
+    original, prepared = _prepared(name)
+    calls = [(CASES[name].call(data), data.draw(st.booleans(), label="train")) for _ in range(2)]
+    for call, train in calls:  # before any edit: the untouched model's outputs, attention weights included
+        assert _rel_diff(_run(prepared.model, call, train), _run(original, call, train), every=True) <= 1e-9
+    s = copy.deepcopy(prepared)
+    masked = copy.deepcopy(original)
+    weights = dict(masked.named_parameters())
+    alive = {g.name: list(range(g.count)) for g in s.groups}
+    pairs = _layer_groups(name, s)
+    plan = data.draw(st.lists(st.sampled_from(range(len(pairs))), min_size=1, max_size=5), label="removals")
+    if data.draw(st.booleans(), label="empty a layer"):
+        plan += [0] * pairs[0][0].count  # every head of the first attention layer
+    for k in plan:
+        g, p = pairs[k]
+        if len(alive[g.name]) <= (g.kind == "channel"):
+            continue
+        j = data.draw(st.integers(0, len(alive[g.name]) - 1))
+        s.remove(g, j)
+        unit = alive[g.name].pop(j)
+        weights[p.weight].data.narrow(p.dim, unit * p.width, p.width).zero_()  # the unit's own columns
+    emptied, served = [g.name for g in s.groups if g.count == 0], []
+    for call, train in calls:
+        if call.get("output_attentions"):  # per-head weights are compared by name, so in a dict
+            call = {**call, "return_dict": True}
+        try:
+            assert _rel_diff(_run(s.model, call, train), _run(masked, call, train)) <= 1e-9
+            served.append((call, train))
+        except UnservedCall as refused:  # a host's own forward (serving a cache) that cannot run empty says so
+            assert emptied and "are all removed, and with 0 units it" in str(refused), refused
+    before = [_run(s.model, call, train) for call, train in served]
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    for g in s.groups:
+        if g.count:
+            s.clone(g, data.draw(st.integers(0, g.count - 1)), noise_std=0.3, generator=gen, relative=True)
+    for (call, train), y in zip(served, before):
+        assert _rel_diff(_run(s.model, call, train), y) <= 1e-9
+
+
+def test_padded_bert_equals_the_unpadded_sequences() -> None:
+    """A padded batch through an operated BERT equals each sequence run alone on its unpadded positions."""
+    original, prepared = _prepared("hf_bert_classifier")
+    s = copy.deepcopy(prepared)
+    for g in s.groups:
+        s.remove(g, 1)
+    encoder = s.model.bert
+    ids = torch.randint(0, 50, (3, 8))
+    lengths = [8, 5, 2]
+    mask = (torch.arange(8) < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        padded = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        for row, n in enumerate(lengths):
+            alone = encoder(input_ids=ids[row:row + 1, :n]).last_hidden_state
+            assert (padded[row, :n] - alone[0]).abs().max() <= 1e-9 * alone.abs().max()
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2_lm", "hf_llama_lm"])
+def test_generate_after_removals_equals_the_masked_original(name: str) -> None:
+    """Key/value caches pass through the hosts' own forwards (checked to follow the widths): greedy decoding
+    of the operated model equals that of the masked original."""
+    original, prepared = _prepared(name)
+    s = copy.deepcopy(prepared)
+    masked = copy.deepcopy(original)
+    weights = dict(masked.named_parameters())
+    for g, p in _layer_groups(name, s):
+        s.remove(g, 0)
+        weights[p.weight].data.narrow(p.dim, 0, p.width).zero_()
+    ids = torch.randint(0, 50, (2, 5))
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(s.model.generate(ids, **options), masked.generate(ids, **options))
+    assert "own forward" in s.explain()
+
+
+class _PackedCountAttention(torch.nn.Module):
+    """Attention that keeps its head count in a tuple (no int attribute a removal could follow) and hands its
+    per-head values to an optional recorder object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+        self.layout = (4, 4)
+
+    def forward(self, x: torch.Tensor, recorder: object = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, *self.layout).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        if recorder is not None:
+            recorder.append(a)
+        return x + self.proj(a.transpose(1, 2).reshape(b, n, -1))
+
+
+class _Recorder:
+    """An object argument: no graph can take it (nor what its methods do)."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def append(self, value: torch.Tensor) -> None:
+        self.values.append(value)
+
+
+def test_a_call_no_front_end_serves_is_refused_naming_the_argument() -> None:
+    """An object argument goes to the host's own forward; one that reads its head count from a tuple cannot
+    follow a removal, so the call is refused, naming the host and the argument."""
+    model = torch.nn.Sequential(_PackedCountAttention())
+    s = Surgeon(model, (torch.randn(2, 5, 16),))
+    s.remove(next(g for g in s.groups if g.kind == "head"), 0)
+    with pytest.raises(UnservedCall, match=r"^0 \(_PackedCountAttention\) .*recorder=a _Recorder \(analysed with "
+                                           r"None\).*its own forward fails once a unit is removed"):
+        model[0](torch.randn(2, 5, 16), recorder=_Recorder())
+    assert model[0](torch.randn(2, 5, 16)).shape == (2, 5, 16)  # the analysed call is served as before
+
+
+def test_a_host_whose_own_forward_reads_an_int_count_serves_hooked_calls() -> None:
+    """timm's attention reads ``num_heads``, an int attribute that is found to follow removals, so once a hook
+    sits inside the host (whose call a graph inlines) its own forward serves, runs the hook, and equals the graph."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32, patch_size=8, depth=1).eval()
+    s = Surgeon(model, (torch.randn(2, 3, 32, 32),))
+    s.remove(next(g for g in s.groups if g.kind == "head"), 0)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        by_graph = model(x)
+        seen = []
+        model.blocks[0].attn.proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        by_own_forward = model(x)
+    assert seen == [(2, 17, 192)] and model.blocks[0].attn.num_heads == 2
+    assert torch.allclose(by_own_forward, by_graph, atol=1e-6)
+    assert "1 by its own forward (hooks on proj" in s.explain()

@@ -9,7 +9,10 @@ halves without noise, so the averaged model's outputs are unchanged by the clone
 """
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+import torch
+from torch import Tensor, nn
 
 from fxsurgery import Surgeon
 
@@ -24,14 +27,21 @@ def averaged_module(wrapper: nn.Module, model: nn.Module) -> nn.Module:
                      "make the averaged copy after barter.wrap (or after ctl.load_state_dict when resuming)")
 
 
+def _to_device(value: Any, device: torch.device) -> Any:
+    """A tensor of the example call moved to `device`; a flag or None as it is."""
+    return value.to(device) if isinstance(value, Tensor) else value
+
+
 class AveragedCopy:
     """An averaged copy of the live model, edited alike by unit-group name."""
 
-    def __init__(self, wrapper: nn.Module, model: nn.Module, example_inputs: tuple) -> None:
+    def __init__(self, wrapper: nn.Module, live: Surgeon) -> None:
+        """Analyse the copy in `wrapper` on the example call of `live`, the live model's surgeon, on its device."""
         self.wrapper = wrapper
-        self.module = averaged_module(wrapper, model)
+        self.module = averaged_module(wrapper, live.model)
         device = next(self.module.parameters()).device
-        self.surgeon = Surgeon(self.module, example_inputs=tuple(x.to(device) for x in example_inputs))
+        self.surgeon = Surgeon(self.module, example_inputs=tuple(_to_device(x, device) for x in live.example_inputs),
+                               example_kwargs={k: _to_device(v, device) for k, v in live.example_kwargs.items()})
 
     def remove(self, group: str, index: int) -> None:
         self.surgeon.remove(self.surgeon.group(group), index)

@@ -118,7 +118,7 @@ class Controller:
         """Make an averaged copy of the model (timm ModelEmaV2/V3, torch AveragedModel) follow every transfer:
         its donor unit is removed and its averaged parent cloned, output weights split (`barter.averaging`)."""
         if all(a.wrapper is not averaged for a in self.averaged):
-            self.averaged.append(AveragedCopy(averaged, self.model, self.surgeon.example_inputs))
+            self.averaged.append(AveragedCopy(averaged, self.surgeon))
 
     @property
     def nonfinite_batches(self) -> dict[str, int]:

@@ -19,10 +19,14 @@ from .selection import METHODS
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, total_steps: int,
-         density: float = 0.5, example_inputs: tuple | None = None, method: str = "barter", seed: int = 0,
-         auto: bool = True, scaler: Scaler | None = None, **options: Any) -> Controller:
+         density: float = 0.5, example_inputs: tuple | None = None, example_kwargs: dict[str, Any] | None = None,
+         method: str = "barter", seed: int = 0, auto: bool = True, scaler: Scaler | None = None,
+         **options: Any) -> Controller:
     """Make `model` compact in place (n_l,0 units per layer) and return its BARTER controller.
 
+    example_inputs, example_kwargs: the call the model is analysed on, `model(*example_inputs, **example_kwargs)`,
+    as training makes it (a model called with keyword arguments, like a Hugging Face one, needs example_kwargs);
+    without either, a zero batch of a timm model's input size.
     method: "barter", "static" (never transfers), "random_receiver", "random_donor" or "random_pair".
     options: see `barter.options.Options` (beta, window, head_ratio, channel_ratio, noise_std,
     noise_relative, init). An optimizer passed here (made before wrap) is attached before the model shrinks;
@@ -39,7 +43,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     opts = Options.from_kwargs(**options)
-    surgeon = Surgeon(model, example_inputs=tuple(example_inputs or default_example_inputs(model)))
+    if example_inputs is None and not example_kwargs:
+        example_inputs = default_example_inputs(model)
+    surgeon = Surgeon(model, example_inputs=() if example_inputs is None else example_inputs,
+                      example_kwargs=example_kwargs)
     record_analysis(surgeon)
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}
     inexact = [g.name for g in surgeon.groups if not g.exact]

@@ -1,11 +1,11 @@
 """`BarterCallback` for the Hugging Face `transformers.Trainer`: BARTER in a Trainer run, checkpoints included.
 
-    callback = BarterCallback(module="net", density=0.5, seed=0)
+    callback = BarterCallback(density=0.5, seed=0)   # module="net": only that submodule
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()
 
     # resume: name the checkpoint to the callback too, so the model has the saved widths before the weights load
-    callback = BarterCallback(module="net", density=0.5, seed=0, resume_from="out/checkpoint-8")
+    callback = BarterCallback(density=0.5, seed=0, resume_from="out/checkpoint-8")
     trainer = Trainer(model=fresh_model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train(resume_from_checkpoint="out/checkpoint-8")
 
@@ -19,6 +19,13 @@ so a resumed run names the checkpoint to the callback (`resume_from`): at the en
 (the model on its device) the callback wraps the model and restores the saved widths, then the compact weights
 and optimizer state fit.
 
+Example call. fxsurgery analyses the model on a call made as training makes it, and the Trainer calls its model
+as `model(**batch)`. So without `example_inputs` or `example_kwargs` the callback takes the first batch of the
+Trainer's train dataloader (on the model's device, `labels` included) as `example_kwargs`: an ordinary HF model
+needs no example. Reading it leaves the run as it was (`first_batch`). It is saved in `barter.pt` as well, since
+a resumed run wraps in `on_init_end`, before the Trainer has a dataloader. With `module` the batch is not the
+submodule's call: pass the submodule's example, or let `barter.wrap` use a timm model's input size.
+
 Under DDP (torchrun, `accelerate launch`) the Trainer builds its DistributedDataParallel wrapper before any
 callback event and hands it to none, and its training loop keeps a reference to it. The callback finds it at
 its first forward (a one-shot global forward pre-hook), rebuilds its reducer in place for the compact model,
@@ -27,12 +34,15 @@ and keeps that same object valid across the transfers (`barter.ddp.follow_transf
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -55,14 +65,24 @@ class BarterCallback(TrainerCallback):
         self.resume_from = resume_from
         self.wrap_options = wrap_options
         self.controller: Controller | None = None
+        self.example_batch: dict[str, Any] | None = None  # the first batch, when it is the example call
         self._hooks: list[RemovableHandle] = []
+
+    @property
+    def _takes_a_batch(self) -> bool:
+        """The Trainer's batch is the example call: of the model itself, and no example given."""
+        given = self.wrap_options.get("example_inputs") is not None or self.wrap_options.get("example_kwargs")
+        return self.module is None and not given
 
     def _target(self, model: nn.Module) -> nn.Module:
         return model.get_submodule(self.module) if self.module else model
 
     def _wrap(self, model: nn.Module, total_steps: int, optimizer: torch.optim.Optimizer | None) -> None:
         self.total_steps = total_steps
-        self.controller = wrap(self._target(model), optimizer, total_steps=total_steps, **self.wrap_options)
+        options = dict(self.wrap_options)
+        if self.example_batch is not None:
+            options["example_kwargs"] = self.example_batch
+        self.controller = wrap(self._target(model), optimizer, total_steps=total_steps, **options)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
                     model: nn.Module, **kwargs: Any) -> None:
@@ -73,15 +93,23 @@ class BarterCallback(TrainerCallback):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found: {self.resume_from} is not a checkpoint of a BARTER run")
         saved = torch.load(path, map_location="cpu", weights_only=True)
+        if self._takes_a_batch:
+            if saved.get("batch") is None:
+                raise ValueError(f"{path} holds no example batch and the Trainer has no dataloader yet: pass "
+                                 "BarterCallback(example_kwargs=...), the keyword arguments of a training call")
+            self.example_batch = send_to_device(saved["batch"], next(model.parameters()).device)
         self._wrap(model, saved["total_steps"], optimizer=None)
         self.controller.load_state_dict(saved["controller"])
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
-                       model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+                       model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: DataLoader,
+                       **kwargs: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         if self.controller is None:
             if state.global_step > 0:
                 raise ValueError("resuming a BARTER run: pass the checkpoint as BarterCallback(resume_from=...)")
+            if self._takes_a_batch:
+                self.example_batch = first_batch(train_dataloader, next(model.parameters()).device)
             self._wrap(model, self.total_steps or state.max_steps, inner)
         else:
             if self.controller.step_count != state.global_step:
@@ -117,8 +145,24 @@ class BarterCallback(TrainerCallback):
         self._hooks.clear()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Write the controller into the checkpoint folder the Trainer just saved."""
+        """Write the controller (and the example batch, for a resumed run) into the checkpoint folder just saved."""
         if state.is_world_process_zero:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            torch.save({"total_steps": self.total_steps, "controller": self.controller.state_dict()},
-                       os.path.join(folder, STATE_FILE))
+            torch.save({"total_steps": self.total_steps, "controller": self.controller.state_dict(),
+                        "batch": self.example_batch}, os.path.join(folder, STATE_FILE))
+
+
+def first_batch(loader: DataLoader, device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of the Trainer's first `model(**batch)`: `loader`'s first batch, on `device`.
+
+    It is read from the plain DataLoader under accelerate's wrapper (iterating the wrapper would leave it
+    registered in accelerate's gradient state), and torch's random state, which a new DataLoader iterator draws
+    its seeds from, is restored after, so the run draws the same batches and random numbers as without it.
+    """
+    loader = getattr(loader, "base_dataloader", loader)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        batch = next(iter(loader))
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"the Trainer calls its model as model(**batch), but the first batch is a "
+                        f"{type(batch).__name__}; pass BarterCallback(example_inputs=...)")
+    return dict(send_to_device(batch, device))

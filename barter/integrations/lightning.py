@@ -7,28 +7,32 @@
 Protocol. `barter.wrap` resizes parameters in place, so the model must be compact before the optimizer is
 built: the callback wraps in `setup("fit")`, which Lightning runs before `configure_optimizers` (and before
 it restores a checkpoint or wraps the model for DDP). `total_steps` defaults to the trainer's
-`estimated_stepping_batches`; `example_inputs` to the module's `example_input_array`, else a timm model's
-input size. When fitting starts the callback attaches the optimizer, so transfers run from its post-step
-hook (after every optimizer step, gradient accumulation and skipped AMP steps included). On resume the
+`estimated_stepping_batches`. When fitting starts the callback attaches the optimizer, so transfers run from
+its post-step hook (after every optimizer step, gradient accumulation and skipped AMP steps included). On resume the
 controller state is restored from the checkpoint in the module's `on_load_checkpoint` (which Lightning runs
 before it loads the weights), so the saved widths are back before the compact weights arrive. Under
 `strategy="ddp"` the strategy's DistributedDataParallel wrapper follows the transfers
 (`barter.ddp.follow_transfers`, as in `barter.DistributedModel`). `ddp_spawn` and `ddp_fork` are refused:
 they fit in child processes, and the launching process, whose model never became compact, then loads the
 compact weights of rank 0.
+
+Example call. fxsurgery analyses the model on a call made as training makes it. Unless `example_inputs` or
+`example_kwargs` is given, that is the module's `example_input_array` passed as Lightning passes it to
+`forward` (a dict as keyword arguments, a tuple or list as positional ones, a tensor as the one input), so a
+module whose forward takes keyword arguments, as an HF model's does, needs no other example. Without one, or
+for a submodule (`module`), whose call it does not describe, wrap falls back to a timm model's input size.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from ..analysis import default_example_inputs
 from ..controller import Controller
 from ..ddp import follow_transfers
 from ..wrapping import wrap
@@ -57,9 +61,10 @@ class BarterCallback(pl.Callback):
         target = pl_module.get_submodule(self.module) if self.module else pl_module
         target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
         options = dict(self.wrap_options)
-        example = options.pop("example_inputs", None) or self._example_inputs(pl_module, target)
+        if options.get("example_inputs") is None and not options.get("example_kwargs"):
+            options.update(self._example_call(pl_module, target))
         total = self.total_steps or int(trainer.estimated_stepping_batches)
-        self.controller = wrap(target, total_steps=total, example_inputs=tuple(example), **options)
+        self.controller = wrap(target, total_steps=total, **options)
         original = pl_module.on_load_checkpoint
 
         def restore_widths_first(checkpoint: dict[str, Any]) -> None:
@@ -98,11 +103,13 @@ class BarterCallback(pl.Callback):
             self.controller.load_state_dict(state_dict["controller"])
 
     @staticmethod
-    def _example_inputs(pl_module: pl.LightningModule, target: nn.Module) -> tuple:
-        """The module's `example_input_array` (on its device), else a timm model's input size."""
+    def _example_call(pl_module: pl.LightningModule, target: nn.Module) -> dict[str, Any]:
+        """wrap's example arguments from the module's `example_input_array`, on its device, as Lightning calls
+        `forward` with it; none (wrap's timm default) without one or for a submodule."""
         example = pl_module.example_input_array if target is pl_module else None
         if example is None:
-            return default_example_inputs(target)
-        device = next(target.parameters()).device
-        items = example if isinstance(example, tuple) else (example,)
-        return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in items)
+            return {}
+        example = move_data_to_device(example, next(target.parameters()).device)
+        if isinstance(example, dict):
+            return {"example_kwargs": example}
+        return {"example_inputs": tuple(example) if isinstance(example, (tuple, list)) else (example,)}

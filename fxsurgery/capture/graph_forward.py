@@ -11,6 +11,7 @@ instance's ``forward``: the module keeps its class, its other methods and its ``
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import linecache
 from collections import OrderedDict
@@ -90,6 +91,12 @@ class GraphForward:
         if fn is None:
             fn = self._serve(key, args, kwargs, self.module.training, hooked)
         return fn(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The host's own forward's parameters: frameworks read them (the HF Trainer keeps the batch columns
+        the model's forward names)."""
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def graph_for(self, args: tuple, kwargs: dict, training: bool) -> torch.fx.Graph | None:
         """The graph that serves this call in the given mode (None: the host's own forward serves it)."""

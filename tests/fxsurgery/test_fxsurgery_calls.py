@@ -288,3 +288,13 @@ def test_a_host_whose_own_forward_reads_an_int_count_serves_hooked_calls() -> No
     assert seen == [(2, 17, 192)] and model.blocks[0].attn.num_heads == 2
     assert torch.allclose(by_own_forward, by_graph, atol=1e-6)
     assert "1 by its own forward (hooks on proj" in s.explain()
+
+
+def test_an_installed_forward_keeps_the_signature_frameworks_read() -> None:
+    """The HF Trainer keeps only the batch columns ``model.forward``'s signature names."""
+    import inspect
+
+    original, prepared = _prepared("hf_bert_classifier")
+    host = next(m for m in prepared.model.modules() if "forward" in m.__dict__)
+    assert inspect.signature(host.forward) == inspect.signature(type(host).forward.__get__(host))
+    assert "attention_mask" in inspect.signature(prepared.model.forward).parameters

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -11,10 +11,12 @@ from fxsurgery import Surgeon, UnitGroup
 
 
 class UnitAnalysis(NamedTuple):
-    """The unit groups of a model as barter first analysed it, and the example inputs they were found with."""
+    """The unit groups of a model as barter first analysed it, and the example call they were found with:
+    `model(*example_inputs, **example_kwargs)`."""
 
     groups: list[UnitGroup]
     example_inputs: tuple
+    example_kwargs: dict[str, Any]
 
 
 # weak keys: the groups hold names, layouts and counts, not the model, so an entry dies with its model
@@ -27,7 +29,7 @@ def record_analysis(surgeon: Surgeon) -> None:
     The first analysis wins: it describes the model as built (every group at its maximum), which a later
     analysis of the resized model cannot (a layer left with one head or none is no group there).
     """
-    _ANALYSES.setdefault(surgeon.model, UnitAnalysis(surgeon.groups, surgeon.example_inputs))
+    _ANALYSES.setdefault(surgeon.model, UnitAnalysis(surgeon.groups, surgeon.example_inputs, surgeon.example_kwargs))
 
 
 def recorded_analysis(model: nn.Module) -> UnitAnalysis | None:

@@ -1,5 +1,6 @@
-"""What rebuilds a model's base: timm constructor arguments read back off the model, and the check that the
-recorded architecture and arguments give a model with the dense shapes of the one exported.
+"""What rebuilds a model's base: timm constructor arguments read back off the model (or a transformers model's
+class and config), and the check that the recorded architecture and arguments give a model with the dense shapes
+of the one exported.
 
 timm keeps the registered `pretrained_cfg` when a model is built with overrides, so the overrides are read off the
 model's modules (`READERS`: one small function per constructor argument), compared with the registered default
@@ -7,10 +8,15 @@ built on the meta device (no memory, no initialisation cost) with the arguments 
 they differ and the model's class takes them. `check_rebuilds` builds the recorded base on the meta device and
 compares every tensor's dense shape: an export that `barter.load` could not rebuild is refused while the model is
 still there to ask about.
+
+A transformers model is recorded as "transformers:<class>" with its full config as the arguments: fxsurgery resizes
+tensors, not the config, so the config describes the dense base. transformers is imported only to build one.
 """
 from __future__ import annotations
 
 import inspect
+import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +26,8 @@ from torch import nn
 from fxsurgery import UnitGroup
 
 from .analysis import default_example_inputs
+
+TRANSFORMERS = "transformers:"  # the architecture of a transformers model: "transformers:<class name>"
 
 
 class RebuildError(ValueError):
@@ -90,19 +98,52 @@ def dense_shapes(model: nn.Module, groups: list[UnitGroup]) -> dict[str, list[in
 
 
 def build_on_meta(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
-    """`timm.create_model(architecture, **kwargs)` for its shapes: on the meta device (nothing allocated), or on
-    the CPU for a model whose construction reads tensor values."""
+    """`create_model(architecture, kwargs)` for its shapes: on the meta device (nothing allocated), or on the CPU
+    for a model whose construction reads tensor values."""
     errors = (RuntimeError, TypeError, ValueError, AssertionError, NotImplementedError)
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                return timm_with_models().create_model(architecture, **kwargs)
+                return create_model(architecture, kwargs)
         except errors:
             pass
         try:
-            return timm_with_models().create_model(architecture, **kwargs)
+            return create_model(architecture, kwargs)
         except errors as e:
             raise RebuildError(f"cannot build {architecture} with {kwargs}: {e}") from e
+
+
+def create_model(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
+    """The base model `architecture` with random weights, nothing downloaded: a "transformers:<class>" built from
+    its config `kwargs`, else `timm.create_model(architecture, **kwargs)` (the project's models included)."""
+    if not architecture.startswith(TRANSFORMERS):
+        return timm_with_models().create_model(architecture, **kwargs)
+    try:
+        import transformers
+    except ImportError as e:
+        raise RebuildError(f"{architecture} needs transformers, which is not installed") from e
+    name = architecture.removeprefix(TRANSFORMERS)
+    model_class = getattr(transformers, name, None)
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
+        raise RebuildError(f"transformers {transformers.__version__} has no model class {name!r} (architecture "
+                           f"{architecture!r})")
+    return model_class(model_class.config_class.from_dict(kwargs))
+
+
+def transformers_base(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
+    """"transformers:<class>" and the config (JSON values, the attention implementation included) of a model of a
+    class transformers exports, else None. A model of its classes means transformers is imported already."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    name = type(model).__name__
+    if getattr(transformers, name, None) is not type(model):
+        return None  # a subclass of the user's own: load(path, model=...) builds it
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    attention = getattr(model.config, "_attn_implementation", None)
+    if isinstance(attention, str):
+        config["attn_implementation"] = attention
+    return TRANSFORMERS + name, config
 
 
 def timm_with_models():

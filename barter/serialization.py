@@ -1,13 +1,15 @@
 """`barter.export` / `barter.load`: a compact model as a directory of safetensors weights and a JSON topology.
 
 `path/model.safetensors` holds the model's state_dict (compact tensors, no zero slots); `path/topology.json`
-holds the format version, the base architecture and its constructor arguments (when known), the example input
-shapes that analysis needs, every unit group's kept and maximum count, the parameter count and the weights'
-sha256. `path/model.pt2` holds the compact model in eval mode as a `torch.export` program with a dynamic batch
-dimension, which loads without barter installed: `torch.export.load("path/model.pt2").module()(images)`.
-`load` builds the base model, checks every key and shape against the recorded counts, resizes it with
-fxsurgery, and only then loads the weights. timm, the project's models and safetensors are imported when an
-export or a load first needs them, so `import barter` stays light.
+holds the format version, the base architecture and its constructor arguments (when known: a timm name and
+arguments, or "transformers:<class>" and its config), the example call that analysis needs (`inputs`, positional,
+and `input_kwargs`, by name: each a tensor's shape and dtype or a plain value), every unit group's kept and
+maximum count, the parameter count and the weights' sha256. `path/model.pt2` holds the compact model in eval
+mode as a `torch.export` program with a dynamic batch dimension, which loads without barter installed:
+`torch.export.load("path/model.pt2").module()(images)`. `load` builds the base model, checks every key and shape
+against the recorded counts, resizes it with fxsurgery, and only then loads the weights. timm, transformers, the
+project's models and safetensors are imported when an export or a load first needs them, so `import barter`
+stays light.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup
 
 from .analysis import default_example_inputs, record_analysis, recorded_analysis
-from .rebuild import RebuildError, check_rebuilds, timm_arguments, timm_with_models
+from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base
 
 FORMAT = "barter-export"
 VERSION = 1
@@ -37,32 +39,37 @@ TOPOLOGY = "topology.json"
 PROGRAM = "model.pt2"
 TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "groups", "parameters", "sha256")
 
-# models that `load` built from a recorded architecture -> (architecture, model_kwargs), for their next export
-_BUILT_AS: weakref.WeakKeyDictionary[nn.Module, tuple[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
+# models that `load` built from a recorded architecture -> (architecture, model_kwargs, example call record), for
+# their next export
+_BUILT_AS: weakref.WeakKeyDictionary[nn.Module, tuple[str, dict, dict]] = weakref.WeakKeyDictionary()
 
 
 class ExportError(ValueError):
     """An export that cannot be written, read, or fitted to its model; the message names the file, key or shape."""
 
 
-def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tuple[Tensor, ...] | None = None,
-           architecture: str | None = None, model_kwargs: dict[str, Any] | None = None,
-           program: bool = True) -> Path:
+def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tuple | None = None,
+           example_kwargs: dict[str, Any] | None = None, architecture: str | None = None,
+           model_kwargs: dict[str, Any] | None = None, program: bool = True) -> Path:
     """Write `model`'s weights and topology (and, with `program`, its `torch.export` program) to the directory
     `path` (an earlier export there is replaced atomically) and return `path`.
 
-    The unit groups come from `barter.wrap` or `barter.load` when one resized `model`; otherwise from analysing
-    the base architecture (a copy of `model` when none is known) on `example_inputs` (default: a timm model's
-    input size), with the kept counts read off `model`'s tensors; a model fxsurgery finds no groups in is
-    exported as it is, with a warning. The base architecture is `architecture` with `model_kwargs` when given,
-    else timm's `pretrained_cfg["architecture"]` with the constructor arguments read back off the model where
-    they differ from the registered default (`barter.rebuild`; explicit `model_kwargs` win). A recorded base that
-    does not rebuild the model's shapes is refused with ExportError, saying what to pass.
+    The example call, recorded as its tensors' shapes and dtypes (`load` analyses zeros: zero token ids are valid
+    ones), is `model(*example_inputs, **example_kwargs)` when either is given, else the one `barter.wrap` analysed
+    `model` on or `barter.load` read with it, else a zero batch of a timm model's input size. The unit groups come from
+    `barter.wrap` or `barter.load` when one resized `model`; otherwise from analysing the base architecture (a
+    copy of `model` when none is known) on that call, with the kept counts read off `model`'s tensors; a model
+    fxsurgery finds no groups in is exported as it is, with a warning. The base architecture is `architecture`
+    with `model_kwargs` when given, else a transformers model's class with its config, else timm's
+    `pretrained_cfg["architecture"]` with the constructor arguments read back off the model where they differ
+    from the registered default (`barter.rebuild`; explicit `model_kwargs` win, over config fields for a
+    transformers model). A recorded base that does not rebuild the model's shapes is refused with ExportError,
+    saying what to pass.
     """
     path = Path(path)
-    replace_directory(path, lambda directory: write_export(model, directory, example_inputs=example_inputs,
-                                                           architecture=architecture, model_kwargs=model_kwargs,
-                                                           program=program))
+    replace_directory(path, lambda directory: write_export(
+        model, directory, example_inputs=example_inputs, example_kwargs=example_kwargs, architecture=architecture,
+        model_kwargs=model_kwargs, program=program))
     return path
 
 
@@ -71,8 +78,9 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     """Rebuild the compact model exported at `path`, load its weights, and return it on `device`.
 
     `model`, a freshly built base model, is resized in place (needed for architectures outside timm's
-    registry); without it the recorded timm architecture is created. Every key and shape is checked before the
-    model is resized, so an error leaves `model`'s tensors as they were.
+    registry and transformers); without it the recorded timm architecture, or transformers class from its
+    config, is created (nothing downloaded). Every key and shape is checked before the model is resized, so an
+    error leaves `model`'s tensors as they were.
     """
     path = Path(path)
     topology, weights = read_export(path)
@@ -81,7 +89,8 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
             raise ExportError(f"{path} records no base architecture; pass the freshly built model: "
                               "load(path, model=...)")
         model = _build(topology["architecture"], topology["model_kwargs"])
-        _BUILT_AS[model] = (topology["architecture"], topology["model_kwargs"])
+        _BUILT_AS[model] = (topology["architecture"], topology["model_kwargs"],
+                            {"inputs": topology["inputs"], "input_kwargs": topology["input_kwargs"]})
     surgeon, plan = _resize_plan(model, topology, path)
     _check_fits(model, weights, plan, path / WEIGHTS)
     for group, count in plan:
@@ -96,15 +105,17 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     return model.to(device)
 
 
-def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple[Tensor, ...] | None = None,
-                 architecture: str | None = None, model_kwargs: dict[str, Any] | None = None,
-                 program: bool = True) -> None:
+def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple | None = None,
+                 example_kwargs: dict[str, Any] | None = None, architecture: str | None = None,
+                 model_kwargs: dict[str, Any] | None = None, program: bool = True) -> None:
     """Write `model.safetensors`, `topology.json` and (with `program`) `model.pt2` into the existing `directory`
     (see `export`)."""
     from safetensors.torch import save_file
 
     architecture, kwargs = _base_architecture(model, architecture, model_kwargs)
-    groups, inputs = _groups(model, example_inputs, architecture, kwargs)
+    given = example_inputs is not None or example_kwargs is not None
+    groups, call = _groups(model, (example_inputs or (), example_kwargs or {}) if given else None, architecture,
+                           kwargs)
     if architecture is not None:
         try:
             check_rebuilds(model, architecture, kwargs, groups)
@@ -113,10 +124,10 @@ def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple[Ten
     weights = {k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
                for k, v in model.state_dict().items()}
     save_file(weights, directory / WEIGHTS)
-    topology = {"format": FORMAT, "version": VERSION, "architecture": architecture, "model_kwargs": kwargs,
-                "inputs": inputs, "groups": _group_records(model, groups, architecture),
+    topology = {"format": FORMAT, "version": VERSION, "architecture": architecture, "model_kwargs": kwargs, **call,
+                "groups": _group_records(model, groups, architecture),
                 "parameters": sum(p.numel() for p in model.parameters()), "sha256": _sha256(directory / WEIGHTS),
-                "program": _write_program(model, directory / PROGRAM, inputs) if program else None}
+                "program": _write_program(model, directory / PROGRAM, call) if program else None}
     try:
         text = json.dumps(topology, indent=2)
     except TypeError as e:
@@ -124,16 +135,20 @@ def write_export(model: nn.Module, directory: Path, *, example_inputs: tuple[Ten
     (directory / TOPOLOGY).write_text(text + "\n")
 
 
-def _write_program(model: nn.Module, file: Path, inputs: list[dict[str, Any]]) -> str | None:
-    """Save `model` in eval mode as a `torch.export` program with a dynamic batch dimension (loads with plain
-    torch: `torch.export.load(file).module()`); return its file name, or None with a warning when torch.export
-    cannot capture the model (the weights and topology are exported all the same)."""
+def _write_program(model: nn.Module, file: Path, call: dict[str, Any]) -> str | None:
+    """Save `model` in eval mode as a `torch.export` program of the recorded call with a dynamic batch dimension
+    (loads with plain torch: `torch.export.load(file).module()(*args, **kwargs)`); return its file name, or None
+    with a warning when torch.export cannot capture the model (the weights and topology are exported all the
+    same)."""
     copied = copy.deepcopy(model).eval()  # a wrapped model copies itself without its score taps
-    example = _zero_inputs(copied, inputs)
-    dynamic = tuple({0: torch.export.Dim.AUTO} for _ in example)
+    args, kwargs = _zero_call(copied, call)
+    dynamic = torch.export.ShapesCollection()
+    for value in (*args, *kwargs.values()):
+        if torch.is_tensor(value):
+            dynamic[value] = {0: torch.export.Dim.AUTO}
     try:
         with torch.random.fork_rng(devices=[]):
-            exported = torch.export.export(copied, example, dynamic_shapes=dynamic)
+            exported = torch.export.export(copied, args, kwargs, dynamic_shapes=dynamic)
         torch.export.save(exported, file)
     except Exception as e:  # torch.export raises many types for code it cannot capture
         warnings.warn(f"{type(model).__name__} is exported without {file.name} (torch.export: {type(e).__name__}: "
@@ -162,6 +177,7 @@ def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     missing = [k for k in TOPOLOGY_KEYS if k not in topology]
     if missing:
         raise ExportError(f"{topology_file} lacks {', '.join(missing)}")
+    topology.setdefault("input_kwargs", {})  # exports before keyword inputs were recorded have none
     if not weights_file.is_file():
         raise ExportError(f"{weights_file} is missing")
     digest = _sha256(weights_file)
@@ -198,13 +214,18 @@ def replace_directory(path: Path, fill: Callable[[Path], None]) -> None:
 
 def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs: dict[str, Any] | None
                        ) -> tuple[str | None, dict[str, Any]]:
-    """The timm name and constructor arguments that rebuild `model`'s base: the explicit ones, else those `load`
-    built it with, else what timm's config and the model tell (`barter.rebuild`)."""
+    """The architecture and constructor arguments that rebuild `model`'s base: the explicit ones, else those
+    `load` built it with, else a transformers model's class and config, else what timm's config and the model
+    tell (`barter.rebuild`)."""
     if architecture is not None:
         return architecture, dict(model_kwargs or {})
     if model in _BUILT_AS:
-        architecture, built_kwargs = _BUILT_AS[model]
+        architecture, built_kwargs, _ = _BUILT_AS[model]
         return architecture, {**built_kwargs, **(model_kwargs or {})}
+    hugging_face = transformers_base(model)
+    if hugging_face is not None:
+        architecture, config = hugging_face
+        return architecture, {**config, **(model_kwargs or {})}
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
     analysis = recorded_analysis(model)
     read = {} if architecture is None else timm_arguments(model, architecture,
@@ -212,25 +233,30 @@ def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs:
     return architecture, {**read, **(model_kwargs or {})}
 
 
-def _groups(model: nn.Module, example_inputs: tuple[Tensor, ...] | None, architecture: str | None,
-            kwargs: dict[str, Any]) -> tuple[list[UnitGroup], list[dict[str, Any]]]:
-    """The unit groups of the model as built (see `record_analysis`), else of its base, and the example
-    inputs' shapes."""
+def _groups(model: nn.Module, example: tuple[tuple, dict[str, Any]] | None, architecture: str | None,
+            kwargs: dict[str, Any]) -> tuple[list[UnitGroup], dict[str, Any]]:
+    """The unit groups of the model as built (see `record_analysis`), else of its base, and the record of the
+    example call (see `export`)."""
     analysis = recorded_analysis(model)
     if analysis is not None:
-        return analysis.groups, _input_specs(example_inputs if example_inputs is not None else analysis.example_inputs)
-    try:
-        inputs = _input_specs(example_inputs if example_inputs is not None else default_example_inputs(model))
-    except ValueError as e:
-        raise ExportError(str(e)) from e
+        return analysis.groups, _call_record(*(example or (analysis.example_inputs, analysis.example_kwargs)))
+    if example is not None:
+        call = _call_record(*example)
+    elif model in _BUILT_AS:
+        call = _BUILT_AS[model][2]
+    else:
+        try:
+            call = _call_record(default_example_inputs(model), {})
+        except ValueError as e:
+            raise ExportError(f"{e}; pass example_inputs= and/or example_kwargs=") from e
     with torch.random.fork_rng(devices=[]):  # building and analysing the base leaves the caller's RNG alone
         base = copy.deepcopy(model) if architecture is None else _build(architecture, kwargs)
         try:
-            return Surgeon(base, _zero_inputs(base, inputs)).groups, inputs
+            return Surgeon(base, *_zero_call(base, call)).groups, call
         except (TraceError, AnalysisError) as e:
             warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
                           f"built): {e}", stacklevel=1)
-            return [], inputs
+            return [], call
 
 
 def _group_records(model: nn.Module, groups: list[UnitGroup], architecture: str | None) -> list[dict[str, Any]]:
@@ -257,27 +283,46 @@ def _kept_count(group: UnitGroup, tensors: dict[str, Tensor], architecture: str 
     return counts.pop()
 
 
-def _input_specs(inputs: tuple) -> list[dict[str, Any]]:
-    if not all(torch.is_tensor(t) for t in inputs):
-        raise ExportError("example_inputs must be a tuple of tensors to be recorded")
-    return [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in inputs]
+def _call_record(inputs: tuple, input_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """{"inputs": [spec, ...], "input_kwargs": {name: spec}} of the call `model(*inputs, **input_kwargs)`: a
+    tensor's spec is its shape and dtype; a flag's, number's, string's or None's, its value."""
+    return {"inputs": [_input_spec(value, f"example_inputs[{i}]") for i, value in enumerate(inputs)],
+            "input_kwargs": {name: _input_spec(value, f"example_kwargs[{name!r}]")
+                             for name, value in input_kwargs.items()}}
 
 
-def _zero_inputs(model: nn.Module, inputs: list[dict[str, Any]]) -> tuple[Tensor, ...]:
-    """Zero tensors shaped like the recorded inputs, on `model`'s device; floating ones in `model`'s dtype (a
-    half-precision export's base is built in single precision)."""
+def _input_spec(value: Any, label: str) -> dict[str, Any]:
+    if torch.is_tensor(value):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise ExportError(f"{label} is a {type(value).__name__}; an example call is recorded from tensors, flags, "
+                      "numbers, strings and None")
+
+
+def _zero_call(model: nn.Module, call: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The recorded call (a topology's or `_call_record`'s) with zero tensors (zero token ids are valid ones) on
+    `model`'s device, floating ones in `model`'s dtype (a half-precision export's base is built in single
+    precision), and its plain values."""
     p = next(model.parameters())
-    dtypes = [getattr(torch, s["dtype"]) for s in inputs]
-    return tuple(torch.zeros(s["shape"], dtype=p.dtype if dtype.is_floating_point else dtype, device=p.device)
-                 for s, dtype in zip(inputs, dtypes))
+
+    def value(spec: dict[str, Any]) -> Any:
+        if "value" in spec:
+            return spec["value"]
+        dtype = getattr(torch, spec["dtype"])
+        return torch.zeros(spec["shape"], dtype=p.dtype if dtype.is_floating_point else dtype, device=p.device)
+
+    return tuple(value(s) for s in call["inputs"]), {k: value(s) for k, s in call["input_kwargs"].items()}
 
 
 def _build(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
-    """The base model `timm.create_model(architecture, **kwargs)` (the project's models included)."""
+    """The base model `architecture` built with `kwargs` (`barter.rebuild.create_model`)."""
     with torch.random.fork_rng(devices=[]):
         try:
-            return timm_with_models().create_model(architecture, **kwargs)
-        except (RuntimeError, TypeError) as e:
+            return create_model(architecture, kwargs)
+        except RebuildError as e:
+            raise ExportError(str(e)) from e
+        except (RuntimeError, TypeError, ValueError) as e:
             raise ExportError(f"cannot build {architecture} with {kwargs}: {e}") from e
 
 
@@ -288,7 +333,7 @@ def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path
     if all(g["count"] == g["max_count"] for g in recorded):
         return None, []
     try:
-        surgeon = Surgeon(model, _zero_inputs(model, topology["inputs"]))
+        surgeon = Surgeon(model, *_zero_call(model, topology))
     except (TraceError, AnalysisError) as e:
         raise ExportError(f"cannot find the unit groups of {type(model).__name__} to resize it: {e}") from e
     plan = []

@@ -1,0 +1,158 @@
+"""barter.export / barter.load of Hugging Face transformers models: the class and config are recorded as the base,
+so `barter.load(path)` rebuilds a compact ViT, or a text model analysed on token ids passed by keyword, with no
+model at hand; an unknown class is a clear error, and transformers is imported only for such an export."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import barter
+from barter import ExportError
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_vit() -> torch.nn.Module:
+    config = transformers.ViTConfig(num_labels=10, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    intermediate_size=64, image_size=32, patch_size=8)
+    return transformers.ViTForImageClassification(config)
+
+
+def tiny_bert() -> torch.nn.Module:
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, num_labels=3, attn_implementation="eager")
+    return transformers.BertForSequenceClassification(config)
+
+
+def text_batch(batch: int) -> dict[str, torch.Tensor]:
+    """Token ids, a padding mask (the first sequence padded) and labels, as a Trainer passes them."""
+    mask = torch.ones(batch, 12, dtype=torch.long)
+    mask[0, 8:] = 0
+    return {"input_ids": torch.randint(0, 100, (batch, 12)), "attention_mask": mask,
+            "labels": torch.randint(0, 3, (batch,))}
+
+
+def train_with_transfers(model: torch.nn.Module, calls: list[tuple[tuple, dict]], **wrap_options
+                         ) -> barter.Controller:
+    """Wrap `model` at density 0.5 and train a step with AdamW on each call `model(*args, **kwargs)` of `calls`
+    (on its loss, given labels), a random transfer after each (auto)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = barter.wrap(model, optimizer, total_steps=len(calls), density=0.5, method="random_pair",
+                      window=(0.0, 1.0), **wrap_options)
+    for args, kwargs in calls:
+        out = model(*args, **kwargs)
+        (out.logits.square().mean() if out.loss is None else out.loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert any(e["skipped"] is None for e in ctl.events)
+    return ctl
+
+
+def read_topology(path: Path) -> dict:
+    return json.loads((path / "topology.json").read_text())
+
+
+def logits(model: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(*args, **kwargs).logits
+
+
+@pytest.fixture(scope="module")
+def compact_vit(tmp_path_factory) -> tuple[torch.nn.Module, barter.Controller, Path]:
+    torch.manual_seed(0)
+    model = tiny_vit()
+    ctl = train_with_transfers(model, [((torch.randn(4, 3, 32, 32),), {}) for _ in range(4)],
+                               example_inputs=(torch.randn(4, 3, 32, 32),))
+    return model, ctl, barter.export(model, tmp_path_factory.mktemp("vit") / "model", program=False)
+
+
+def test_vit_round_trip_after_transfers(compact_vit, tmp_path):
+    model, ctl, path = compact_vit
+    topology = read_topology(path)
+    assert topology["architecture"] == "transformers:ViTForImageClassification"
+    assert topology["model_kwargs"]["hidden_size"] == 32 and len(topology["model_kwargs"]["id2label"]) == 10
+    assert topology["inputs"] == [{"shape": [4, 3, 32, 32], "dtype": "float32"}] and topology["input_kwargs"] == {}
+    assert {g["name"]: (g["count"], g["max_count"]) for g in topology["groups"]} == {
+        g.name: (g.count, g.max_count) for g in ctl.surgeon.groups}
+    assert any(g["count"] < g["max_count"] for g in topology["groups"])
+    loaded = barter.load(path)
+    assert type(loaded) is type(model)
+    assert sum(p.numel() for p in loaded.parameters()) == topology["parameters"]
+    x = torch.randn(4, 3, 32, 32)
+    assert torch.allclose(logits(loaded, x), logits(model, x), atol=1e-5)
+    assert read_topology(barter.export(loaded, tmp_path / "again", program=False)) == topology
+
+
+def test_text_model_analysed_on_keywords_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_bert()
+    ctl = train_with_transfers(model, [((), text_batch(4)) for _ in range(4)], example_kwargs=text_batch(4))
+    path = barter.export(model, tmp_path / "model", program=False)
+    topology = read_topology(path)
+    assert topology["architecture"] == "transformers:BertForSequenceClassification"
+    assert topology["model_kwargs"]["attn_implementation"] == "eager"
+    assert topology["inputs"] == [] and topology["input_kwargs"] == {
+        "input_ids": {"shape": [4, 12], "dtype": "int64"}, "attention_mask": {"shape": [4, 12], "dtype": "int64"},
+        "labels": {"shape": [4], "dtype": "int64"}}
+    loaded = barter.load(path)  # analysed on zero token ids, mask and labels
+    assert type(loaded) is type(model) and loaded.config._attn_implementation == "eager"
+    assert {g["name"]: g["count"] for g in topology["groups"]} == {g.name: g.count for g in ctl.surgeon.groups}
+    batch = text_batch(4)  # fresh, shaped as analysed (a call of another shape is analysed anew)
+    assert torch.allclose(logits(loaded, **batch), logits(model, **batch), atol=1e-5)
+    assert read_topology(barter.export(loaded, tmp_path / "again", program=False)) == topology
+
+
+def test_dense_model_program_takes_keywords(tmp_path):
+    """A model barter did not resize, exported on a keyword call with a flag: its program takes the call by name
+    at any batch size, and the loaded model (no analysis needed) exports again on the recorded call."""
+    torch.manual_seed(0)
+    model = tiny_vit()
+    call = {"pixel_values": torch.randn(2, 3, 32, 32), "interpolate_pos_encoding": False}
+    path = barter.export(model, tmp_path / "model", example_kwargs=call)
+    topology = read_topology(path)
+    assert topology["program"] == "model.pt2" and topology["inputs"] == [] and topology["input_kwargs"] == {
+        "pixel_values": {"shape": [2, 3, 32, 32], "dtype": "float32"}, "interpolate_pos_encoding": {"value": False}}
+    assert topology["groups"] and all(g["count"] == g["max_count"] for g in topology["groups"])
+    program = torch.export.load(path / "model.pt2").module()
+    for size in (1, 3):
+        x = torch.randn(size, 3, 32, 32)
+        assert torch.allclose(program(pixel_values=x, interpolate_pos_encoding=False).logits, logits(model, x),
+                              atol=1e-5)
+    loaded = barter.load(path)
+    assert torch.allclose(logits(loaded, **call), logits(model, **call), atol=1e-5)
+    assert read_topology(barter.export(loaded, tmp_path / "again")) == topology
+
+
+def test_export_without_keyword_inputs_still_loads(compact_vit, tmp_path):
+    """A topology written before keyword inputs were recorded (no `input_kwargs`) loads as before."""
+    model, _, exported = compact_vit
+    path = shutil.copytree(exported, tmp_path / "model")
+    topology = read_topology(path)
+    del topology["input_kwargs"]
+    (path / "topology.json").write_text(json.dumps(topology))
+    x = torch.randn(4, 3, 32, 32)
+    assert torch.allclose(logits(barter.load(path), x), logits(model, x), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["NoSuchModelForAnything", "ViTConfig"])
+def test_unknown_transformers_class_is_named(compact_vit, tmp_path, name):
+    path = shutil.copytree(compact_vit[2], tmp_path / "model")
+    topology = read_topology(path)
+    topology["architecture"] = f"transformers:{name}"
+    (path / "topology.json").write_text(json.dumps(topology))
+    with pytest.raises(ExportError, match=f"transformers .* has no model class '{name}'"):
+        barter.load(path)
+
+
+def test_transformers_is_imported_only_for_its_exports(tmp_path):
+    code = ("import sys, torch, barter; from torch import nn; "
+            f"barter.export(nn.Linear(3, 2), {str(tmp_path / 'model')!r}, example_inputs=(torch.zeros(2, 3),), "
+            "program=False); print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -31,7 +31,8 @@ def gap(r: Conformance) -> str:
         return f"neither grouped nor reported: {', '.join(r.unaccounted[:3])}{more}"
     if not r.channels:
         return "no FFN channel group: " + ("; ".join(r.left_out[:2]) or "nothing found")
-    checks = {"clone": r.clone_ok, "remove": r.remove_ok, "train()/eval()": r.modes_ok, "training": r.train_ok}
+    checks = {"clone": r.clone_ok, "remove": r.remove_ok, "tap": r.tap_ok, "train()/eval()": r.modes_ok,
+              "training": r.train_ok, "scores": r.scores_ok}
     return "failed: " + ", ".join(name for name, ok in checks.items() if not ok)
 
 
@@ -52,8 +53,8 @@ def main() -> None:
         return
     path, depth = (FAMILIES, None) if args.all else (args.list, args.depth or None)
     cases = [c for c in model_cases(path, depth=depth) if not args.models or c[0] in args.models]
-    print(f"{'model':<34} {'heads':>5} {'chan':>5} {'exact':>5} {'clone':>5} {'remove':>6} {'modes':>5} "
-          f"{'train':>5} {'xfers':>5} {'analyse':>8}  note")
+    print(f"{'model':<34} {'heads':>5} {'chan':>5} {'exact':>5} {'clone':>5} {'remove':>6} {'tap':>4} {'modes':>5} "
+          f"{'train':>5} {'score':>5} {'xfers':>5} {'analyse':>8}  note")
     results = []
     for name, build, x in cases:
         r = check(name, build, x)
@@ -61,7 +62,8 @@ def main() -> None:
         note = r.error or "; ".join(filter(None, [f"{len(r.left_out)} left out" if r.left_out else "",
                                                   f"unaccounted: {r.unaccounted}" if r.unaccounted else ""]))
         print(f"{name:<34} {r.heads:>5} {r.channels:>5} {r.exact:>5} {_ok(r.clone_ok):>5} {_ok(r.remove_ok):>6} "
-              f"{_ok(r.modes_ok):>5} {_ok(r.train_ok):>5} {r.transfers:>5} {r.analyse_s:>7.1f}s  {note}", flush=True)
+              f"{_ok(r.tap_ok):>4} {_ok(r.modes_ok):>5} {_ok(r.train_ok):>5} {_ok(r.scores_ok):>5} {r.transfers:>5} "
+              f"{r.analyse_s:>7.1f}s  {note}", flush=True)
         if args.why:
             for lo in r.left_out[:6]:
                 print(f"    left out: {lo[:160]}")

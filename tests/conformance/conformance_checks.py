@@ -2,8 +2,10 @@
 `benchmarks/conformance.py`.
 
 For one model: analysis finds groups (or says what it leaves out and why); every exact group's clone
-leaves the outputs unchanged and its removal equals masking the unit's output slice (float64); train()
-(same seed) and eval() behave like the original; and a short training run with transfers stays finite.
+leaves the outputs unchanged and its removal equals masking the unit's output slice, and equals zeroing the
+unit's activations through the public ``tap`` (a second oracle, float64); train() (same seed) and eval()
+behave like the original; and a short training run with transfers stays finite, its scores non-zero in every
+layer at its end (the taps ran).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class Conformance:
     left_out: list[str] = field(default_factory=list)
     clone_ok: bool = False
     remove_ok: bool = False
+    tap_ok: bool = False
+    scores_ok: bool = False
     modes_ok: bool = False
     train_ok: bool = False
     transfers: int = 0
@@ -49,7 +53,8 @@ class Conformance:
     def passed(self) -> bool:
         """Every check holds, and every attention and FFN module has a group or is reported as left out."""
         found = self.channels > 0 and not self.unaccounted
-        return not self.error and found and self.clone_ok and self.remove_ok and self.modes_ok and self.train_ok
+        return (not self.error and found and self.clone_ok and self.remove_ok and self.tap_ok and self.modes_ok
+                and self.train_ok and self.scores_ok)
 
 
 # The oracle's notion of an attention or FFN module, from timm's class names (fxsurgery itself never
@@ -94,11 +99,12 @@ def _close(a: object, b: object, tol: float) -> bool:
 
 
 def training_loss(out: object, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy on class logits; for models that return features (hidden states), their mean square."""
+    """Cross-entropy on class logits; for models that return features (hidden states, a pooled output), the
+    mean square of every one, so each layer that makes one is trained and scored."""
     first = outputs(out)[0]
     if first.dim() == 2:
         return nn.functional.cross_entropy(first, y % first.shape[1])
-    return first.float().square().mean()
+    return sum(t.float().square().mean() for t in outputs(out))
 
 
 def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
@@ -135,13 +141,24 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
                 s.clone(g, 0, noise_std=0.1, generator=gen, relative=True)
         result.clone_ok = _close(model(x), y0, 1e-9)
         s2 = Surgeon(fresh, (x,))
+        exact = [g for g in s2.groups if g.exact]
+        taps = [s2.tap(g, _zero_first_unit) for g in exact]
+        by_taps = fresh(x)
+        for handle in taps:
+            handle.remove()
         params = dict(masked.named_parameters())
         for g in s2.groups:
             if g.exact:
                 out = next(sl for sl in g.slices if sl.output)
                 out.unit(params[out.name].data, g.count, 0).zero_()
                 s2.remove(g, 0)
-        result.remove_ok = _close(fresh(x), masked(x), 1e-9)
+        removed = fresh(x)
+        result.remove_ok = _close(removed, masked(x), 1e-9)
+        result.tap_ok = _close(by_taps, removed, 1e-9)
+
+
+def _zero_first_unit(a: torch.Tensor) -> None:
+    a[..., 0, :] = 0
 
 
 def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps: int = 6) -> None:
@@ -157,6 +174,9 @@ def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps
         loss.backward()
         opt.step()
         ok &= bool(torch.isfinite(loss))
+    # every layer with units was scored (a zero-initialised classifier passes no gradient at the first step)
+    result.scores_ok = all(float(d.abs().sum()) > 0 and float(s.abs().sum()) > 0
+                           for kind in ("head", "channel") for d, s in ctl.scores(kind).values() if d.numel())
     result.transfers = sum(e["skipped"] is None for e in ctl.events)
     result.train_ok = ok and result.transfers > 0
 

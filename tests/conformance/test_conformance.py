@@ -48,8 +48,10 @@ def test_conformance(name, build, x) -> None:
     assert not r.unaccounted, f"neither grouped nor reported: {r.unaccounted}"
     assert r.clone_ok, "a clone changed the outputs"
     assert r.remove_ok, "a removal differs from masking"
+    assert r.tap_ok, "zeroing units through tap differs from removing them"
     assert r.modes_ok, "train()/eval() differ from the original"
     assert r.train_ok, f"training with transfers failed ({r.transfers} transfers)"
+    assert r.scores_ok, "a layer with units has zero scores after a backward (its tap did not run)"
 
 
 def test_an_attention_module_without_group_or_report_is_unaccounted() -> None:

@@ -10,6 +10,7 @@ pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
+from trainer_scores import ScoreRecorder  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForSequenceClassification,
@@ -21,7 +22,6 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
     Trainer,
-    TrainerCallback,
     TrainingArguments,
     ViTConfig,
     ViTForImageClassification,
@@ -33,20 +33,6 @@ OPTIONS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio": 1.0, "
 STEPS = 12
 VOCAB = 64
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
-
-
-class ScoreRecorder(TrainerCallback):
-    """Placed after BarterCallback: at every optimizer step, before the transfers that follow it, whether the
-    scores they are chosen on are non-zero in every layer with units."""
-
-    def __init__(self, barter_callback: BarterCallback) -> None:
-        self.barter_callback = barter_callback
-        self.nonzero: list[bool] = []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        ctl = self.barter_callback.controller
-        self.nonzero.append(all(float(d.abs().sum()) > 0 and float(s.abs().sum()) > 0
-                                for kind in ("head", "channel") for d, s in ctl.scores(kind).values() if d.numel()))
 
 
 def tokenizer() -> PreTrainedTokenizerFast:

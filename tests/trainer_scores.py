@@ -1,0 +1,16 @@
+"""A TrainerCallback that watches the scores BARTER chooses its transfers on (the HF Trainer tests share it)."""
+from transformers import TrainerCallback
+
+
+class ScoreRecorder(TrainerCallback):
+    """Placed after BarterCallback: at every optimizer step, before the transfers that follow it, whether the
+    scores they are chosen on are non-zero in every layer with units."""
+
+    def __init__(self, barter_callback) -> None:
+        self.barter_callback = barter_callback
+        self.nonzero: list[bool] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        ctl = self.barter_callback.controller
+        self.nonzero.append(all(float(d.abs().sum()) > 0 and float(s.abs().sum()) > 0
+                                for kind in ("head", "channel") for d, s in ctl.scores(kind).values() if d.numel()))

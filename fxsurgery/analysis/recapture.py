@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..capture.call_signature import call_signature, differing_arguments, holds_objects
-from ..capture.calls import materialize
+from ..capture.calls import forked_rng, materialize
 from ..capture.tracer import CODE_CONSTANT
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
@@ -53,6 +53,7 @@ class HostServer:
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
               hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
+        """A graph captured for this call, or None (and why) where the host's own forward serves it."""
         if hooked:
             return self.own(module, args, kwargs, f"hooks on {', '.join(hooked)}, whose calls a graph inlines")
         if holds_objects((args, kwargs)):
@@ -69,7 +70,7 @@ class HostServer:
         key = (fingerprint(real, (), {})[0], call_signature(args, kwargs, training))
         if key not in self.shared:
             try:
-                with _no_autocast(), torch.no_grad():
+                with _no_autocast(), torch.no_grad(), forked_rng(pytree.tree_leaves(inputs)):
                     self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,))
             except (TraceError, AnalysisError) as err:
                 self.shared[key] = str(err)
@@ -106,6 +107,7 @@ class HostServer:
         return None, f"its own forward ({why})"
 
     def own_forward(self) -> OwnForward:
+        """The host's own forward, its count attributes kept in step and its taps run."""
         return OwnForward(self.groups, self.counts, self.template, empty=self.empty_fault)
 
     def materialize(self, like: nn.Module | None) -> nn.Module:

@@ -298,3 +298,28 @@ def test_an_installed_forward_keeps_the_signature_frameworks_read() -> None:
     host = next(m for m in prepared.model.modules() if "forward" in m.__dict__)
     assert inspect.signature(host.forward) == inspect.signature(type(host).forward.__get__(host))
     assert "attention_mask" in inspect.signature(prepared.model.forward).parameters
+
+
+@pytest.mark.parametrize("name, config", [
+    ("LlamaModel", lambda: transformers.LlamaConfig(vocab_size=50, **HIDDEN)),
+    ("Qwen2Model", lambda: transformers.Qwen2Config(vocab_size=50, num_key_value_heads=2, **HIDDEN)),
+    ("GPT2Model", lambda: transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=24)),
+])
+def test_decoders_at_their_default_configs_have_head_groups(name: str, config: Callable) -> None:
+    """use_cache=True by default: the analysis reads the call without the cache object, and the cached calls
+    (a forward that returns the cache, then one that reads it) equal the untouched model's."""
+    cfg = config()
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    original = getattr(transformers, name)(cfg).eval()
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (torch.randint(0, 50, (2, 6)),))
+    assert [g.kind for g in s.groups] == ["head", "channel"] * 2 and all(g.exact for g in s.groups)
+    ids, more = torch.randint(0, 50, (2, 6)), torch.randint(0, 50, (2, 1))
+    with torch.no_grad():
+        first, reference = model(ids), original(ids)
+        assert _rel_diff(first, reference) <= 1e-5
+        assert first.cache.get_seq_length() == 6
+        step = model(more, cache=first.cache)
+        assert first.cache.get_seq_length() == 7  # the own forward updated the cache the call passed
+        assert _rel_diff(step, original(more, cache=reference.cache)) <= 1e-5

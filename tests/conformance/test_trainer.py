@@ -18,12 +18,11 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from factories import hugging_face  # noqa: E402
-from trainer_scores import ScoreRecorder  # noqa: E402
+from transfer_checks import QUICK_TRANSFERS, ScoreRecorder  # noqa: E402
 
 from barter.integrations.hf import BarterCallback  # noqa: E402
 
 ENTRIES = json.loads((Path(__file__).parent / "models_hugging_face.json").read_text())
-OPTIONS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio": 1.0, "channel_ratio": 0.5}
 SAMPLES, BATCH, EPOCHS = 24, 4, 2
 
 
@@ -76,7 +75,7 @@ def test_trains_through_the_trainer(entry: dict, tmp_path: Path) -> None:
     model = build(entry)
     parameters = inspect.signature(model.forward).parameters
     own_loss = "labels" in parameters
-    callback = BarterCallback(**OPTIONS)
+    callback = BarterCallback(**QUICK_TRANSFERS)
     recorder = ScoreRecorder(callback)
     args = transformers.TrainingArguments(output_dir=str(tmp_path), num_train_epochs=EPOCHS,
                                           per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,

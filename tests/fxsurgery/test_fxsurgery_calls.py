@@ -12,8 +12,10 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
+from factories import hugging_face
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from projections import Projection, layer_groups, layers
 
 from fxsurgery import Surgeon, UnservedCall
 
@@ -23,28 +25,12 @@ HIDDEN = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interm
 QUIET = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-class Projection(NamedTuple):
-    """An output projection: its weight, the dim that meets the units, and a unit's width along it."""
-
-    weight: str
-    dim: int
-    width: int
-
-
 class Case(NamedTuple):
     build: Callable[[], torch.nn.Module]
     example: Callable[[], torch.Tensor]  # the positional call the model is analysed on
     call: Callable[[st.DataObject], dict]  # draws the keyword arguments of one call
     heads: list[Projection]
     channels: list[Projection]
-
-
-def _hf(model: str, config: str, **options) -> torch.nn.Module:
-    return getattr(transformers, model)(getattr(transformers, config)(**options))
-
-
-def _layers(pattern: str, dim: int, width: int) -> list[Projection]:
-    return [Projection(pattern.format(i), dim, width) for i in range(2)]
 
 
 def _flags(data: st.DataObject, *names: str) -> dict:
@@ -86,28 +72,29 @@ def _images(data: st.DataObject) -> dict:
 
 CASES = {
     "hf_vit_eager": Case(  # eager attention returns per-head weights when asked
-        functools.partial(_hf, "ViTForImageClassification", "ViTConfig", image_size=16, patch_size=8, num_labels=3,
+        functools.partial(hugging_face, "ViTForImageClassification", "ViTConfig",
+                          image_size=16, patch_size=8, num_labels=3,
                           attn_implementation="eager", **HIDDEN, **QUIET),
-        _pixels, _images, _layers("vit.layers.{}.attention.o_proj.weight", 1, 8),
-        _layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
+        _pixels, _images, layers("vit.layers.{}.attention.o_proj.weight", 1, 8),
+        layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
     "hf_bert_classifier": Case(
-        functools.partial(_hf, "BertForSequenceClassification", "BertConfig", vocab_size=50, num_labels=3,
+        functools.partial(hugging_face, "BertForSequenceClassification", "BertConfig", vocab_size=50, num_labels=3,
                           **HIDDEN, **QUIET),
         _ids, functools.partial(_text, labels="class",
                                 flags=("output_attentions", "output_hidden_states", "return_dict")),
-        _layers("bert.encoder.layer.{}.attention.output.dense.weight", 1, 8),
-        _layers("bert.encoder.layer.{}.output.dense.weight", 1, 1)),
+        layers("bert.encoder.layer.{}.attention.output.dense.weight", 1, 8),
+        layers("bert.encoder.layer.{}.output.dense.weight", 1, 1)),
     "hf_gpt2_lm": Case(  # default config: use_cache=True, Conv1D weights stored [in, out]
-        functools.partial(_hf, "GPT2LMHeadModel", "GPT2Config", vocab_size=50, n_embd=32, n_layer=2, n_head=4,
+        functools.partial(hugging_face, "GPT2LMHeadModel", "GPT2Config", vocab_size=50, n_embd=32, n_layer=2, n_head=4,
                           n_inner=24, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
         _ids, functools.partial(_text, labels="tokens", flags=("use_cache", "output_hidden_states", "return_dict")),
-        _layers("transformer.h.{}.attn.c_proj.weight", 0, 8), _layers("transformer.h.{}.mlp.c_proj.weight", 0, 1)),
+        layers("transformer.h.{}.attn.c_proj.weight", 0, 8), layers("transformer.h.{}.mlp.c_proj.weight", 0, 1)),
     "hf_llama_lm": Case(  # default config: use_cache=True; 2 query heads per key/value head
-        functools.partial(_hf, "LlamaForCausalLM", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
+        functools.partial(hugging_face, "LlamaForCausalLM", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
                           max_position_embeddings=32, **HIDDEN),
         _ids, functools.partial(_text, labels="tokens", flags=("use_cache", "output_hidden_states", "return_dict")),
-        _layers("model.layers.{}.self_attn.o_proj.weight", 1, 16),
-        _layers("model.layers.{}.mlp.down_proj.weight", 1, 1)),
+        layers("model.layers.{}.self_attn.o_proj.weight", 1, 16),
+        layers("model.layers.{}.mlp.down_proj.weight", 1, 1)),
 }
 
 
@@ -144,16 +131,6 @@ def _run(model: torch.nn.Module, call: dict, train: bool) -> object:
         return model(**call)
 
 
-def _layer_groups(name: str, surgeon: Surgeon) -> list[tuple[object, Projection]]:
-    pairs = []
-    for kind, projections in (("head", CASES[name].heads), ("channel", CASES[name].channels)):
-        for p in projections:
-            owners = [g for g in surgeon.groups if g.kind == kind and p.weight.startswith(g.module + ".")]
-            assert len(owners) == 1, f"{p.weight}: {len(owners)} {kind} groups: {surgeon.explain()}"
-            pairs.append((owners[0], p))
-    return pairs
-
-
 @pytest.mark.parametrize("name", list(CASES))
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
@@ -166,7 +143,7 @@ def test_installation_is_invisible_to_every_call(name: str, data: st.DataObject)
     masked = copy.deepcopy(original)
     weights = dict(masked.named_parameters())
     alive = {g.name: list(range(g.count)) for g in s.groups}
-    pairs = _layer_groups(name, s)
+    pairs = layer_groups(s, CASES[name].heads, CASES[name].channels)
     plan = data.draw(st.lists(st.sampled_from(range(len(pairs))), min_size=1, max_size=5), label="removals")
     if data.draw(st.booleans(), label="empty a layer"):
         plan += [0] * pairs[0][0].count  # every head of the first attention layer
@@ -221,7 +198,7 @@ def test_generate_after_removals_equals_the_masked_original(name: str) -> None:
     s = copy.deepcopy(prepared)
     masked = copy.deepcopy(original)
     weights = dict(masked.named_parameters())
-    for g, p in _layer_groups(name, s):
+    for g, p in layer_groups(s, CASES[name].heads, CASES[name].channels):
         s.remove(g, 0)
         weights[p.weight].data.narrow(p.dim, 0, p.width).zero_()
     ids = torch.randint(0, 50, (2, 5))

@@ -9,8 +9,10 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from factories import hugging_face
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from projections import Projection, layer_groups, layers
 
 from fxsurgery import Surgeon, TraceError
 
@@ -21,26 +23,12 @@ pytest.importorskip("open_clip")
 HIDDEN = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24)
 
 
-class Projection(NamedTuple):
-    """An output projection: its weight, the dim that meets the units, and a unit's width along it."""
-
-    weight: str
-    dim: int
-    width: int
-
-
 class Case(NamedTuple):
     build: callable
     inputs: callable  # batch, length -> example input
     heads: list[Projection]  # one per attention layer, in layer order
     channels: list[Projection]  # one per FFN
     captured: bool = True  # symbolic tracing cannot read it: the concrete-shape capture serves
-
-
-def _hf(model: str, config: str, **options) -> torch.nn.Module:
-    import transformers
-
-    return getattr(transformers, model)(getattr(transformers, config)(**options))
 
 
 def _images(batch: int, length: int) -> torch.Tensor:
@@ -51,45 +39,44 @@ def _tokens(batch: int, length: int) -> torch.Tensor:
     return torch.randint(0, 50, (batch, length))
 
 
-def _layers(pattern: str, dim: int, width: int, n: int = 2) -> list[Projection]:
-    return [Projection(pattern.format(i), dim, width) for i in range(n)]
-
-
 CASES = {
     "hf_vit_sdpa": Case(
-        functools.partial(_hf, "ViTForImageClassification", "ViTConfig", image_size=16, patch_size=8, num_labels=3,
+        functools.partial(hugging_face, "ViTForImageClassification", "ViTConfig",
+                          image_size=16, patch_size=8, num_labels=3,
                           **HIDDEN),
-        _images, _layers("vit.layers.{}.attention.o_proj.weight", 1, 8), _layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
+        _images, layers("vit.layers.{}.attention.o_proj.weight", 1, 8), layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
     "hf_vit_eager": Case(
-        functools.partial(_hf, "ViTForImageClassification", "ViTConfig", image_size=16, patch_size=8, num_labels=3,
+        functools.partial(hugging_face, "ViTForImageClassification", "ViTConfig",
+                          image_size=16, patch_size=8, num_labels=3,
                           attn_implementation="eager", **HIDDEN),
-        _images, _layers("vit.layers.{}.attention.o_proj.weight", 1, 8), _layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
+        _images, layers("vit.layers.{}.attention.o_proj.weight", 1, 8), layers("vit.layers.{}.mlp.fc2.weight", 1, 1)),
     "hf_bert": Case(
-        functools.partial(_hf, "BertModel", "BertConfig", vocab_size=50, **HIDDEN),
-        _tokens, _layers("encoder.layer.{}.attention.output.dense.weight", 1, 8),
-        _layers("encoder.layer.{}.output.dense.weight", 1, 1)),
+        functools.partial(hugging_face, "BertModel", "BertConfig", vocab_size=50, **HIDDEN),
+        _tokens, layers("encoder.layer.{}.attention.output.dense.weight", 1, 8),
+        layers("encoder.layer.{}.output.dense.weight", 1, 1)),
     "hf_gpt2": Case(  # Conv1D: weights stored [in, out]
-        functools.partial(_hf, "GPT2Model", "GPT2Config", vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=24,
+        functools.partial(hugging_face, "GPT2Model", "GPT2Config",
+                          vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=24,
                           n_positions=16, use_cache=False, bos_token_id=0, eos_token_id=0),
-        _tokens, _layers("h.{}.attn.c_proj.weight", 0, 8), _layers("h.{}.mlp.c_proj.weight", 0, 1)),
+        _tokens, layers("h.{}.attn.c_proj.weight", 0, 8), layers("h.{}.mlp.c_proj.weight", 0, 1)),
     "hf_llama_gqa": Case(  # RoPE, RMSNorm, gated MLP, 2 query heads per key/value head
-        functools.partial(_hf, "LlamaModel", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
+        functools.partial(hugging_face, "LlamaModel", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
                           max_position_embeddings=32, use_cache=False, **HIDDEN),
-        _tokens, _layers("layers.{}.self_attn.o_proj.weight", 1, 16), _layers("layers.{}.mlp.down_proj.weight", 1, 1)),
+        _tokens, layers("layers.{}.self_attn.o_proj.weight", 1, 16), layers("layers.{}.mlp.down_proj.weight", 1, 1)),
     "hf_llama_gqa_eager": Case(  # key/value heads repeated by expand + reshape
-        functools.partial(_hf, "LlamaModel", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
+        functools.partial(hugging_face, "LlamaModel", "LlamaConfig", vocab_size=50, num_key_value_heads=2,
                           max_position_embeddings=32, use_cache=False, attn_implementation="eager", **HIDDEN),
-        _tokens, _layers("layers.{}.self_attn.o_proj.weight", 1, 16), _layers("layers.{}.mlp.down_proj.weight", 1, 1)),
+        _tokens, layers("layers.{}.self_attn.o_proj.weight", 1, 16), layers("layers.{}.mlp.down_proj.weight", 1, 1)),
     "vit_pytorch_vit": Case(  # einops rearrange, h=self.heads
         lambda: __import__("vit_pytorch").ViT(image_size=16, patch_size=8, num_classes=3, dim=32, depth=2, heads=4,
                                               mlp_dim=24, dim_head=8),
-        _images, _layers("transformer.layers.{}.0.to_out.0.weight", 1, 8),
-        _layers("transformer.layers.{}.1.net.4.weight", 1, 1)),
+        _images, layers("transformer.layers.{}.0.to_out.0.weight", 1, 8),
+        layers("transformer.layers.{}.1.net.4.weight", 1, 1)),
     "open_clip_vit": Case(
         lambda: __import__("open_clip.transformer", fromlist=["VisionTransformer"]).VisionTransformer(
             image_size=16, patch_size=8, width=32, layers=2, heads=4, mlp_ratio=0.75, output_dim=8),
-        _images, _layers("transformer.resblocks.{}.attn.out_proj.weight", 1, 8),
-        _layers("transformer.resblocks.{}.mlp.c_proj.weight", 1, 1), captured=False),
+        _images, layers("transformer.resblocks.{}.attn.out_proj.weight", 1, 8),
+        layers("transformer.resblocks.{}.mlp.c_proj.weight", 1, 1), captured=False),
 }
 
 
@@ -118,21 +105,10 @@ def _operated(name: str) -> tuple[torch.nn.Module, torch.nn.Module, Surgeon, tor
     return original, model, Surgeon(model, (x,)), x
 
 
-def _layer_groups(name: str, surgeon: Surgeon) -> list[tuple[object, Projection]]:
-    """Each group with the output projection it writes through (the one inside its module)."""
-    pairs = []
-    for kind, projections in (("head", CASES[name].heads), ("channel", CASES[name].channels)):
-        for p in projections:
-            owners = [g for g in surgeon.groups if g.kind == kind and p.weight.startswith(g.module + ".")]
-            assert len(owners) == 1, f"{p.weight}: {len(owners)} {kind} groups: {surgeon.explain()}"
-            pairs.append((owners[0], p))
-    return pairs
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_exact_group_per_layer_and_shape_generic(name: str) -> None:
     original, model, s, x = _operated(name)
-    pairs = _layer_groups(name, s)
+    pairs = layer_groups(s, CASES[name].heads, CASES[name].channels)
     assert len(s.groups) == len(pairs) and all(g.exact for g in s.groups)
     assert ("torch.export" in s.explain()) == CASES[name].captured  # explain() names the front end
     with torch.no_grad():  # the graphs serve other batch sizes and sequence lengths
@@ -149,7 +125,7 @@ def test_removals_equal_masking_and_clones_preserve(name: str, data: st.DataObje
     masked = copy.deepcopy(original)
     weights = dict(masked.named_parameters())
     alive = {g.name: list(range(g.count)) for g in s.groups}
-    for g, p in data.draw(st.permutations(_layer_groups(name, s)))[:3]:
+    for g, p in data.draw(st.permutations(layer_groups(s, CASES[name].heads, CASES[name].channels)))[:3]:
         keep_one = g.kind == "channel"
         if len(alive[g.name]) <= keep_one:
             continue
@@ -185,8 +161,8 @@ def test_adam_state_follows_edits_and_zero_heads_train(name: str) -> None:
         return loss
 
     step()
-    (head, _), *_ = _layer_groups(name, s)
-    channel = next(g for g, _ in _layer_groups(name, s) if g.kind == "channel")
+    (head, _), *_ = layer_groups(s, CASES[name].heads, CASES[name].channels)
+    channel = next(g for g, _ in layer_groups(s, CASES[name].heads, CASES[name].channels) if g.kind == "channel")
     out = next(sl for sl in channel.slices if sl.output)
     param = dict(model.named_parameters())[out.name]
     before = opt.state[param]["exp_avg"].clone()

@@ -10,7 +10,7 @@ pytest.importorskip("tokenizers")
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
-from trainer_scores import ScoreRecorder  # noqa: E402
+from transfer_checks import QUICK_TRANSFERS, ScoreRecorder  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForSequenceClassification,
@@ -29,7 +29,6 @@ from transformers import (  # noqa: E402
 
 from barter.integrations.hf import STATE_FILE, BarterCallback  # noqa: E402
 
-OPTIONS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio": 1.0, "channel_ratio": 0.5}
 STEPS = 12
 VOCAB = 64
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
@@ -71,9 +70,9 @@ def bert() -> BertForSequenceClassification:
 
 
 def train(model, data, tmp_path, *, collator=None, save_steps=None, resume_from=None, **options):
-    """STEPS Trainer steps with BarterCallback(**OPTIONS, **options), no example inputs unless among `options`,
+    """STEPS Trainer steps with BarterCallback(**QUICK_TRANSFERS, **options), no example inputs unless among `options`,
     saving every `save_steps`; returns (callback, trainer)."""
-    barter_callback = BarterCallback(resume_from=resume_from, **OPTIONS, **options)
+    barter_callback = BarterCallback(resume_from=resume_from, **QUICK_TRANSFERS, **options)
     saving = {"save_strategy": "no"} if save_steps is None else {"save_strategy": "steps", "save_steps": save_steps}
     recorder = ScoreRecorder(barter_callback)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4,

@@ -12,6 +12,7 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from transfer_checks import QUICK_TRANSFERS  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForSequenceClassification,
@@ -21,7 +22,6 @@ from transformers import (  # noqa: E402
 
 from barter.integrations.lightning import BarterCallback  # noqa: E402
 
-OPTIONS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio": 1.0, "channel_ratio": 0.5}
 STEPS = 12
 VOCAB = 64
 
@@ -75,7 +75,7 @@ def loader() -> DataLoader:
 
 
 def test_a_keyword_example_input_array_is_the_example_call():
-    barter_callback = BarterCallback(**OPTIONS)
+    barter_callback = BarterCallback(**QUICK_TRANSFERS)
     recorder = ScoreRecorder(barter_callback)
     trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, callbacks=[barter_callback, recorder])

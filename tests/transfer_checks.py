@@ -1,5 +1,8 @@
-"""A TrainerCallback that watches the scores BARTER chooses its transfers on (the HF Trainer tests share it)."""
+"""What the framework tests share: BarterCallback options under which a dozen steps hold several transfers, and
+a TrainerCallback that watches the scores those transfers are chosen on."""
 from transformers import TrainerCallback
+
+QUICK_TRANSFERS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio": 1.0, "channel_ratio": 0.5}
 
 
 class ScoreRecorder(TrainerCallback):

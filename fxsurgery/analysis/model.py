@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from ..capture.call_signature import holds_objects, without_objects
 from ..capture.calls import capture_inputs
 from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec, common_module
@@ -43,11 +44,13 @@ def analyse_model(model: nn.Module, example: tuple[tuple, dict], editor: Editor)
     regions, failures = find_regions(model, example, findings.leave_out)
     hosts = locate_hosts(model, regions, findings.leave_out)
     if hosts:
-        inputs = capture_inputs(model, example, [n for n, _ in model.named_modules() if n])
-        inputs[""] = example
+        calls = capture_inputs(model, example, [n for n, _ in model.named_modules() if n])
+        calls[""] = example
+        # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
+        inputs = {name: without_objects(call) for name, call in calls.items()}
         installer = _Installer(model, editor, findings)
         for host in _callers_of_returned_heads(hosts, inputs, installer):
-            installer.install(host, inputs[host])
+            installer.install(host, inputs[host], passes_objects=holds_objects(calls[host]))
     # modules that did not trace: their parts were analysed on their own where they traced
     for name, err in failures:
         findings.leave_out(name, [str(err)])
@@ -99,7 +102,9 @@ class _Installer:
                 self.templates[key] = str(err)
         return self.templates[key]
 
-    def install(self, host: str, inputs: tuple[tuple, dict]) -> None:
+    def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
+        """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
+        object is served by its own forward: where that cannot run a group with no units, the group keeps one."""
         module = self.model.get_submodule(host) if host else self.model
         key = fingerprint(module, *inputs)
         template = self.analysis(host, inputs)
@@ -133,7 +138,23 @@ class _Installer:
                 served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                           tuple(hg.spec.members), group_slots, point))
         forward.server = HostServer(template, host, inputs, served, self.recaptured)
+        if passes_objects:
+            self.limit_to_own_forward(forward.server)
 
+    def limit_to_own_forward(self, server: HostServer) -> None:
+        """The groups of a host whose own forward serves its calls: a note where it cannot serve them at all, and
+        one unit at least where it cannot run a group with none."""
+        fault, empty = server.fit_own_forward()
+        for g in self.findings.groups:
+            if self.editor.plumbing[g].host != server.host:
+                continue
+            if fault:
+                g.notes += (f"calls that pass an object (a key/value cache) are refused: its host's own forward "
+                            f"{fault}",)
+            elif empty and g.min_count == 0:
+                g.min_count = 1
+                g.notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object "
+                            f"(a key/value cache), {empty} with none",)
     def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
         module = join_path(host, common_module(spec.modules))
         base = f"{module or type(self.model).__name__}:{spec.kind}"

@@ -93,12 +93,18 @@ class HostServer:
         _adopt_code_constants(module, graph, found.tensors)
         return graph
 
-    def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
-        """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
+    def fit_own_forward(self) -> tuple[str, str]:
+        """Whether the host's own forward follows the widths (checked once): what goes wrong in it ("" if
+        nothing), and what goes wrong once a group has no units."""
         if self.own_fault is None:
             counts, self.own_fault, self.empty_fault = fit_count_attributes(lambda: self.materialize(None),
                                                                             self.groups, self.analysed)
             self.counts = counts or []
+        return self.own_fault, self.empty_fault
+
+    def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
+        """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
+        self.fit_own_forward()
         if self.own_fault:
             own = type(module).forward.__get__(module)
             differs = ", ".join(differing_arguments(own, (args, kwargs), self.analysed)) or "the analysed arguments"

@@ -7,6 +7,7 @@ from typing import Callable, NamedTuple
 import torch.fx
 import torch.nn as nn
 
+from ..capture.call_signature import without_objects
 from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
@@ -50,7 +51,8 @@ def find_regions(model: nn.Module, example: tuple[tuple, dict],
     for name in leaves:
         if name in calls:
             try:
-                regions.append(Region(name, *record(model.get_submodule(name), name, *calls[name], model.training,
+                call = without_objects(calls[name])
+                regions.append(Region(name, *record(model.get_submodule(name), name, *call, model.training,
                                                        replayed=False)[:2]))
             except TraceError as err:
                 leave_out(name, [f"kept opaque by the tracer and not traceable: {err}"])
@@ -70,7 +72,7 @@ def _submodule_regions(model: nn.Module, example: tuple[tuple, dict],
                 visit(q, sub)
                 continue
             try:
-                regions.append(Region(q, *record(sub, q, *calls[q], sub.training, replayed=False)[:2]))
+                regions.append(Region(q, *record(sub, q, *without_objects(calls[q]), sub.training, replayed=False)[:2]))
             except TraceError as err:
                 failures.append(TraceFailure(q, err))
                 visit(q, sub)

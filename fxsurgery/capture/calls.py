@@ -9,8 +9,6 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from .call_signature import without_objects
-
 
 @contextmanager
 def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
@@ -69,11 +67,9 @@ def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[st
 
 
 def _recorder(seen: dict[str, tuple[tuple, dict]], name: str) -> Any:
-    """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with; an object
-    argument (a key/value cache, which no graph can take) is recorded as None."""
+    """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if name not in seen:
-            seen[name] = without_objects((args, kwargs))
+        seen.setdefault(name, (args, kwargs))
     hook.records_calls = True  # not a hook an installed graph must honour (``hooked_submodules``)
     return hook
 

@@ -26,6 +26,13 @@ from .selection import propose
 MIN_WIDTH = {"head": 0, "channel": 1}  # attention layers may lose every head, FFNs keep one channel
 
 
+def _next_forward(table: ScoreTable) -> Any:
+    """A forward pre-hook of the model that tells `table` a forward begins."""
+    def hook(module: nn.Module, args: tuple) -> None:
+        table.next_forward()
+    return hook
+
+
 class Controller:
     """Holds the score tables, schedule, cooldowns and event log of one wrapped model (see `barter.wrap`).
 
@@ -67,12 +74,15 @@ class Controller:
         self._install_taps()
 
     def _install_taps(self) -> None:
-        """Tap every group of the kinds with proposals ahead; the model then copies itself without the taps."""
+        """Tap every group of the kinds with proposals ahead, and tell their tables when a forward of the model
+        begins (a layer may be tapped at several places of one forward); the model then copies itself without
+        the taps."""
         for kind in KINDS:
             if self.step_count < self._schedule.last(kind):
                 table = self.tables[kind]
                 self._taps[kind] = [self.surgeon.tap(g, table.tap(i, self._loss_scale))
                                     for i, g in enumerate(self.layers[kind])]
+                self._taps[kind].append(self.model.register_forward_pre_hook(_next_forward(table)))
         if any(self._taps.values()):
             self.model.__dict__["__deepcopy__"] = self._copy_model
 

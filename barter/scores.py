@@ -2,8 +2,9 @@
 
 `unit_scores` turns one layer's activations and gradients into per-unit d and s in a few vectorised ops.
 `ScoreTable` keeps, for one unit kind, the fp32 EMAs D and S and the donor cooldowns flat over its layers.
-Each backward pass writes its per-unit (d, s) into one flat `pending` tensor of shape (2, n); `fold` then
-applies the EMA in one op.
+Each backward pass adds its per-unit (d, s) into one flat `pending` tensor of shape (2, n) (a layer whose
+units are used at several places of the forward, a projection shared by branches, adds each use); `fold` then
+applies the EMA in one op, at the next forward of the model (`next_forward`) or at the optimizer step.
 
 Under torch.distributed (world size > 1), `fold` first replaces `pending` by the scores of the global batch,
 with one all-reduce per fold: the sample-weighted mean over the ranks of their (d, s), divided by the world
@@ -85,7 +86,7 @@ class ScoreTable:
         graph, and a Python attribute set there would break it."""
         lo, hi = self._offsets[layer], self._offsets[layer + 1]
         scores = unit_scores(a, g)
-        self.pending[:, lo:hi] = scores if isinstance(scale, float) and scale == 1.0 else scores / scale
+        self.pending[:, lo:hi] += scores if isinstance(scale, float) and scale == 1.0 else scores / scale
         self.fresh.fill_(True)
 
     def fold(self) -> None:
@@ -101,13 +102,16 @@ class ScoreTable:
             self.fresh.fill_(False)
             self.armed = set()
 
+    def next_forward(self) -> None:
+        """A forward of the model begins: fold the scores of the backward before it (a forward after a backward
+        without an optimizer step: gradient accumulation)."""
+        if self.armed:
+            self.fold()
+
     def tap(self, layer: int, scale: LossScale | None = None) -> Callable[[Tensor], None]:
-        """Forward tap for `layer`: folds the previous backward's scores (when this layer's hook is still armed:
-        the first tap of a forward after a backward without an optimizer step), then hooks this one's gradient
-        (whose loss scale `scale()` gives, read when the gradient arrives)."""
+        """Forward tap for `layer`: hooks this use's gradient (whose loss scale `scale()` gives, read when the
+        gradient arrives)."""
         def fn(a: Tensor) -> None:
-            if layer in self.armed:
-                self.fold()
             if a.requires_grad and a.shape[-2]:
                 act = a.detach()
                 self.samples = a.shape[0]

@@ -89,10 +89,33 @@ def test_next_forward_folds_the_previous_backward():
     blk = TinyBlock()
     table = ScoreTable([6], beta=0.5)
     blk.taps["channel"] = table.tap(0)
+    blk.register_forward_pre_hook(lambda module, args: table.next_forward())  # as the controller does
     blk(torch.randn(2, 3, 8)).sum().backward()
     assert table.dirty and table.ema.abs().sum() == 0
     ref = torch.stack(reference(blk.kept["channel"], blk.kept["channel"].grad))
-    blk(torch.randn(2, 3, 8))  # the first tap of the next forward folds
+    blk(torch.randn(2, 3, 8))  # the next forward folds
+    torch.testing.assert_close(table.ema.double(), 0.5 * ref, rtol=1e-5, atol=1e-8)
+
+
+def test_a_layer_used_twice_in_a_forward_adds_both_uses():
+    """A projection shared by two branches (one FFN applied twice): each use's (d, s) adds to the layer's
+    scores, and the second use does not fold the first away."""
+    torch.manual_seed(2)
+    blk = TinyBlock()
+    table = ScoreTable([6], beta=0.5)
+    blk.taps["channel"] = table.tap(0)
+    uses = []
+
+    def twice(x):
+        y = blk(x)
+        uses.append(blk.kept["channel"])
+        z = blk(y)
+        uses.append(blk.kept["channel"])
+        return z
+
+    twice(torch.randn(2, 3, 8)).sum().backward()
+    table.fold()
+    ref = sum(torch.stack(reference(a, a.grad)) for a in uses)
     torch.testing.assert_close(table.ema.double(), 0.5 * ref, rtol=1e-5, atol=1e-8)
 
 

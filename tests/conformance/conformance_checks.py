@@ -174,9 +174,11 @@ def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps
         loss.backward()
         opt.step()
         ok &= bool(torch.isfinite(loss))
-    # every layer with units was scored (a zero-initialised classifier passes no gradient at the first step)
+    # every layer with units of a kind with transfers was scored (a zero-initialised classifier passes no gradient
+    # at the first step; a kind of one layer has no transfers, so nothing scores it)
     result.scores_ok = all(float(d.abs().sum()) > 0 and float(s.abs().sum()) > 0
-                           for kind in ("head", "channel") for d, s in ctl.scores(kind).values() if d.numel())
+                           for kind in ("head", "channel") if ctl.schedule[kind]
+                           for d, s in ctl.scores(kind).values() if d.numel())
     result.transfers = sum(e["skipped"] is None for e in ctl.events)
     result.train_ok = ok and result.transfers > 0
 

@@ -34,8 +34,9 @@ class Case(NamedTuple):
 
 
 def _flags(data: st.DataObject, *names: str) -> dict:
-    """Each flag left out, or passed as True or False."""
-    out = {}
+    """Each flag left out, or passed as True or False; and maybe an extra keyword argument the forward threads
+    down to its layers (the Trainer's ``num_items_in_batch``)."""
+    out = {"num_items_in_batch": torch.tensor(7)} if data.draw(st.booleans(), label="extra keyword") else {}
     for name in names:
         value = data.draw(st.sampled_from([None, True, False]), label=name)
         if value is not None:

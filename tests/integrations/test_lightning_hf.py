@@ -34,7 +34,7 @@ class SentenceClassifier(pl.LightningModule):
         torch.manual_seed(0)
         self.model = BertForSequenceClassification(BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=32, num_labels=2))
+            max_position_embeddings=32, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
         ids = torch.randint(2, VOCAB, (2, 8))
         self.example_input_array = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                     "labels": torch.tensor([0, 1])}
@@ -44,6 +44,12 @@ class SentenceClassifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         return self(**batch).loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self(**batch).loss)
+
+    def predict_step(self, batch, batch_idx):
+        return self(**batch).logits
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -91,3 +97,28 @@ def test_a_keyword_example_input_array_is_the_example_call():
     for kind in ("head", "channel"):
         assert sum(g.count for g in ctl.layers[kind]) == sum(ctl.initial[kind])
     assert sum(p.numel() for p in module.parameters()) < dense
+
+
+def test_validate_predict_and_resume(tmp_path):
+    """The compact BERT validates and predicts through the Lightning Trainer; a run resumed from the checkpoint
+    of its first epoch (padded batches, keyword calls) makes the same transfers and ends with the same weights."""
+    def fit(folder, ckpt_path=None):
+        barter_callback = BarterCallback(**QUICK_TRANSFERS)
+        saver = pl.callbacks.ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1)
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, callbacks=[barter_callback, saver])
+        module = SentenceClassifier()
+        trainer.fit(module, loader(), ckpt_path=ckpt_path)
+        return barter_callback, trainer, module
+
+    full, trainer, module = fit(tmp_path / "full")
+    assert any(e["skipped"] is None and e["step"] > 8 for e in full.controller.events)  # after the checkpoint
+    (metrics,) = trainer.validate(module, loader(), verbose=False)
+    assert torch.isfinite(torch.tensor(metrics["val_loss"]))
+    predictions = trainer.predict(module, loader())
+    assert len(predictions) == 8 and all(p.shape == (4, 2) for p in predictions)
+    checkpoint = next((tmp_path / "full").glob("epoch=0-*.ckpt"))
+    resumed, _, resumed_module = fit(tmp_path / "resumed", ckpt_path=str(checkpoint))
+    assert resumed.controller.events == full.controller.events
+    for a, b in zip(resumed_module.state_dict().values(), module.state_dict().values()):
+        torch.testing.assert_close(a, b)

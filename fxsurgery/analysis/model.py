@@ -115,7 +115,7 @@ class _Installer:
         self.findings.front_ends[host] = found.front_end
         for r in found.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        template = meta_template(module)  # before the host changes: other calls are captured from it
+        analysed_copy = meta_template(module)  # before the host changes: other calls are captured from it
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
         points = [add_tap_point(module, hg) for hg in found.groups]
@@ -137,7 +137,7 @@ class _Installer:
                 self.findings.groups.append(g)
                 served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                           tuple(hg.spec.members), group_slots, point))
-        forward.server = HostServer(template, host, inputs, served, self.recaptured)
+        forward.server = HostServer(analysed_copy, host, inputs, served, self.recaptured)
         if passes_objects:
             self.limit_to_own_forward(forward.server)
 
@@ -155,6 +155,7 @@ class _Installer:
                 g.min_count = 1
                 g.notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object "
                             f"(a key/value cache), {empty} with none",)
+
     def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
         module = join_path(host, common_module(spec.modules))
         base = f"{module or type(self.model).__name__}:{spec.kind}"

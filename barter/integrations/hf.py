@@ -10,14 +10,14 @@
     trainer.train(resume_from_checkpoint="out/checkpoint-8")
 
 Protocol. The Trainer builds its optimizer before the first callback event of `train`, so the callback wraps in
-`on_train_begin` and hands that optimizer to `barter.wrap`, which compacts its parameters in place (the same
-Parameter objects, so the optimizer's param groups and the lr scheduler keep working). `total_steps` defaults
-to the Trainer's `state.max_steps`. Transfers run from the optimizer's post-step hook (after every optimizer
-step; a step that AMP's GradScaler skipped is not counted). `on_save` writes the controller beside the weights
-(`barter.pt` in the checkpoint folder). The Trainer loads a checkpoint's weights before any callback event,
-so a resumed run names the checkpoint to the callback (`resume_from`): at the end of the Trainer's `__init__`
-(the model on its device) the callback wraps the model and restores the saved widths, then the compact weights
-and optimizer state fit.
+`on_train_begin` and hands that optimizer to `barter.wrap`, which compacts its parameters in place (the same Parameter
+objects, so the optimizer's param groups and the lr scheduler keep working). `total_steps` defaults to the Trainer's
+`state.max_steps`. Transfers run from the optimizer's post-step hook (after every optimizer step; a step that AMP's
+GradScaler skipped is not counted). `on_save` writes the controller beside the weights (`barter.pt` in the checkpoint
+folder, with the sha256 of the state, which resuming verifies). The Trainer loads a checkpoint's weights before any
+callback event, so a resumed run names the checkpoint to the callback (`resume_from`): at the end of the Trainer's
+`__init__` (the model on its device) the callback wraps the model and restores the saved widths, then the compact
+weights and optimizer state fit.
 
 Example call. fxsurgery analyses the model on a call made as training makes it, and the Trainer calls its model
 as `model(**batch)`. So without `example_inputs` or `example_kwargs` the callback takes the first batch of the
@@ -34,6 +34,7 @@ and keeps that same object valid across the transfers (`barter.ddp.follow_transf
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ..controller import Controller
 from ..ddp import follow_transfers, rebuild_reducer, world_size
+from ..serialization import ExportError, pack_state, unpack_state
 from ..wrapping import wrap
 
 STATE_FILE = "barter.pt"
@@ -92,7 +94,7 @@ class BarterCallback(TrainerCallback):
         path = os.path.join(self.resume_from, STATE_FILE)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} not found: {self.resume_from} is not a checkpoint of a BARTER run")
-        saved = torch.load(path, map_location="cpu", weights_only=True)
+        saved = read_state(path)
         if self._takes_a_batch:
             if saved.get("batch") is None:
                 raise ValueError(f"{path} holds no example batch and the Trainer has no dataloader yet: pass "
@@ -148,8 +150,24 @@ class BarterCallback(TrainerCallback):
         """Write the controller (and the example batch, for a resumed run) into the checkpoint folder just saved."""
         if state.is_world_process_zero:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            torch.save({"total_steps": self.total_steps, "controller": self.controller.state_dict(),
-                        "batch": self.example_batch}, os.path.join(folder, STATE_FILE))
+            torch.save(pack_state({"total_steps": self.total_steps, "controller": self.controller.state_dict(),
+                                   "batch": self.example_batch}), os.path.join(folder, STATE_FILE))
+
+
+def read_state(path: str) -> dict[str, Any]:
+    """The callback's state saved at `path` by `on_save`, its sha256 verified; an older barter's file, saved
+    without one, is read with a warning."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(saved, dict) and "controller" in saved:
+            warnings.warn(f"{path} was saved without a checksum (an older barter); it is read unverified",
+                          stacklevel=3)
+            return saved
+        return unpack_state(saved, path)
+    except ExportError:
+        raise
+    except Exception as e:  # torch.load raises many types for a damaged file
+        raise ExportError(f"{path} is damaged ({type(e).__name__}: {e})") from e
 
 
 def first_batch(loader: DataLoader, device: torch.device) -> dict[str, Any]:

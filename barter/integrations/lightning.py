@@ -4,17 +4,16 @@
     trainer = lightning.Trainer(max_epochs=10, callbacks=[BarterCallback(density=0.5, seed=0)])
     trainer.fit(model)                               # trainer.fit(model, ckpt_path=...) resumes
 
-Protocol. `barter.wrap` resizes parameters in place, so the model must be compact before the optimizer is
-built: the callback wraps in `setup("fit")`, which Lightning runs before `configure_optimizers` (and before
-it restores a checkpoint or wraps the model for DDP). `total_steps` defaults to the trainer's
-`estimated_stepping_batches`. When fitting starts the callback attaches the optimizer, so transfers run from
-its post-step hook (after every optimizer step, gradient accumulation and skipped AMP steps included). On resume the
-controller state is restored from the checkpoint in the module's `on_load_checkpoint` (which Lightning runs
-before it loads the weights), so the saved widths are back before the compact weights arrive. Under
-`strategy="ddp"` the strategy's DistributedDataParallel wrapper follows the transfers
-(`barter.ddp.follow_transfers`, as in `barter.DistributedModel`). `ddp_spawn` and `ddp_fork` are refused:
-they fit in child processes, and the launching process, whose model never became compact, then loads the
-compact weights of rank 0.
+Protocol. `barter.wrap` resizes parameters in place, so the model must be compact before the optimizer is built: the
+callback wraps in `setup("fit")`, which Lightning runs before `configure_optimizers` (and before it restores a
+checkpoint or wraps the model for DDP). `total_steps` defaults to the trainer's `estimated_stepping_batches`. When
+fitting starts the callback attaches the optimizer, so transfers run from its post-step hook (after every optimizer
+step, gradient accumulation and skipped AMP steps included). On resume the controller state (saved with its sha256,
+verified here) is restored from the checkpoint in the module's `on_load_checkpoint` (which Lightning runs before it
+loads the weights), so the saved widths are back before the compact weights arrive. Under `strategy="ddp"` the
+strategy's DistributedDataParallel wrapper follows the transfers (`barter.ddp.follow_transfers`, as in
+`barter.DistributedModel`). `ddp_spawn` and `ddp_fork` are refused: they fit in child processes, and the launching
+process, whose model never became compact, then loads the compact weights of rank 0.
 
 Example call. fxsurgery analyses the model on a call made as training makes it. Unless `example_inputs` or
 `example_kwargs` is given, that is the module's `example_input_array` passed as Lightning passes it to
@@ -24,6 +23,7 @@ for a submodule (`module`), whose call it does not describe, wrap falls back to 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..controller import Controller
 from ..ddp import follow_transfers
+from ..serialization import pack_state, unpack_state
 from ..wrapping import wrap
 
 
@@ -68,7 +69,7 @@ class BarterCallback(pl.Callback):
         original = pl_module.on_load_checkpoint
 
         def restore_widths_first(checkpoint: dict[str, Any]) -> None:
-            self._restore(checkpoint)
+            self._restore(checkpoint, source=f"{trainer.ckpt_path} ({self.state_key})")
             original(checkpoint)
 
         pl_module.on_load_checkpoint = restore_widths_first  # runs before Lightning loads the weights
@@ -80,11 +81,11 @@ class BarterCallback(pl.Callback):
             self._ddp_hook.remove()
             self._ddp_hook = None
 
-    def _restore(self, checkpoint: dict[str, Any]) -> None:
+    def _restore(self, checkpoint: dict[str, Any], source: str) -> None:
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
-        if saved is None or saved["controller"] is None:
+        if saved is None or saved.get("controller", saved.get("state")) is None:
             raise ValueError(f"the checkpoint holds no {self.state_key} state; it was not made with BARTER")
-        self.controller.load_state_dict(saved["controller"])
+        self.controller.load_state_dict(controller_state(saved, source))
         self._restored = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -95,12 +96,14 @@ class BarterCallback(pl.Callback):
             self._ddp_hook = follow_transfers(trainer.strategy.model, self.controller)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"controller": None if self.controller is None else self.controller.state_dict()}
+        """The controller's state serialised with its sha256 (`barter.serialization.pack_state`), which restoring
+        verifies."""
+        return {"controller": None} if self.controller is None else pack_state(self.controller.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning calls this after it loaded the weights; the controller was restored before them."""
         if not self._restored and self.controller is not None:
-            self.controller.load_state_dict(state_dict["controller"])
+            self.controller.load_state_dict(controller_state(state_dict, f"the checkpoint's {self.state_key} state"))
 
     @staticmethod
     def _example_call(pl_module: pl.LightningModule, target: nn.Module) -> dict[str, Any]:
@@ -113,3 +116,12 @@ class BarterCallback(pl.Callback):
         if isinstance(example, dict):
             return {"example_kwargs": example}
         return {"example_inputs": tuple(example) if isinstance(example, (tuple, list)) else (example,)}
+
+
+def controller_state(saved: dict[str, Any], source: str) -> dict[str, Any]:
+    """The controller state in the callback's checkpoint entry `saved`, its sha256 verified (ExportError naming
+    `source` when it is damaged); an older barter's entry, saved without one, is read with a warning."""
+    if "controller" in saved:
+        warnings.warn(f"{source} was saved without a checksum (an older barter); it is read unverified", stacklevel=3)
+        return saved["controller"]
+    return unpack_state(saved, source)

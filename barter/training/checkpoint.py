@@ -3,6 +3,8 @@ states, and the configuration checks of resuming and continuing."""
 from __future__ import annotations
 
 import random
+import shutil
+import warnings
 from dataclasses import asdict
 from typing import Any
 
@@ -10,6 +12,7 @@ import numpy as np
 import torch
 
 from ..serialization import export
+from . import processes
 from .config import TrainConfig
 from .recipe import WarmupCosine
 from .runlog import CheckpointError, RunDir, find_checkpoint, load_checkpoint
@@ -23,7 +26,7 @@ CONTINUATION_FIELDS = frozenset({"continue_from", "flop_budget"})
 def source_checkpoint(config: TrainConfig, run: RunDir, resume: bool) -> dict[str, Any] | None:
     """The checkpoint to start from: the run's own (resume), the endpoint to continue, or None."""
     if resume:
-        state = load_checkpoint(run.last)
+        state = resume_state(run)
         check_compatible(state["config"], config, RUNTIME_FIELDS)
     elif config.continue_from is not None:
         state = load_checkpoint(find_checkpoint(config.continue_from, "last"))
@@ -33,6 +36,44 @@ def source_checkpoint(config: TrainConfig, run: RunDir, resume: bool) -> dict[st
     else:
         return None
     return state
+
+
+def resume_state(run: RunDir) -> dict[str, Any]:
+    """The last checkpoint; when it is damaged or missing, the previous one, with a warning naming the damage
+    (the damaged one is removed, so that saving the next one keeps the good one as `previous`)."""
+    try:
+        return load_checkpoint(run.last)
+    except CheckpointError as damage:
+        if not run.previous.is_dir():
+            raise
+        try:
+            state = load_checkpoint(run.previous)
+        except CheckpointError as e:
+            raise CheckpointError(f"{damage}; the previous checkpoint is no better: {e}") from e
+        warnings.warn(f"{damage}; resuming from the previous checkpoint {run.previous} (epoch {state['epoch']:g}), "
+                      "the epochs after it are trained again", stacklevel=3)
+        if processes.is_main():
+            shutil.rmtree(run.last, ignore_errors=True)
+        return state
+
+
+def repair_run(session: Session, run: RunDir, state: dict[str, Any]) -> None:
+    """Make the run directory that of the checkpoint `state` a resumed run starts from, as a cut anywhere in
+    writing it may have left it: metrics.jsonl up to the checkpoint's epoch (its line from the checkpoint when the
+    cut came first), events and topology from the controller, and the best checkpoint when it is this one."""
+    run.truncate_metrics(session.epoch)
+    logged = run.metrics()
+    if state.get("record") is not None and (not logged or logged[-1]["epoch"] < session.epoch):
+        run.append_metrics(state["record"])
+    if session.controller is not None:
+        run.write_events(session.controller.events)
+        run.write_json("topology.json", session.controller.topology())
+    if session.best_epoch == session.epoch:
+        try:
+            load_checkpoint(run.best)
+        except CheckpointError as e:
+            warnings.warn(f"{e}; the best checkpoint is this epoch's: copied from {state['path']}", stacklevel=3)
+            run.copy_checkpoint(state["path"], run.best)
 
 
 def check_compatible(saved: dict[str, Any], config: TrainConfig, ignore: frozenset[str]) -> None:
@@ -66,12 +107,14 @@ def restore(session: Session, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint does not fit this run ({type(e).__name__}: {e})") from e
 
 
-def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: RunDir, improved: bool) -> None:
-    """Export the model (its EMA under `model_ema`) to the run's last checkpoint with the trainer state beside it
-    (`barter.training.runlog`), and copy it to the best one when it improved: `barter.load(run / "best")` gives
-    the selected model."""
+def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: RunDir, improved: bool, *,
+                     record: dict[str, Any]) -> None:
+    """Export the model (its EMA under `model_ema`) to the run's last checkpoint with the trainer state and the
+    epoch's metrics `record` beside it (`barter.training.runlog`), and copy it to the best one when it improved:
+    `barter.load(run / "best")` gives the selected model."""
     exported = session.model if session.ema is None else session.ema.module
-    run.save_checkpoint(run.last, exported, checkpoint_state(session, config), architecture=config.model,
+    state = {**checkpoint_state(session, config), "record": record}
+    run.save_checkpoint(exported, state, architecture=config.model,
                         model_kwargs=model_arguments(config, data),
                         example_inputs=example_batch(data, torch.device("cpu")))
     if improved:

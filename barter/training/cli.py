@@ -12,7 +12,6 @@ Under `torchrun --nproc_per_node=N -m barter train ...` the N processes train on
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from .data import DatasetNotFoundError
 from .flags import add_field_flags, field_values
 from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
 from .processes import is_main
-from .runlog import CheckpointError
+from .runlog import CheckpointError, RunDir
 
 OPTION_PREFIX = "barter_option_"  # namespace prefix of the barter.wrap option flags
 OPTION_HELP = {
@@ -142,7 +141,7 @@ def flop_budget_value(text: Any) -> Any:
         return float(text)
     except ValueError:
         pass
-    metrics = Path(text) / "metrics.jsonl"
-    if not metrics.is_file():
+    metrics = RunDir(text).metrics()
+    if not metrics:
         raise ConfigError(f"flop_budget: {text} is neither a number nor a run directory with metrics.jsonl")
-    return float(json.loads(metrics.read_text().splitlines()[-1])["flops"])
+    return float(metrics[-1]["flops"])

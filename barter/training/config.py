@@ -228,7 +228,17 @@ def read_run_config(run: str | Path) -> TrainConfig:
     path = Path(run) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{run} is not a run directory (no config.json)")
-    return TrainConfig.from_dict(json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is damaged (not valid JSON: {e}); the checkpoints hold the run's config "
+                          "under 'config' in trainer.pt") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is damaged (a {type(data).__name__}, not a mapping of TrainConfig fields)")
+    try:
+        return TrainConfig.from_dict(data)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path} is damaged ({e})") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

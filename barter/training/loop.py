@@ -18,7 +18,7 @@ from ..baselines import CompactExport
 from ..controller import Controller
 from . import processes
 from .batches import epoch_batches, granule, steps_per_epoch
-from .checkpoint import restore, save_checkpoints, save_compact, seed_all, source_checkpoint
+from .checkpoint import repair_run, restore, save_checkpoints, save_compact, seed_all, source_checkpoint
 from .config import ConfigError, TrainConfig
 from .evaluation import evaluate
 from .loading import batches_of
@@ -79,7 +79,7 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
         _start_continuation(session, config, batches_per_epoch)
     if processes.is_main():
         if resume:
-            run.truncate_metrics(session.epoch)
+            repair_run(session, run, source)
         run.write_json("config.json", config.to_dict())
     criterion = build_criterion(config.label_smoothing, data.mixup is not None)
     started = time.perf_counter() - session.wall_s
@@ -239,7 +239,7 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
     improved = selected > session.best_acc
     if improved:
         session.best_acc, session.best_epoch = selected, session.epoch
-    save_checkpoints(session, config, data, run, improved)
+    save_checkpoints(session, config, data, run, improved, record=record)
     if session.finished and isinstance(session.sparse, CompactExport):
         record["compact_parameters"] = save_compact(session, config, data, run)
     run.append_metrics(record)

@@ -14,6 +14,12 @@ the live model's and the EMA's whole states too). S²ViTE's `best/` and `last/` 
 (resuming needs the dead units' input weights); `compact/` is the best one with the dead units removed. Each is
 written atomically (a temporary directory, then renames); anything unreadable or incomplete raises `CheckpointError`
 with the path and the reason.
+
+Every checkpoint directory records its files with their sha256 in `manifest.json` (`barter.serialization`),
+written last; reading a checkpoint checks every file against it and names the one that fails. Saving the last
+checkpoint moves the one before it to `previous/`, kept until the new one is complete, so a run whose `last/`
+is damaged, or was cut while being replaced, resumes from `previous/` (`barter.training.checkpoint`). A
+metrics.jsonl whose last line a dying process left unfinished is read without it, and rewritten on resume.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..serialization import read_export, replace_directory, write_export
+from ..serialization import MANIFEST, ExportError, read_export, replace_directory, verify_files, write_export
 
 CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "flops")
 TRAINER_STATE = "trainer.pt"
@@ -40,7 +46,8 @@ PERCENT = ("acc", "top5", "ema_test_acc", "ema_test_top5")  # timm writes top-1/
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, lacks what training needs, or was made by another configuration."""
+    """A checkpoint (or run log) that cannot be read, lacks what training needs, or was made by another
+    configuration."""
 
 
 class RunDir:
@@ -54,6 +61,11 @@ class RunDir:
     @property
     def last(self) -> Path:
         return self.path / "last"
+
+    @property
+    def previous(self) -> Path:
+        """The last checkpoint before `last`, kept until the next one is complete."""
+        return self.path / "previous"
 
     @property
     def best(self) -> Path:
@@ -102,8 +114,21 @@ class RunDir:
         self._board.flush()
 
     def metrics(self) -> list[dict[str, Any]]:
+        """metrics.jsonl's records, without an unfinished last line (a process that died writing it)."""
         path = self.path / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        if not path.exists():
+            return []
+        text = path.read_text()
+        lines = text.splitlines()
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if number == len(lines) and not text.endswith("\n"):
+                    break
+                raise CheckpointError(f"{path} is damaged at line {number} ({e})") from None
+        return records
 
     def truncate_metrics(self, epoch: float) -> None:
         """Keep only the lines up to `epoch` (a resumed run rewrites what followed its checkpoint)."""
@@ -116,15 +141,15 @@ class RunDir:
         """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""
         _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
 
-    def save_checkpoint(self, path: Path, model: nn.Module, state: dict[str, Any], **export_options: Any) -> None:
-        """Make `path` an export of `model` (`export_options`: those of `barter.export`) with the trainer `state`
-        beside its weights."""
+    def save_checkpoint(self, model: nn.Module, state: dict[str, Any], **export_options: Any) -> None:
+        """Make `last` an export of `model` (`export_options`: those of `barter.export`) with the trainer `state`
+        beside its weights; the one it replaces becomes `previous`."""
 
         def fill(directory: Path) -> None:
             write_export(model, directory, **export_options)
             torch.save(state, directory / TRAINER_STATE)
 
-        replace_directory(path, fill)
+        replace_directory(self.last, fill, keep=self.previous)
 
     def copy_checkpoint(self, source: Path, target: Path) -> None:
         """Make `target` a copy of the checkpoint `source` (atomically, as `save_checkpoint` writes)."""
@@ -132,26 +157,34 @@ class RunDir:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint written by `RunDir.save_checkpoint`: the trainer state, with the weights (checksum
-    verified) under "model"."""
+    """Read a checkpoint written by `RunDir.save_checkpoint`, every file verified against its manifest: the
+    trainer state, with the weights under "model" and the directory under "path"."""
     path = Path(path)
-    if not (path / TRAINER_STATE).is_file():
+    if not _is_checkpoint(path):
         raise CheckpointError(f"no checkpoint at {path}")
     try:
+        verify_files(path)
         state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=True)
         _, weights = read_export(path)
-    except Exception as e:  # torch.load raises many types for a truncated or foreign file
+    except ExportError as e:
+        raise CheckpointError(f"cannot read checkpoint {path} ({e})") from e
+    except Exception as e:  # torch.load raises many types for a foreign file
         raise CheckpointError(f"cannot read checkpoint {path} ({type(e).__name__}: {e})") from e
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
         raise CheckpointError(f"{path} is not a barter training checkpoint (missing: {', '.join(missing)})")
-    return {**state, "model": weights}
+    return {**state, "model": weights, "path": path}
 
 
 def find_checkpoint(source: str | os.PathLike[str], kind: str = "last") -> Path:
     """`source` itself if it is a checkpoint directory, else `<source>/<kind>` (a run directory)."""
     source = Path(source)
-    return source if (source / TRAINER_STATE).is_file() else source / kind
+    return source if _is_checkpoint(source) else source / kind
+
+
+def _is_checkpoint(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory, however damaged (its trainer state or its manifest is there)."""
+    return (path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file()
 
 
 def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]

@@ -12,6 +12,7 @@ import torch
 
 import barter
 from barter import ExportError
+from barter.serialization import write_manifest
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,6 +136,7 @@ def test_export_without_keyword_inputs_still_loads(compact_vit, tmp_path):
     topology = read_topology(path)
     del topology["input_kwargs"]
     (path / "topology.json").write_text(json.dumps(topology))
+    write_manifest(path)  # a topology written so, not damaged
     x = torch.randn(4, 3, 32, 32)
     assert torch.allclose(logits(barter.load(path), x), logits(model, x), atol=1e-5)
 
@@ -145,6 +147,7 @@ def test_unknown_transformers_class_is_named(compact_vit, tmp_path, name):
     topology = read_topology(path)
     topology["architecture"] = f"transformers:{name}"
     (path / "topology.json").write_text(json.dumps(topology))
+    write_manifest(path)  # a topology written so, not damaged
     with pytest.raises(ExportError, match=f"transformers .* has no model class '{name}'"):
         barter.load(path)
 

@@ -11,6 +11,7 @@ import torch
 from interrupted import cut_and_resume
 
 import barter
+from barter.serialization import write_manifest
 from barter.training import PRESETS, ConfigError, TrainConfig, preset, train
 from barter.training.batches import epoch_batches, steps_per_epoch
 from barter.training.data import DatasetNotFoundError
@@ -142,9 +143,9 @@ def test_checkpoints_are_exports_that_barter_loads(tmp_path, method):
     trained model."""
     result = train(config(tmp_path, "vit", method=method, name="run"))
     board = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []  # event files, when installed
-    assert sorted(p.name for p in result.run_dir.iterdir() if p.is_dir()) == ["best", "last", *board]  # no staging
+    assert sorted(p.name for p in result.run_dir.iterdir() if p.is_dir()) == ["best", "last", "previous", *board]
     assert sorted(p.name for p in (result.run_dir / "last").iterdir()) == [
-        "model.pt2", "model.safetensors", "topology.json", "trainer.pt"]
+        "manifest.json", "model.pt2", "model.safetensors", "topology.json", "trainer.pt"]
     model = barter.load(result.run_dir / "last")
     weights = load_checkpoint(result.run_dir / "last")["model"]
     assert model.state_dict().keys() == weights.keys()
@@ -219,6 +220,7 @@ def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
     compact = shutil.copytree(source.run_dir / "best", tmp_path / "compact")
     trainer = torch.load(compact / "trainer.pt", weights_only=True)
     torch.save({**trainer, "controller": {"step": 0}}, compact / "trainer.pt")  # as a wrapped run's state has
+    write_manifest(compact)
     with pytest.raises(CheckpointError, match="dense"):
         train(replace(tuned, name="ft2", init_from=str(compact)))
 

@@ -147,10 +147,11 @@ def transformers_base(model: nn.Module) -> tuple[str, dict[str, Any]] | None:
 
 
 def timm_with_models():
-    """timm with the project's models registered (imported on first use)."""
+    """timm with the project's models (`barter.models`) registered: the one place that registers them, on first
+    use, so that `import barter` stays light."""
     import timm
 
-    import models  # noqa: F401  (registers the project's models with timm)
+    from . import models  # noqa: F401  (registers the project's models with timm)
 
     return timm
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from barter.training.batches import steps_per_epoch
 from barter.training.checkpoint import seed_all
-from barter.training.loop import _train_epoch
+from barter.training.loop import train_epoch
 from barter.training.presets import DEFAULT_PRESET, preset
 from barter.training.recipe import build_criterion, build_optimizer
 from barter.training.session import build_data, build_session, resolve_device
@@ -67,7 +67,7 @@ def measure(config, device: torch.device) -> tuple[float, float, int]:
     pipeline = bare = 0.0
     for _ in range(config.epochs):
         started = time.perf_counter()
-        done, _, _ = _train_epoch(session, config, data, criterion, device, batches)
+        done, _, _ = train_epoch(session, config, data, criterion, device, batches)
         _sync(device)
         pipeline += time.perf_counter() - started
         session.epoch += done / batches

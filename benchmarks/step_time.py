@@ -57,16 +57,17 @@ from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-import timm
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter
-import models  # noqa: F401  (registers the models)
 from barter.baselines import METHODS as BASELINES
 from barter.baselines import SparseTraining, build_baseline, condensed_linear
 from barter.compiling import compile_model
+from barter.rebuild import timm_with_models
 from barter.training.flops import StepFlops, run_step
+
+timm = timm_with_models()
 
 MODELS = {"CCT-7/3x1": "cct_7_3x1_32", "ViT (paper)": "vit_paper_p8_64"}
 METHODS = ("dense", "static", "barter", "barter-after", *BASELINES)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..rebuild import timm_with_models
 from ..serialization import ExportError, export, load
 from .runlog import CheckpointError, find_checkpoint
 
@@ -45,14 +46,11 @@ def _add(sub: argparse._SubParsersAction, name: str, summary: str, example: str)
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    import timm
-
-    import models  # noqa: F401  (registers the project's models with timm)
     from fxsurgery import Surgeon
 
     kwargs = {key: value for key, value in (("img_size", args.img_size), ("in_chans", args.in_chans)) if value}
     try:
-        model = timm.create_model(args.model, pretrained=False, **kwargs)
+        model = timm_with_models().create_model(args.model, pretrained=False, **kwargs)
     except RuntimeError as e:
         raise CheckpointError(f"cannot build {args.model!r}: {e}") from e
     chans, *size = model.pretrained_cfg.get("input_size", (3, 224, 224))
@@ -102,8 +100,6 @@ def _run_and_checkpoint(source: str, kind: str) -> tuple[Path, Path]:
 
 
 def _load(checkpoint: Path, device: torch.device) -> torch.nn.Module:
-    import models  # noqa: F401  (the run's architecture may be one of the project's)
-
     try:
         return load(checkpoint, device=device)
     except ExportError as e:

@@ -12,13 +12,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import timm
-
-import models  # noqa: F401  (registers the project's models with timm)
-
 from ..baselines import METHODS as BASELINE_METHODS
 from ..baselines import baseline_options
 from ..options import Options
+from ..rebuild import timm_with_models
 from ..selection import METHODS as WRAP_METHODS
 from .data import DATASETS, RECIPES
 from .fieldtypes import FieldValueError, coerce
@@ -129,7 +126,7 @@ class TrainConfig:
             if unknown:
                 raise ConfigError(f"baseline_options: {self.method} has no option(s) {', '.join(unknown)} "
                                   f"(it takes {', '.join(baseline_options(self.method))})")
-        if self.model not in timm.list_models():
+        if self.model not in timm_with_models().list_models():
             raise ConfigError(f"unknown model {self.model!r} (not in timm's registry)")
         try:
             Options.from_kwargs(**self.barter_options)

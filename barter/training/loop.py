@@ -84,7 +84,7 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
     criterion = build_criterion(config.label_smoothing, data.mixup is not None)
     started = time.perf_counter() - session.wall_s
     while not session.finished:
-        done, loss, acc = _train_epoch(session, config, data, criterion, device, batches_per_epoch)
+        done, loss, acc = train_epoch(session, config, data, criterion, device, batches_per_epoch)
         session.epoch += done / batches_per_epoch
         out_of_budget = not _budget_allows(session, config.flop_budget)
         epochs_done = config.continue_from is None and session.epoch >= config.epochs
@@ -141,7 +141,7 @@ def _budget_allows(session: Session, budget: float | None) -> bool:
     return budget is None or session.meter.total_flops + (session.step_flops or 0) <= budget
 
 
-def _train_epoch(session: Session, config: TrainConfig, data: Data, criterion, device: torch.device,
+def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, device: torch.device,
                  batches_per_epoch: int) -> tuple[int, float, float]:
     """One epoch of optimizer steps (fewer if the FLOP budget runs out); returns how many ran, and the mean
     training loss and accuracy (against the unmixed labels).

@@ -4,18 +4,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import timm
 import torch
 from timm.utils import ModelEmaV3
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
-import models  # noqa: F401  (registers the project's models with timm)
-
 from ..baselines import SparseTraining, build_baseline
 from ..compiling import compile_model
 from ..controller import Controller
 from ..ddp import DistributedModel
+from ..rebuild import timm_with_models
 from ..wrapping import wrap
 from . import processes
 from .config import BASELINE_METHODS, WRAP_METHODS, ConfigError, TrainConfig
@@ -91,7 +89,7 @@ def build_data(config: TrainConfig) -> Data:
 def build_session(config: TrainConfig, data: Data, device: torch.device, total_steps: int, *,
                   pretrained: bool) -> Session:
     """Model (with `init_from` weights when `pretrained`), optimizer, and the method's wrapper."""
-    model = timm.create_model(config.model, **model_arguments(config, data)).to(device)
+    model = timm_with_models().create_model(config.model, **model_arguments(config, data)).to(device)
     if pretrained and config.init_from is not None:
         load_pretrained(model, config.init_from)
     optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,

@@ -10,7 +10,8 @@ import torch.nn as nn
 from ..capture.call_signature import holds_objects, without_objects
 from ..capture.calls import capture_inputs
 from ..capture.graph_forward import GraphForward
-from ..dataflow.grouping import GroupSpec, common_module
+from ..dataflow.grouping import GroupSpec
+from ..dataflow.paths import common_module
 from ..editing import Editor, bind_constants
 from ..errors import AnalysisError, TraceError
 from ..groups import GroupPlumbing, LeftOut, TapLayout, UnitGroup

@@ -11,7 +11,7 @@ from ..capture.call_signature import without_objects
 from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
-from ..dataflow.grouping import common_module
+from ..dataflow.paths import common_module
 from ..errors import AnalysisError, TraceError
 from .find import find_groups
 

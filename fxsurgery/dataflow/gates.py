@@ -7,15 +7,27 @@ grouped nor reported, and the user would not learn why it gives no units.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.fx
 
 from .ids import varies
+from .labeller import Labeller
+from .paths import module_of
+from .records import Records
 
-if TYPE_CHECKING:
-    from .grouping import _Builder
+
+class _Builder(Protocol):
+    """What the check reads of the grouping's builder (``grouping._Builder``), named here since the grouping
+    imports this module."""
+
+    lab: Labeller
+    rec: Records
+    unit_class: torch.Tensor  # per class id: whether the class holds units
+    head: torch.Tensor  # per class id: whether a query·key product contracts the class (heads)
+
+    def cls(self, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class Told(NamedTuple):
@@ -48,8 +60,6 @@ def silent_softmaxes(builder: _Builder, offered: torch.Tensor) -> list[Told]:
 
 def _producers(builder: _Builder, ids: torch.Tensor) -> list[str]:
     """Modules of the linear maps whose outputs the softmax reads (its own ids, not all of their classes)."""
-    from .grouping import module_of  # grouping imports this module
-
     raw = torch.unique(ids[ids >= 0])
     names = {sp.node for sp in builder.rec.spaces if ((raw >= sp.start) & (raw < sp.stop)).any()}
     return sorted({module_of(n) for n in builder.lab.module.graph.nodes if n.name in names})

@@ -8,7 +8,7 @@ Linear reads it (the output projection), and every count-dependent constant can 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -20,6 +20,7 @@ from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
+from .paths import common_module, module_of
 from .records import Act, Sink
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
@@ -87,28 +88,6 @@ class UnitAct(NamedTuple):
 
 def _at_output(reasons: list[str]) -> bool:
     return all(r.endswith(HEADS_AT_OUTPUT) for r in reasons)
-
-
-def common_module(paths: Sequence[str]) -> str:
-    """Deepest module that contains every path (dotted names)."""
-    parts = [p.split(".") if p else [] for p in paths]
-    if not parts:
-        return ""
-    out = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        out.append(level[0])
-    return ".".join(out)
-
-
-def module_of(node: torch.fx.Node) -> str:
-    if node.op in ("call_module",):
-        return node.target
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return list(stack.values())[-1][0]
-    return ""
 
 
 class _Builder:

@@ -9,7 +9,7 @@ is the table in ``fxsurgery.dataflow.rules``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.fx
@@ -18,8 +18,12 @@ from torch.fx.node import Node, map_arg
 from ..capture.calls import meta_state
 from .records import Act, Records
 
-if TYPE_CHECKING:
-    from .rule_table import RuleTable
+
+class Rules(Protocol):
+    """What the labeller asks of its op table (``rule_table.RuleTable``, whose rules take a ``Step`` of this
+    module): the label of each node's value."""
+
+    def label(self, s: Step) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Labeller(torch.fx.Interpreter):
     only, no arithmetic); values made from parameters and buffers alone (index tables, masks) are
     computed for real, since rules read them."""
 
-    def __init__(self, gm: torch.fx.GraphModule, rules: "RuleTable", rec: Records | None = None,
+    def __init__(self, gm: torch.fx.GraphModule, rules: Rules, rec: Records | None = None,
                  seeds: dict[str, Any] | None = None, meta: bool = True):
         super().__init__(gm, garbage_collect_values=True)
         self.rules = rules

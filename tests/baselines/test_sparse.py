@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import models  # noqa: F401  (registers the project's models)
 from barter.baselines import (
     DynamicSparse,
     build_sparse,
@@ -14,15 +13,14 @@ from barter.baselines import (
     erk_densities,
     layer_counts,
 )
-
-timm = pytest.importorskip("timm")
+from barter.rebuild import timm_with_models
 
 SHAPES = [(192, 64), (64, 64), (128, 64), (64, 128), (10, 64)]
 
 
 def build_model():
     torch.manual_seed(0)
-    return timm.create_model("cct_2_3x1_32_tiny")
+    return timm_with_models().create_model("cct_2_3x1_32_tiny")
 
 
 def batch(step):

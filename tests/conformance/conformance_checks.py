@@ -226,10 +226,9 @@ def skipped(path: Path) -> list[tuple[str, str]]:
 
 def timm_model(name: str, kw: dict, depth: int | None) -> nn.Module:
     """A timm model with 2 classes and no weights, at ``depth`` where the model takes it and ``kw`` sets none."""
-    import timm
+    from barter.rebuild import timm_with_models
 
-    import models  # noqa: F401  (registers the project's models with timm)
-
+    timm = timm_with_models()
     if depth:
         try:
             return timm.create_model(name, pretrained=False, num_classes=2, **{"depth": depth, **kw})

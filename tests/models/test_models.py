@@ -1,12 +1,13 @@
 """The project's timm models: registration, shapes, timm interface, fx-traceability, paper configurations."""
 
 import pytest
-import timm
 import torch
 from torch import nn
 
-import models  # noqa: F401  (registers the models in timm)
-from models.cct import CCT
+from barter.models.cct import CCT
+from barter.rebuild import timm_with_models
+
+timm = timm_with_models()
 
 TINY = [("cct_2_3x1_32_tiny", 32), ("vit_paper_p8_64_tiny", 64)]
 ALL = TINY + [("cct_7_3x1_32", 32), ("vit_paper_p8_64", 64)]

@@ -46,18 +46,18 @@ def pipeline_worker(rank, ports, out_dir):
         def refuse(*args, **kwargs):
             raise AssertionError("only rank 0 writes the run directory")
         RunDir.save_checkpoint = RunDir.append_metrics = RunDir.write_json = refuse
-    real_epoch = loop_module._train_epoch
+    real_epoch = loop_module.train_epoch
 
     def cut_at_second_epoch(session, *args):
         if session.epoch >= 1:
             raise KeyboardInterrupt
         return real_epoch(session, *args)
 
-    loop_module._train_epoch = cut_at_second_epoch
+    loop_module.train_epoch = cut_at_second_epoch
     os.environ["MASTER_PORT"] = str(ports[0])
     with pytest.raises(KeyboardInterrupt):
         train(pipeline_config(out_dir, "cut"))
-    loop_module._train_epoch = real_epoch
+    loop_module.train_epoch = real_epoch
     os.environ["MASTER_PORT"] = str(ports[1])
     result = train(pipeline_config(out_dir, "cut"), resume=True)
     (out_dir / f"result{rank}.json").write_text(json.dumps(asdict(result), default=str))

@@ -66,7 +66,7 @@ class GraphForward:
         self.analysed_in = {mode: call_signature(*analysed, mode) for mode in graphs}
         self.analysed = set(self.analysed_in.values())
         self.graphs: OrderedDict[tuple, torch.fx.Graph | None] = OrderedDict(
-            (call_signature(*analysed, mode), g) for mode, g in graphs.items())
+            (self.analysed_in[mode], g) for mode, g in graphs.items())
         self.served: dict[tuple, str] = {key: "analysed" for key in self.graphs}
         self.fns: dict[tuple, Callable[..., Any]] = {}
         self.compile()
@@ -85,12 +85,7 @@ class GraphForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values())):  # a symbolic trace runs through
             return self.fns[self.analysed_in[self.module.training]](self.module, *args, **kwargs)
-        hooked = hooked_submodules(self.inner)
-        key = call_signature(args, kwargs, self.module.training, hooked)
-        fn = self.fns.get(key)
-        if fn is None:
-            fn = self._serve(key, args, kwargs, self.module.training, hooked)
-        return fn(self.module, *args, **kwargs)
+        return self.fns[self._held(args, kwargs, self.module.training)](self.module, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -100,15 +95,18 @@ class GraphForward:
 
     def graph_for(self, args: tuple, kwargs: dict, training: bool) -> torch.fx.Graph | None:
         """The graph that serves this call in the given mode (None: the host's own forward serves it)."""
+        return self.graphs[self._held(args, kwargs, training)]
+
+    def _held(self, args: tuple, kwargs: dict, training: bool) -> tuple:
+        """The call's signature, served first if no graph (or own forward) is held for it."""
         hooked = hooked_submodules(self.inner)
         key = call_signature(args, kwargs, training, hooked)
         if key not in self.fns:
             self._serve(key, args, kwargs, training, hooked)
-        return self.graphs[key]
+        return key
 
     @torch.compiler.disable
-    def _serve(self, key: tuple, args: tuple, kwargs: dict, training: bool,
-               hooked: tuple[str, ...]) -> Callable[..., Any]:
+    def _serve(self, key: tuple, args: tuple, kwargs: dict, training: bool, hooked: tuple[str, ...]) -> None:
         """Get a graph for a call of a new signature from the server (in the call's mode)."""
         if self.server is None:
             raise TypeError(f"{type(self.module).__name__}: this call differs from the one its graph was "
@@ -119,7 +117,6 @@ class GraphForward:
             del self.graphs[oldest], self.fns[oldest], self.served[oldest]
         self.graphs[key], self.served[key] = graph, how
         self.fns[key] = self.server.own_forward() if graph is None else compile_graph(graph)
-        return self.fns[key]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -1,40 +1,48 @@
-"""What barter remembers of a model's first analysis, and the example inputs it analyses a timm model on."""
+"""What barter keeps on a model about its base (`model.barter_base`), and the example inputs it analyses a timm
+model on."""
 from __future__ import annotations
 
-import weakref
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fxsurgery import Surgeon, UnitGroup
+from fxsurgery import Analysis
+
+BASE_ATTRIBUTE = "barter_base"
 
 
-class UnitAnalysis(NamedTuple):
-    """The unit groups of a model as barter first analysed it, and the example call they were found with:
-    `model(*example_inputs, **example_kwargs)`."""
+class ModelBase(NamedTuple):
+    """What a model was built as, kept on it as `model.barter_base` (the way timm keeps `pretrained_cfg`): a plain
+    attribute that `copy.deepcopy` and pickling keep, set by `barter.wrap` and restored by `barter.load`.
 
-    groups: list[UnitGroup]
-    example_inputs: tuple
-    example_kwargs: dict[str, Any]
-
-
-# weak keys: the groups hold names, layouts and counts, not the model, so an entry dies with its model
-_ANALYSES: weakref.WeakKeyDictionary[nn.Module, UnitAnalysis] = weakref.WeakKeyDictionary()
-
-
-def record_analysis(surgeon: Surgeon) -> None:
-    """Remember `surgeon`'s groups for its model, so `barter.export` can tell the model's topology later.
-
-    The first analysis wins: it describes the model as built (every group at its maximum), which a later
-    analysis of the resized model cannot (a layer left with one head or none is no group there).
+    analysis: fxsurgery's analysis of the model as built (every group at its maximum count, found on its
+    example call), or None when `load` had nothing to resize. architecture, model_kwargs: what rebuilds it
+    (a timm name, or "transformers:<class>" and its config) when `load` built it, else None and {}. call: the
+    example call `load` read from the export's topology (shapes, dtypes and values), else None.
     """
-    _ANALYSES.setdefault(surgeon.model, UnitAnalysis(surgeon.groups, surgeon.example_inputs, surgeon.example_kwargs))
+
+    analysis: Analysis | None
+    architecture: str | None
+    model_kwargs: dict[str, Any]
+    call: dict[str, Any] | None
 
 
-def recorded_analysis(model: nn.Module) -> UnitAnalysis | None:
-    """The first analysis `barter.wrap` or `barter.load` made of `model`, or None for another model."""
-    return _ANALYSES.get(model)
+def model_base(model: nn.Module) -> ModelBase | None:
+    """The base barter recorded on `model`, or None for a model `wrap` and `load` never saw."""
+    base = model.__dict__.get(BASE_ATTRIBUTE)
+    return base if isinstance(base, ModelBase) else None
+
+
+def keep_base(model: nn.Module, base: ModelBase) -> None:
+    """Record `base` on `model` unless one is there: the first describes the model as built, which an analysis of
+    the resized model cannot (a layer left with one head or none is no group there)."""
+    if model_base(model) is None:
+        analysis = base.analysis
+        # without the install plan: the graphs it holds are of no use once installed, and would stay alive with
+        # the model
+        setattr(model, BASE_ATTRIBUTE, base._replace(analysis=analysis and dataclasses.replace(analysis, _plan=None)))
 
 
 def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor]:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxsurgery.compat import dynamo_config
+
 from .controller import Controller
 
 
@@ -28,6 +30,6 @@ def compile_model(model: nn.Module, controller: Controller | None = None, **opti
 
 def allow_recompiles(count: int) -> None:
     """Let dynamo compile one frame `count` more times than its defaults allow (never lowers a limit)."""
-    config = torch._dynamo.config
+    config = dynamo_config()
     config.recompile_limit = max(config.recompile_limit, count + 8)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, count + 256)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ def _next_forward(table: ScoreTable) -> Any:
 
 
 class Controller:
-    """Holds the score tables, schedule, cooldowns and event log of one wrapped model (see `barter.wrap`).
+    """Holds the score tables, schedule, cooldowns and event log of one wrapped model (see `barter.wrap`); a
+    `barter.method.TrainingMethod`.
 
     `layers[kind]` are the exact unit groups of that kind in model order; a layer index in selection is a
     position in that list. With `auto`, `step` runs from a post-step hook of the attached optimizer.
@@ -44,6 +46,8 @@ class Controller:
     non-finite scores are skipped and counted (`nonfinite_batches`); an optimizer step that did not run
     (GradScaler skips it on inf gradients) is not a step of the schedule.
     """
+
+    state_key = "controller"  # the entry of a training checkpoint that holds `state_dict()`
 
     def __init__(self, surgeon, layers: dict[str, list], schedule: Schedule, *, method: str, auto: bool,
                  options: Options, select_rng: torch.Generator, noise_rng: torch.Generator) -> None:
@@ -188,6 +192,14 @@ class Controller:
                 self._attempt(kind)
         self._drop_finished_taps()
 
+    def close(self) -> None:
+        """Stop following the optimizer and collecting scores: the step hook and the score taps go (the model
+        keeps its widths)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._remove_taps(KINDS)
+
     def _check_taps_ran(self) -> None:
         """After a training forward and backward (some tap ran), every tapped layer with units must have been
         tapped too: a layer whose tap never ran would keep zero scores and be chosen on ties, blind."""
@@ -224,11 +236,13 @@ class Controller:
 
     def _drop_finished_taps(self) -> None:
         """Stop collecting a kind's scores once its last proposal has run: no overhead afterwards."""
-        for kind in KINDS:
-            if self._taps[kind] and self.step_count >= self._schedule.last(kind):
-                for handle in self._taps[kind]:
-                    handle.remove()
-                self._taps[kind] = []
+        self._remove_taps([kind for kind in KINDS if self.step_count >= self._schedule.last(kind)])
+
+    def _remove_taps(self, kinds: Iterable[str]) -> None:
+        for kind in kinds:
+            for handle in self._taps[kind]:
+                handle.remove()
+            self._taps[kind] = []
         if not any(self._taps.values()):
             self.model.__dict__.pop("__deepcopy__", None)
 
@@ -238,6 +252,15 @@ class Controller:
         for g in self.surgeon.groups:
             out.setdefault(g.module, {})[g.kind] = g.count
         return out
+
+    def metrics(self) -> dict[str, Any]:
+        """What a training run logs of the controller each epoch: the backwards whose scores were not finite."""
+        return {"nonfinite_score_batches": self.nonfinite_batches}
+
+    def export(self, weights: dict[str, Tensor], state: dict[str, Any],
+               example_inputs: tuple | None = None) -> None:
+        """None: the model BARTER trains is compact already, so it ships as it is (`barter.export`)."""
+        return None
 
     def scores(self, kind: str) -> dict[str, tuple[Tensor, Tensor]]:
         """{group name: (D, S)} of `kind`, copies of the current running scores."""

@@ -5,6 +5,8 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from fxsurgery.compat import device_scale
+
 
 class Scaler(Protocol):
     """What the controller reads of a `torch.amp.GradScaler` (or anything shaped like one)."""
@@ -19,6 +21,5 @@ def current_scale(scaler: Scaler | Any | None) -> Tensor | float:
     1.0 without a scaler or with a disabled one."""
     if scaler is None or not scaler.is_enabled():
         return 1.0
-    read_async = getattr(scaler, "_get_scale_async", None)  # GradScaler's own sync-free reader
-    scale = read_async() if read_async is not None else None
+    scale = device_scale(scaler)
     return scale if scale is not None else float(scaler.get_scale())

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import warnings
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup
+from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse
 
-from .analysis import default_example_inputs, record_analysis, recorded_analysis
+from .analysis import ModelBase, default_example_inputs, keep_base, model_base
 from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base
 
 FORMAT = "barter-export"
@@ -42,10 +41,6 @@ TOPOLOGY = "topology.json"
 PROGRAM = "model.pt2"
 MANIFEST = "manifest.json"
 TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "groups", "parameters", "sha256")
-
-# models that `load` built from a recorded architecture -> (architecture, model_kwargs, example call record), for
-# their next export
-_BUILT_AS: weakref.WeakKeyDictionary[nn.Module, tuple[str, dict, dict]] = weakref.WeakKeyDictionary()
 
 
 class ExportError(ValueError):
@@ -61,8 +56,9 @@ def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tu
     The example call, recorded as its tensors' shapes and dtypes (`load` analyses zeros: zero token ids are valid
     ones), is `model(*example_inputs, **example_kwargs)` when either is given, else the one `barter.wrap` analysed
     `model` on or `barter.load` read with it, else a zero batch of a timm model's input size. The unit groups come from
-    `barter.wrap` or `barter.load` when one resized `model`; otherwise from analysing the base architecture (a
-    copy of `model` when none is known) on that call, with the kept counts read off `model`'s tensors; a model
+    `model.barter_base` when `barter.wrap` or `barter.load` made it (an attribute copies and pickles keep); otherwise
+    from analysing the base architecture (`model` itself when none is known: the analysis leaves it untouched) on
+    that call, with the kept counts read off `model`'s tensors; a model
     fxsurgery finds no groups in is exported as it is, with a warning. The base architecture is `architecture`
     with `model_kwargs` when given, else a transformers model's class with its config, else timm's
     `pretrained_cfg["architecture"]` with the constructor arguments read back off the model where they differ
@@ -84,17 +80,17 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     `model`, a freshly built base model, is resized in place (needed for architectures outside timm's
     registry and transformers); without it the recorded timm architecture, or transformers class from its
     config, is created (nothing downloaded). Every key and shape is checked before the model is resized, so an
-    error leaves `model`'s tensors as they were.
+    error leaves `model`'s tensors as they were. The model keeps its base (analysis, architecture, example call)
+    as `model.barter_base`, for its next export.
     """
     path = Path(path)
     topology, weights = read_export(path)
-    if model is None:
+    built = model is None
+    if built:
         if topology["architecture"] is None:
             raise ExportError(f"{path} records no base architecture; pass the freshly built model: "
                               "load(path, model=...)")
         model = _build(topology["architecture"], topology["model_kwargs"])
-        _BUILT_AS[model] = (topology["architecture"], topology["model_kwargs"],
-                            {"inputs": topology["inputs"], "input_kwargs": topology["input_kwargs"]})
     surgeon, plan = _resize_plan(model, topology, path)
     _check_fits(model, weights, plan, path / WEIGHTS)
     for group, count in plan:
@@ -104,8 +100,10 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     if len(dtypes) == 1:  # a model exported in half precision comes back in it
         model.to(dtypes.pop())
     model.load_state_dict(weights)
-    if surgeon is not None:
-        record_analysis(surgeon)
+    keep_base(model, ModelBase(None if surgeon is None else surgeon.analysis,
+                               architecture=topology["architecture"] if built else None,
+                               model_kwargs=topology["model_kwargs"] if built else {},
+                               call={"inputs": topology["inputs"], "input_kwargs": topology["input_kwargs"]}))
     return model.to(device)
 
 
@@ -292,40 +290,40 @@ def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs:
     tell (`barter.rebuild`)."""
     if architecture is not None:
         return architecture, dict(model_kwargs or {})
-    if model in _BUILT_AS:
-        architecture, built_kwargs, _ = _BUILT_AS[model]
-        return architecture, {**built_kwargs, **(model_kwargs or {})}
+    base = model_base(model)
+    if base is not None and base.architecture is not None:
+        return base.architecture, {**base.model_kwargs, **(model_kwargs or {})}
     hugging_face = transformers_base(model)
     if hugging_face is not None:
         architecture, config = hugging_face
         return architecture, {**config, **(model_kwargs or {})}
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
-    analysis = recorded_analysis(model)
-    read = {} if architecture is None else timm_arguments(model, architecture,
-                                                          None if analysis is None else analysis.groups)
+    groups = None if base is None or base.analysis is None else list(base.analysis.groups)
+    read = {} if architecture is None else timm_arguments(model, architecture, groups)
     return architecture, {**read, **(model_kwargs or {})}
 
 
 def _groups(model: nn.Module, example: tuple[tuple, dict[str, Any]] | None, architecture: str | None,
             kwargs: dict[str, Any]) -> tuple[list[UnitGroup], dict[str, Any]]:
-    """The unit groups of the model as built (see `record_analysis`), else of its base, and the record of the
-    example call (see `export`)."""
-    analysis = recorded_analysis(model)
+    """The unit groups of the model as built (its `barter_base`), else of its base, and the record of the example
+    call (see `export`)."""
+    base = model_base(model)
+    analysis = None if base is None else base.analysis
     if analysis is not None:
-        return analysis.groups, _call_record(*(example or (analysis.example_inputs, analysis.example_kwargs)))
+        return list(analysis.groups), _call_record(*(example or (analysis.example_inputs, analysis.example_kwargs)))
     if example is not None:
         call = _call_record(*example)
-    elif model in _BUILT_AS:
-        call = _BUILT_AS[model][2]
+    elif base is not None and base.call is not None:
+        call = base.call
     else:
         try:
             call = _call_record(default_example_inputs(model), {})
         except ValueError as e:
             raise ExportError(f"{e}; pass example_inputs= and/or example_kwargs=") from e
     with torch.random.fork_rng(devices=[]):  # building and analysing the base leaves the caller's RNG alone
-        base = copy.deepcopy(model) if architecture is None else _build(architecture, kwargs)
+        built = model if architecture is None else _build(architecture, kwargs)
         try:
-            return Surgeon(base, *_zero_call(base, call)).groups, call
+            return list(analyse(built, *_zero_call(built, call)).groups), call
         except (TraceError, AnalysisError) as e:
             warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
                           f"built): {e}", stacklevel=1)

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsurgery import Surgeon
+from fxsurgery import Surgeon, analyse
 
-from .analysis import default_example_inputs, record_analysis
+from .analysis import ModelBase, default_example_inputs, keep_base
 from .compact_init import compact
 from .controller import Controller
 from .loss_scale import Scaler
@@ -45,9 +45,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     opts = Options.from_kwargs(**options)
     if example_inputs is None and not example_kwargs:
         example_inputs = default_example_inputs(model)
-    surgeon = Surgeon(model, example_inputs=() if example_inputs is None else example_inputs,
-                      example_kwargs=example_kwargs)
-    record_analysis(surgeon)
+    analysis = analyse(model, () if example_inputs is None else example_inputs, example_kwargs)
+    keep_base(model, ModelBase(analysis, architecture=None, model_kwargs={}, call=None))
+    surgeon = Surgeon(model, analysis)
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}
     inexact = [g.name for g in surgeon.groups if not g.exact]
     if inexact:

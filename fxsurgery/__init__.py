@@ -2,8 +2,9 @@
 remove or clone units with parameters, graph constants and optimizer state kept consistent.
 
 Layout: ``capture`` turns a module into fx graphs; ``dataflow`` labels them and groups units;
-``analysis`` runs that over a whole model and installs the hosts; ``editing`` operates on groups;
-``Surgeon`` (``surgeon``) is the facade over all of it.
+``analysis`` runs that over a whole model (``analyse``: a read-only ``Analysis`` value, found on a copy) and
+installs the hosts; ``editing`` operates on groups; ``Surgeon`` (``surgeon``) installs an analysis and is the facade
+for every edit.
 
 Glossary (as the code uses the words):
 
@@ -26,10 +27,12 @@ Glossary (as the code uses the words):
 - *mix*: ids normalised or reduced together (softmax, layer norm, a sum): removing one unit changes
   the others, so the group is kept but not ``exact``.
 """
+from .analysis.value import Analysis, analyse
+from .dataflow.rules import register_rule
 from .errors import AnalysisError, OptimizerStateError, TraceError, UnservedCall
 from .groups import LeftOut, UnitGroup
 from .slicing import ParamSlice
 from .surgeon import Surgeon
 
-__all__ = ["Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError", "OptimizerStateError",
-           "UnservedCall"]
+__all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError",
+           "OptimizerStateError", "UnservedCall", "register_rule"]

@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch.nn as nn
 
+from .compat import ConvNd, NormBase
+
 
 def _sync_linear(mod: nn.Linear, pname: str) -> None:
     if pname == "weight":
@@ -17,11 +19,11 @@ def _sync_norm(mod: nn.LayerNorm | nn.RMSNorm, pname: str) -> None:
         mod.normalized_shape = tuple(mod.weight.shape[-len(mod.normalized_shape):])
 
 
-def _sync_batch_norm(mod: nn.modules.batchnorm._NormBase, pname: str) -> None:
+def _sync_batch_norm(mod: NormBase, pname: str) -> None:
     mod.num_features = getattr(mod, pname).shape[0]
 
 
-def _sync_conv(mod: nn.modules.conv._ConvNd, pname: str) -> None:
+def _sync_conv(mod: ConvNd, pname: str) -> None:
     """A depthwise convolution (one group per channel) stays depthwise; others keep their groups."""
     if pname == "weight":
         out, per_group = mod.weight.shape[:2]
@@ -41,8 +43,8 @@ def _sync_attention(mod: nn.MultiheadAttention, pname: str) -> None:
 _SIZE_SYNC: list[tuple[type | tuple[type, ...], Callable[[nn.Module, str], None]]] = [
     (nn.Linear, _sync_linear),
     ((nn.LayerNorm, nn.RMSNorm), _sync_norm),
-    (nn.modules.batchnorm._NormBase, _sync_batch_norm),
-    (nn.modules.conv._ConvNd, _sync_conv),
+    (NormBase, _sync_batch_norm),
+    (ConvNd, _sync_conv),
     (nn.MultiheadAttention, _sync_attention),
 ]
 

@@ -30,8 +30,13 @@ class ParamSlice:
         return v.reshape(s[: self.dim] + (s[self.dim] * s[self.dim + 1] * s[self.dim + 2],) + s[self.dim + 3:])
 
     def keep(self, t: torch.Tensor, count: int, index: torch.Tensor) -> torch.Tensor:
-        """Only the units in ``index``, in that order (no zero slots)."""
-        return self.flat(self.units(t, count).index_select(self.dim + 1, index.to(t.device)))
+        """Only the units in ``index``, in that order (no zero slots). An index of a few runs of consecutive units
+        (a removal keeps two) is copied run by run: a gather of single columns is many times slower."""
+        v = self.units(t, count)
+        runs = _runs(index)
+        if runs is None:
+            return self.flat(v.index_select(self.dim + 1, index.to(t.device)))
+        return self.flat(torch.cat([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1))
 
     def append(self, t: torch.Tensor, count: int, new: torch.Tensor) -> torch.Tensor:
         """``t`` with one more unit whose slice is ``new`` (shaped like one unit's slice)."""
@@ -39,6 +44,24 @@ class ParamSlice:
 
     def unit(self, t: torch.Tensor, count: int, i: int) -> torch.Tensor:
         return self.units(t, count).select(self.dim + 1, i)
+
+
+MAX_RUNS = 8  # more runs of consecutive units than this: one gather
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int]] | None:
+    """(start, size) of each run of consecutive units in a host-side ``index``, if it has at most ``MAX_RUNS``."""
+    if index.device.type != "cpu" or not index.numel():
+        return None
+    runs: list[tuple[int, int]] = []
+    for k in index.tolist():
+        if runs and runs[-1][0] + runs[-1][1] == k:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        elif len(runs) == MAX_RUNS:
+            return None
+        else:
+            runs.append((k, 1))
+    return runs
 
 
 def state_tensors(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> list[tuple[dict, str]]:
@@ -68,13 +91,13 @@ def clone_unit(t: torch.Tensor, sl: ParamSlice, count: int, parent: int, noise: 
         return sl.append(t, count, w)
     half = w / 2
     eps = noise if noise is not None else torch.zeros_like(half)
-    v = v.clone()
-    v.select(sl.dim + 1, parent).copy_(half + eps)
-    return sl.append(sl.flat(v), count, half - eps)
+    out = sl.append(t, count, half - eps)  # a new tensor: the parent's half is written into it
+    sl.unit(out, count + 1, parent).copy_(half + eps)
+    return out
 
 
 def clone_state(t: torch.Tensor, sl: ParamSlice, count: int, parent: int) -> torch.Tensor:
     """Optimizer state after a clone: the parent and the new unit start from zero."""
-    v = sl.units(t, count).clone()
-    v.select(sl.dim + 1, parent).zero_()
-    return sl.append(sl.flat(v), count, torch.zeros_like(v.select(sl.dim + 1, parent)))
+    out = sl.append(t, count, torch.zeros_like(sl.unit(t, count, parent)))  # a new tensor: the parent is zeroed in it
+    sl.unit(out, count + 1, parent).zero_()
+    return out

@@ -6,7 +6,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .analysis.model import analyse_model
+from .analysis.model import install_model
+from .analysis.value import Analysis, analyse, check_installed, structure, structure_difference
 from .capture.graph_forward import GraphForward
 from .editing import Editor
 from .groups import LeftOut, UnitGroup
@@ -15,21 +16,39 @@ from .slicing import state_tensors
 
 
 class Surgeon:
-    """Trace ``model`` called as ``model(*example_inputs, **example_kwargs)``, find its unit groups, and
-    operate on them in place.
+    """Install an analysis of ``model`` (``fxsurgery.analyse``) and operate on its unit groups in place:
+    ``Surgeon(model, analysis)``, or ``Surgeon(model, example_inputs, example_kwargs)`` to analyse and install
+    in one step.
 
     The model keeps its class, methods, parameter objects and ``state_dict`` keys; the modules that
-    host units get a rewritten forward. Every group is checked once on the live model at analysis:
-    a clone must leave the host's outputs unchanged and a removal must equal masking the unit."""
+    host units get a rewritten forward. Every group passed a self-check at analysis: a clone must leave the
+    host's outputs unchanged and a removal must equal masking the unit."""
 
-    def __init__(self, model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None):
-        if not example_inputs and not example_kwargs:
-            raise ValueError("Surgeon needs an example call of the model: example_inputs and/or example_kwargs")
+    def __init__(self, model: nn.Module, example_inputs: Analysis | Any = (),
+                 example_kwargs: dict[str, Any] | None = None):
+        if isinstance(example_inputs, Analysis):
+            if example_kwargs:
+                raise ValueError("pass an Analysis or an example call, not both: the analysis holds its call")
+            analysis = example_inputs
+        else:
+            analysis = analyse(model, example_inputs, example_kwargs)
+        now = structure(model)
+        if now != analysis.structure:
+            raise ValueError(f"the analysis is of another model than this {type(model).__name__}: "
+                             f"{structure_difference(analysis.structure, now)}")
+        if analysis._plan is None:  # unpickled or copied: analyse again and check it finds the same
+            fresh = analyse(model, analysis.example_inputs, analysis.example_kwargs)
+            if fresh != analysis:
+                raise ValueError(f"analysing this {type(model).__name__} again finds other groups than the analysis "
+                                 f"given: {[g.name for g in fresh.groups]} against {[g.name for g in analysis.groups]}")
+            analysis = fresh
         self.model = model
-        self.example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        self.example_kwargs = dict(example_kwargs or {})
+        self.analysis = analysis
+        self.example_inputs = analysis.example_inputs
+        self.example_kwargs = analysis.example_kwargs
         self._editor = Editor(model)
-        found = analyse_model(model, (self.example_inputs, self.example_kwargs), self._editor)
+        found = install_model(model, analysis._plan, self._editor)
+        check_installed(analysis, found.groups)
         self.groups: list[UnitGroup] = found.groups
         self.left_out: list[LeftOut] = found.left_out
         self._front_ends = found.front_ends

@@ -1,12 +1,10 @@
 """The weights the unstructured baselines sparsify (those BARTER compacts), and `build_sparse` for RigL / SET."""
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
-from fxsurgery import Surgeon
+from fxsurgery import analyse
 
 from ..analysis import default_example_inputs
 from .density import layer_counts
@@ -17,13 +15,12 @@ def sparse_weight_names(model: nn.Module, example_inputs: tuple | None = None) -
     """The 2-D `.weight` parameters of the exact head and FFN-channel groups fxsurgery finds, in model order.
 
     These are each block's attention input/output projections and FFN fc1/fc2: the weights `barter.wrap`
-    compacts. The analysis runs on a copy, so `model` keeps its own forward.
+    compacts. The analysis leaves `model` untouched: it keeps its own forward.
     """
-    probe = copy.deepcopy(model)
-    surgeon = Surgeon(probe, tuple(example_inputs or default_example_inputs(probe)))
+    analysis = analyse(model, tuple(example_inputs or default_example_inputs(model)))
     params = dict(model.named_parameters())
     names: list[str] = []
-    for g in surgeon.groups:
+    for g in analysis.groups:
         for s in g.slices if g.exact else ():
             if s.name.endswith(".weight") and params[s.name].dim() == 2 and s.name not in names:
                 names.append(s.name)

@@ -1,7 +1,7 @@
 """Masked dynamic sparse training (RigL, SET) of a chosen set of weights, driven by optimizer hooks.
 
-Protocol: `build_sparse` registers a pre-step hook on the optimizer; the trainer calls `sp.step()` right after
-every `optimizer.step()`.
+Protocol (`barter.baselines.scheduled`): `build_sparse` registers a pre-step hook on the optimizer; the trainer
+calls `sp.step()` right after every `optimizer.step()`.
 
 * Ordinary step: the pre-step hook multiplies the sparse weights' gradients by their masks (the optimizer sees
   the gradient of the masked weight, as in the official implementations, so inactive moments stay zero);
@@ -27,46 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fxsurgery.compat import foreach_mul_
+
+from .scheduled import SparseTraining
 from .update import cosine_drop_fraction, drop_and_grow
 
 
-class ScheduledUpdates:
-    """The step protocol of the mask-based baselines: ``sp.step()`` right after every ``optimizer.step()``
-    counts it and, on an update step (scores taken by the optimizer's pre-step hook), updates the masks by
-    ``drop_fraction(step)``; then the masks are applied. Subclasses define ``_update`` and ``apply_masks``."""
-
-    step_count: int
-    _pending: bool
-    _grow_scores: Any
-
-    @torch.no_grad()
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The optimizer's pre-step hook: on an update step take the scores and drop every gradient (the update
-        replaces the optimizer step); otherwise the optimizer sees the masked gradients."""
-        if self._pending:
-            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
-        self._pending = True
-        if self.is_update_step(self.step_count + 1):
-            self._grow_scores = self._scores()
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-        else:
-            self._mask_gradients()
-
-    def step(self) -> None:
-        """Count the optimizer step just taken; on an update step drop and grow; then zero inactive weights."""
-        if not self._pending:
-            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
-        self._pending = False
-        self.step_count += 1
-        if self._grow_scores is not None:
-            self._update(self._grow_scores, self.drop_fraction(self.step_count))
-            self._grow_scores = None
-        self.apply_masks()
-
-
-class DynamicSparse(ScheduledUpdates):
+class DynamicSparse(SparseTraining):
     """Masks of the sparse weights, the update schedule, and the drop/grow rule of `method` ("rigl" or "set").
 
     `masks[name]` is a float tensor (1 active, 0 inactive) shaped like the weight; `counts[name]` its active
@@ -80,20 +47,14 @@ class DynamicSparse(ScheduledUpdates):
                  generator: torch.Generator) -> None:
         if method not in self.methods:
             raise ValueError(f"unknown method {method!r} for {type(self).__name__}; expected one of {self.methods}")
+        super().__init__(optimizer, update_interval=update_interval, end_step=int(end_fraction * total_steps),
+                         generator=generator)
         self.method = method
         self.weights = weights
         self.counts = counts
-        self.optimizer = optimizer
-        self.update_interval = update_interval
-        self.end_step = int(end_fraction * total_steps)
         self.alpha = drop_fraction
-        self.generator = generator
-        self.step_count = 0
         self.masks = {name: self._random_mask(w, counts[name]) for name, w in weights.items()}
-        self._pending = False
-        self._grow_scores: dict[str, Tensor] | None = None
         self.apply_masks()
-        optimizer.register_step_pre_hook(self._before_step)
 
     def _random_mask(self, weight: Tensor, count: int) -> Tensor:
         """A uniformly random mask with exactly `count` active positions."""
@@ -101,10 +62,6 @@ class DynamicSparse(ScheduledUpdates):
         mask = torch.zeros(weight.numel(), dtype=weight.dtype)
         mask[keep] = 1
         return mask.view_as(weight).to(weight.device)
-
-    def is_update_step(self, step: int) -> bool:
-        """Whether 1-based optimizer step `step` is a mask update (every update_interval steps before end_step)."""
-        return step % self.update_interval == 0 and step < self.end_step
 
     def drop_fraction(self, step: int) -> float:
         """The fraction of each layer's active weights dropped at update step `step` (cosine decay)."""
@@ -115,19 +72,19 @@ class DynamicSparse(ScheduledUpdates):
         """Active fraction of the sparse weights."""
         return sum(self.counts.values()) / sum(w.numel() for w in self.weights.values())
 
-    def metrics(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """What a training run logs of the driver each epoch: the active fraction of the sparse weights."""
         return {"density": self.density}
 
     @torch.no_grad()
     def apply_masks(self) -> None:
         """Zero the inactive weights."""
-        torch._foreach_mul_(list(self.weights.values()), list(self.masks.values()))
+        foreach_mul_(list(self.weights.values()), list(self.masks.values()))
 
     def _mask_gradients(self) -> None:
         pairs = [(w.grad, self.masks[n]) for n, w in self.weights.items() if w.grad is not None]
         if pairs:
-            torch._foreach_mul_(*map(list, zip(*pairs)))
+            foreach_mul_(*map(list, zip(*pairs)))
 
     def _scores(self) -> dict[str, Tensor]:
         """Growth scores: |dense gradient| (RigL) or uniform random numbers (SET)."""

@@ -1,4 +1,4 @@
-"""The baselines by name: `build_baseline(method, model, optimizer, ...)`, and the protocol every driver follows.
+"""The baselines by name: `build_baseline(method, model, optimizer, ...)` gives a driver (`SparseTraining`).
 
     sp = build_baseline("srigl", model, optimizer, density=0.3, total_steps=T, seed=0)
     ... loss.backward(); optimizer.step(); sp.step()
@@ -8,44 +8,16 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .build import build_sparse
 from .s2vite import build_s2vite
+from .scheduled import SparseTraining
 from .snfs import build_snfs
 from .srigl import build_srigl
-
-
-class SparseTraining(Protocol):
-    """What training reads of a baseline's driver: `step()` right after every `optimizer.step()`, the schedule,
-    the masks, a summary for the run's metrics, and a state to resume from."""
-
-    step_count: int
-    masks: dict[str, Tensor]
-
-    @property
-    def density(self) -> float: ...
-
-    def step(self) -> None: ...
-
-    def is_update_step(self, step: int) -> bool: ...
-
-    def metrics(self) -> dict[str, Any]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None: ...
-
-
-@runtime_checkable
-class CompactExport(Protocol):
-    """A driver whose masks remove whole units, so the trained model has a physically smaller equivalent."""
-
-    def export_compact(self, example_inputs: tuple | None = None) -> nn.Module: ...
-
 
 BUILDERS: dict[str, Callable[..., SparseTraining]] = {
     "rigl": partial(build_sparse, method="rigl"),

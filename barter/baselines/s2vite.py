@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import Surgeon, UnitGroup
+from fxsurgery import Surgeon, UnitGroup, analyse
+from fxsurgery.compat import foreach_mul_
 
 from ..analysis import default_example_inputs
-from .dynamic import ScheduledUpdates
+from .scheduled import SparseTraining
 from .snfs import cosine_prune_rate
 
 
@@ -30,7 +31,7 @@ def unit_reduce(group: UnitGroup, tensors: dict[str, Tensor], fn: Any) -> Tensor
     return total
 
 
-class StructuredSparse(ScheduledUpdates):
+class StructuredSparse(SparseTraining):
     """Unit masks over fxsurgery's exact head and channel groups, with S²ViTE's prune-and-grow of units.
 
     A dead unit's output slices (the output projection's columns, `ParamSlice.output`) are zero, which removes
@@ -68,24 +69,18 @@ class StructuredSparse(ScheduledUpdates):
     def __init__(self, model: nn.Module, groups: list[UnitGroup], optimizer: torch.optim.Optimizer, *,
                  live: dict[str, int], total_steps: int, update_interval: int, end_fraction: float,
                  death_rate: float, min_death_rate: float, generator: torch.Generator) -> None:
+        super().__init__(optimizer, update_interval=update_interval, end_step=int(end_fraction * total_steps),
+                         generator=generator)
         self.model = model
         self.groups = {g.name: g for g in groups}
-        self.optimizer = optimizer
         self.tensors = dict(model.named_parameters())
         self.live = dict(live)
         self.total_steps = total_steps
-        self.update_interval = update_interval
-        self.end_step = int(end_fraction * total_steps)
         self.death_rate = death_rate
         self.min_death_rate = min_death_rate
-        self.generator = generator
-        self.step_count = 0
         self.unit_masks = {name: self._random_units(g.count, live[name]) for name, g in self.groups.items()}
-        self._pending = False
-        self._grow_scores: dict[str, tuple[Tensor, Tensor]] | None = None
         self._refresh_masks()
         self.apply_masks()
-        optimizer.register_step_pre_hook(self._before_step)
 
     def _random_units(self, count: int, live: int) -> Tensor:
         mask = torch.zeros(count, dtype=torch.bool)
@@ -106,10 +101,6 @@ class StructuredSparse(ScheduledUpdates):
                     view.select(sl.dim + 1, i).zero_()
                 self.masks[sl.name] = mask
 
-    def is_update_step(self, step: int) -> bool:
-        """Whether 1-based optimizer step `step` is a unit update."""
-        return step % self.update_interval == 0 and step < self.end_step
-
     def drop_fraction(self, step: int) -> float:
         """The fraction of each group's live units dropped at update step `step`."""
         return cosine_prune_rate(step, self.death_rate, self.min_death_rate, self.total_steps)
@@ -119,14 +110,14 @@ class StructuredSparse(ScheduledUpdates):
         """Live fraction of the units of all groups."""
         return sum(self.live.values()) / sum(g.count for g in self.groups.values())
 
-    def metrics(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """What a training run logs of the driver each epoch: the live fraction of the units."""
         return {"density": self.density}
 
     @torch.no_grad()
     def apply_masks(self) -> None:
         """Zero the output slices of dead units."""
-        torch._foreach_mul_([self.tensors[n] for n in self.masks], list(self.masks.values()))
+        foreach_mul_([self.tensors[n] for n in self.masks], list(self.masks.values()))
 
     def _scores(self) -> dict[str, tuple[Tensor, Tensor]]:
         return {name: self._unit_scores(g) for name, g in self.groups.items()}
@@ -170,6 +161,15 @@ class StructuredSparse(ScheduledUpdates):
         """A copy of the model with the dead units removed (physically smaller, same outputs)."""
         return export_compact(self.model, self.active_units(), example_inputs)
 
+    def export(self, weights: dict[str, Tensor], state: dict[str, Any],
+               example_inputs: tuple | None = None) -> nn.Module:
+        """The model at `weights` with the units that `state` (a `state_dict()`) leaves dead removed; the live
+        model and its masks stay as they are."""
+        selected = copy.deepcopy(self.model)
+        selected.load_state_dict(weights)
+        active = {name: mask.nonzero().flatten().tolist() for name, mask in state["unit_masks"].items()}
+        return export_compact(selected, active, example_inputs)
+
     def state_dict(self) -> dict[str, Any]:
         """Step count, unit masks and RNG state."""
         return {"method": "s2vite", "step": self.step_count, "rng": self.generator.get_state(),
@@ -211,10 +211,9 @@ def export_compact(model: nn.Module, active: dict[str, list[int]], example_input
 
 
 def unit_groups(model: nn.Module, example_inputs: tuple | None = None) -> list[UnitGroup]:
-    """fxsurgery's exact head and channel groups of `model` (analysed on a copy; the names refer to `model`)."""
-    probe = copy.deepcopy(model)
-    surgeon = Surgeon(probe, tuple(example_inputs or default_example_inputs(probe)))
-    return [g for g in surgeon.groups if g.exact and g.kind in ("head", "channel")]
+    """fxsurgery's exact head and channel groups of `model` (the analysis leaves `model` untouched)."""
+    analysis = analyse(model, tuple(example_inputs or default_example_inputs(model)))
+    return [g for g in analysis.groups if g.exact and g.kind in ("head", "channel")]
 
 
 def build_s2vite(model: nn.Module, optimizer: torch.optim.Optimizer, *, density: float = 0.5, total_steps: int,

@@ -112,29 +112,17 @@ class SparseMomentum(DynamicSparse):
     def drop_fraction(self, step: int) -> float:
         return self.prune_rate(step)
 
-    def metrics(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """The overall density and each layer's, which the momentum redistribution moves."""
-        return {**super().metrics(),
+        return {**super().summary(),
                 "layer_density": {n: self.counts[n] / w.numel() for n, w in self.weights.items()}}
 
-    @torch.no_grad()
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._pending:
-            raise RuntimeError("call sp.step() after every optimizer.step() of a sparse model")
-        self._pending = True
-
-    def step(self) -> None:
-        """Count the optimizer step just taken; on an update step prune and regrow; then zero inactive weights."""
-        if not self._pending:
-            raise RuntimeError("sp.step() must follow an optimizer.step() (the optimizer's pre-step hook did not run)")
-        self._pending = False
-        self.step_count += 1
-        if self.is_update_step(self.step_count):
-            self._update(self.prune_rate(self.step_count))
-        self.apply_masks()
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *, update: bool) -> None:
+        """Nothing: the optimizer sees the dense gradients and steps on update steps too."""
 
     @torch.no_grad()
-    def _update(self, rate: float) -> None:
+    def _update(self, scores: None, rate: float) -> None:
+        """Prune by magnitude at `rate`, regrow by momentum (the pre-step hook takes no scores)."""
         names = list(self.weights)
         momenta = {n: optimizer_momentum(self.optimizer, self.weights[n]).abs() for n in names}
         shares = momentum_shares({n: momenta[n][self.masks[n].bool()] for n in names})

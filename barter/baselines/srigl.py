@@ -159,9 +159,9 @@ class ConstantFanInSparse(DynamicSparse):
         """The fraction of each layer's output neurons that are ablated (no active input)."""
         return {n: float((m.sum(1) == 0).float().mean()) for n, m in self.masks.items()}
 
-    def metrics(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """The overall density and each layer's fraction of ablated output neurons."""
-        return {**super().metrics(), "ablated_fraction": self.ablated_fraction()}
+        return {**super().summary(), "ablated_fraction": self.ablated_fraction()}
 
     def fan_in(self) -> dict[str, int]:
         """Each layer's constant fan-in (active inputs of every neuron that is not ablated)."""

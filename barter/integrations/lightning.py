@@ -27,7 +27,6 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -37,6 +36,7 @@ from ..controller import Controller
 from ..ddp import follow_transfers
 from ..serialization import pack_state, unpack_state
 from ..wrapping import wrap
+from .lightning_compat import fits_in_child_processes
 
 
 class BarterCallback(pl.Callback):
@@ -55,7 +55,7 @@ class BarterCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.controller is not None:
             return
-        if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+        if fits_in_child_processes(trainer):
             raise RuntimeError("BarterCallback cannot fit in processes the Trainer spawns or forks (ddp_spawn, "
                                "ddp_fork): the launching process would load the compact weights into its "
                                "full-width model; use strategy='ddp' (one process per device, as torchrun starts)")

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..method import TrainingMethod
 from ..serialization import export
 from . import processes
 from .config import TrainConfig
@@ -60,20 +61,26 @@ def resume_state(run: RunDir) -> dict[str, Any]:
 def repair_run(session: Session, run: RunDir, state: dict[str, Any]) -> None:
     """Make the run directory that of the checkpoint `state` a resumed run starts from, as a cut anywhere in
     writing it may have left it: metrics.jsonl up to the checkpoint's epoch (its line from the checkpoint when the
-    cut came first), events and topology from the controller, and the best checkpoint when it is this one."""
+    cut came first), the method's events and topology, and the best checkpoint when it is this one."""
     run.truncate_metrics(session.epoch)
     logged = run.metrics()
     if state.get("record") is not None and (not logged or logged[-1]["epoch"] < session.epoch):
         run.append_metrics(state["record"])
-    if session.controller is not None:
-        run.write_events(session.controller.events)
-        run.write_json("topology.json", session.controller.topology())
+    write_width_log(session.method, run)
     if session.best_epoch == session.epoch:
         try:
             load_checkpoint(run.best)
         except CheckpointError as e:
             warnings.warn(f"{e}; the best checkpoint is this epoch's: copied from {state['path']}", stacklevel=3)
             run.copy_checkpoint(state["path"], run.best)
+
+
+def write_width_log(method: TrainingMethod, run: RunDir) -> None:
+    """events.jsonl and topology.json of a method that changes the model's widths (BARTER); nothing otherwise."""
+    topology = method.topology()
+    if topology is not None:
+        run.write_events(method.events)
+        run.write_json("topology.json", topology)
 
 
 def check_compatible(saved: dict[str, Any], config: TrainConfig, ignore: frozenset[str]) -> None:
@@ -86,16 +93,13 @@ def check_compatible(saved: dict[str, Any], config: TrainConfig, ignore: frozens
 
 
 def restore(session: Session, state: dict[str, Any]) -> None:
-    """Load a checkpoint into a freshly built session (controller first: it restores the saved widths)."""
+    """Load a checkpoint into a freshly built session (the method first: BARTER restores the saved widths)."""
     try:
-        if session.controller is not None:
-            session.controller.load_state_dict(state["controller"])
+        session.method.load_state_dict(state[session.method.state_key])
         session.model.load_state_dict(state["model"] if session.ema is None else state["live_model"])
         if session.ema is not None:
             session.ema.load_state_dict(state["model_ema"])
         session.optimizer.load_state_dict(state["optimizer"])
-        if session.sparse is not None:
-            session.sparse.load_state_dict(state["sparse"])
         session.meter.load_state_dict(state["flops"])
         session.precision.load_state_dict(state.get("scaler", {}))
         session.schedule = WarmupCosine(**state["schedule"])
@@ -121,29 +125,28 @@ def save_checkpoints(session: Session, config: TrainConfig, data: Data, run: Run
         run.copy_checkpoint(run.last, run.best)
 
 
-def save_compact(session: Session, config: TrainConfig, data: Data, run: RunDir) -> int:
-    """Export the selected model (the best checkpoint) with its dead units removed to `run.compact`, so that
-    `barter.load(run / "compact")` gives it as it gives BARTER's checkpoints; return its parameter count. The
-    session ends holding the best checkpoint's weights and masks."""
+def save_compact(session: Session, config: TrainConfig, data: Data, run: RunDir) -> int | None:
+    """Export the selected model (the best checkpoint) to `run.compact` when its method ships a smaller model than
+    it trains (S²ViTE removes its dead units), so that `barter.load(run / "compact")` gives it as it gives BARTER's
+    checkpoints; return its parameter count, or None when there is nothing smaller to write."""
     best = load_checkpoint(run.best)
-    session.model.load_state_dict(best["model"])
-    session.sparse.load_state_dict(best["sparse"])
     device = next(session.model.parameters()).device
-    compact = session.sparse.export_compact(example_batch(data, device))
+    compact = session.method.export(best["model"], best[session.method.state_key], example_batch(data, device))
+    if compact is None:
+        return None
     export(compact, run.compact, example_inputs=example_batch(data, torch.device("cpu")), architecture=config.model,
            model_kwargs=model_arguments(config, data))
     return sum(p.numel() for p in compact.parameters())
 
 
 def checkpoint_state(session: Session, config: TrainConfig) -> dict[str, Any]:
-    """What resuming needs besides the exported weights: optimizer, controller and sparse states, FLOP meter,
-    counters, learning-rate schedule, best result, random states and the config; under `model_ema` the exported
-    weights are the EMA's, so the live model's and the EMA's whole states are here too."""
+    """What resuming needs besides the exported weights: optimizer and method states (the method's under its
+    `state_key`), FLOP meter, counters, learning-rate schedule, best result, random states and the config; under
+    `model_ema` the exported weights are the EMA's, so the live model's and the EMA's whole states are here too."""
     state = {
         "config": config.to_dict(), "epoch": session.epoch, "step": session.step, "finished": session.finished,
         "schedule": asdict(session.schedule), "optimizer": session.optimizer.state_dict(),
-        "controller": None if session.controller is None else session.controller.state_dict(),
-        "sparse": None if session.sparse is None else session.sparse.state_dict(),
+        session.method.state_key: session.method.state_dict(),
         "flops": session.meter.state_dict(), "scaler": session.precision.state_dict(),
         "step_flops": session.step_flops, "wall_s": session.wall_s,
         "best": {"acc": session.best_acc, "epoch": session.best_epoch}, "rng": rng_state(),

@@ -6,6 +6,7 @@ state is saved at epoch boundaries, so a run resumed from an epoch checkpoint re
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -14,11 +15,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..baselines import CompactExport
-from ..controller import Controller
 from . import processes
 from .batches import epoch_batches, granule, steps_per_epoch
-from .checkpoint import repair_run, restore, save_checkpoints, save_compact, seed_all, source_checkpoint
+from .checkpoint import (
+    repair_run,
+    restore,
+    save_checkpoints,
+    save_compact,
+    seed_all,
+    source_checkpoint,
+    write_width_log,
+)
 from .config import ConfigError, TrainConfig
 from .evaluation import evaluate
 from .loading import batches_of
@@ -73,35 +80,35 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
     total_steps = config.epochs * batches_per_epoch
     seed_all(config.seed)
     session = build_session(config, data, device, total_steps, pretrained=source is None)
-    if source is not None:
-        restore(session, source)
-    if config.continue_from is not None and not resume:
-        _start_continuation(session, config, batches_per_epoch)
-    if processes.is_main():
-        if resume:
-            repair_run(session, run, source)
-        run.write_json("config.json", config.to_dict())
-    criterion = build_criterion(config.label_smoothing, data.mixup is not None)
-    started = time.perf_counter() - session.wall_s
-    while not session.finished:
-        done, loss, acc = train_epoch(session, config, data, criterion, device, batches_per_epoch)
-        session.epoch += done / batches_per_epoch
-        out_of_budget = not _budget_allows(session, config.flop_budget)
-        epochs_done = config.continue_from is None and session.epoch >= config.epochs
-        session.finished = done < batches_per_epoch or out_of_budget or epochs_done
-        session.wall_s = time.perf_counter() - started
+    with contextlib.closing(session.method):
+        if source is not None:
+            restore(session, source)
+        if config.continue_from is not None and not resume:
+            _start_continuation(session, config, batches_per_epoch)
         if processes.is_main():
-            _end_epoch(session, config, data, run, device, {"loss": loss, "train_acc": acc})
+            if resume:
+                repair_run(session, run, source)
+            run.write_json("config.json", config.to_dict())
+        criterion = build_criterion(config.label_smoothing, data.mixup is not None)
+        started = time.perf_counter() - session.wall_s
+        while not session.finished:
+            done, loss, acc = train_epoch(session, config, data, criterion, device, batches_per_epoch)
+            session.epoch += done / batches_per_epoch
+            out_of_budget = not _budget_allows(session, config.flop_budget)
+            epochs_done = config.continue_from is None and session.epoch >= config.epochs
+            session.finished = done < batches_per_epoch or out_of_budget or epochs_done
+            session.wall_s = time.perf_counter() - started
+            if processes.is_main():
+                _end_epoch(session, config, data, run, device, {"loss": loss, "train_acc": acc})
     result = None
     if processes.is_main():
-        if session.controller is not None:
-            plot_widths(run.path / "widths.png", session.controller.topology(), session.controller.events,
-                        batches_per_epoch, session.step)
+        topology = session.method.topology()
+        if topology is not None:
+            plot_widths(run.path / "widths.png", topology, session.method.events, batches_per_epoch, session.step)
         last = run.metrics()[-1]
-        events = session.controller.events if session.controller is not None else []
         result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
                            session.best_epoch, session.meter.total_flops, session.wall_s,
-                           sum(e["skipped"] is None for e in events))
+                           sum(e["skipped"] is None for e in session.method.events))
     return processes.broadcast_from_main(result)
 
 
@@ -179,9 +186,8 @@ def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, de
         outputs, loss = meter.step(net, images, lambda out, t=targets, w=weight: criterion(out, t) * w,
                                    global_batch=len(batch), autocast=session.precision.autocast,
                                    backward=session.precision.backward)
-        session.precision.step(optimizer)  # the controller's transfers run from its optimizer's post-step hook
-        if session.sparse is not None:
-            session.sparse.step()
+        session.precision.step(optimizer)
+        session.method.step()
         session.step += 1
         if session.ema is not None:
             session.ema.update(model, step=session.step)
@@ -194,27 +200,26 @@ def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, de
         bar.update()
         if done % 10 == 0 or done == batches_per_epoch:
             bar.set_postfix_str(f"loss {loss_sum.item() / seen:.3f} acc {correct.item() / seen:.3f} "
-                                f"lr {lr:.2e}{widths_text(session.controller)}")
+                                f"lr {lr:.2e}{widths_text(session.method.topology())}")
     bar.close()
     loss_total, correct_total, seen_total = processes.sum_over_ranks([loss_sum.item(), correct.item(), seen])
     return done, loss_total / max(1, seen_total), correct_total / max(1, seen_total)
 
 
-def widths_text(controller: Controller | None) -> str:
-    """Current per-layer widths for the progress bar, e.g. " | heads 1-2 | channels 38-39"."""
-    if controller is None:
+def widths_text(topology: dict[str, dict[str, int]] | None) -> str:
+    """Per-layer widths for the progress bar, e.g. " | heads 1-2 | channels 38-39" (none without a topology)."""
+    if topology is None:
         return ""
-    topology = controller.topology().values()
-    return "".join(f" | {label} " + "-".join(str(t[kind]) for t in topology if kind in t)
+    return "".join(f" | {label} " + "-".join(str(t[kind]) for t in topology.values() if kind in t)
                    for kind, label in (("head", "heads"), ("channel", "channels")))
 
 
 def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, device: torch.device,
                train_stats: dict[str, float]) -> None:
-    """Evaluate (the EMA too, which then selects the best checkpoint), log the epoch (with the baseline driver's
-    `metrics()`), keep the best and the last checkpoint, and write events and topology. At the end of a run whose
-    baseline removes whole units (S²ViTE), the selected model's compact export goes to `run/compact` and its
-    parameter count into the last record."""
+    """Evaluate (the EMA too, which then selects the best checkpoint), log the epoch (with the method's
+    `metrics()`), keep the best and the last checkpoint, and write the method's events and topology. At the end
+    of a run whose method exports a smaller model than it trains (S²ViTE), the selected model's compact export
+    goes to `run/compact` and its parameter count into the last record."""
     test = evaluate(session.model, data.test, data.num_classes, device, config.workers)
     val = evaluate(session.model, data.val, data.num_classes, device, config.workers) if data.val is not None else None
     record = {"epoch": session.epoch, "step": session.step, **train_stats,
@@ -231,23 +236,19 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
         if data.val is not None:
             ema_val = evaluate(session.ema.module, data.val, data.num_classes, device, config.workers)
             record.update({f"ema_val_{k}": v for k, v in ema_val.items()})
-    if session.sparse is not None:
-        record["sparse"] = session.sparse.metrics()
-    if session.controller is not None:
-        record["nonfinite_score_batches"] = session.controller.nonfinite_batches
+    record.update(session.method.metrics())
     selected = (ema_val or ema_test or val or test)["acc"]
     improved = selected > session.best_acc
     if improved:
         session.best_acc, session.best_epoch = selected, session.epoch
     save_checkpoints(session, config, data, run, improved, record=record)
-    if session.finished and isinstance(session.sparse, CompactExport):
-        record["compact_parameters"] = save_compact(session, config, data, run)
+    compact_parameters = save_compact(session, config, data, run) if session.finished else None
+    if compact_parameters is not None:
+        record["compact_parameters"] = compact_parameters
     run.append_metrics(record)
-    if session.controller is not None:
-        run.write_events(session.controller.events)
-        run.write_json("topology.json", session.controller.topology())
+    write_width_log(session.method, run)
     if config.progress:
         ema_text = "" if ema_test is None else f"  EMA test acc {ema_test['acc']:.4f}"
         tqdm.write(f"epoch {session.epoch:g}: loss {record['loss']:.4f}  test acc {test['acc']:.4f}  "
                    f"macro-F1 {test['macro_f1']:.4f}  F_total {record['flops']:.4g}  {session.wall_s:.0f}s"
-                   f"{ema_text}{widths_text(session.controller)}")
+                   f"{ema_text}{widths_text(session.method.topology())}")

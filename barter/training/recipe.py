@@ -10,6 +10,8 @@ import torch
 from timm.loss import SoftTargetCrossEntropy
 from torch import Tensor, nn
 
+from fxsurgery.compat import foreach_mul_
+
 DECAYS = ("before", "after")
 
 
@@ -56,7 +58,7 @@ def _decay_after(optimizer: torch.optim.Optimizer, args: object, kwargs: object)
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if params and group["decay_after"]:
-                torch._foreach_mul_(params, 1.0 - group["lr"] * group["decay_after"])
+                foreach_mul_(params, 1.0 - group["lr"] * group["decay_after"])
 
 
 @dataclass(frozen=True)

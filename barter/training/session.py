@@ -1,4 +1,4 @@
-"""The live state of a run: its data sets, and the model, optimizer and method's wrapper built for them."""
+"""The live state of a run: its data sets, and the model, optimizer and training method built for them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,10 +9,11 @@ from timm.utils import ModelEmaV3
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Subset
 
-from ..baselines import SparseTraining, build_baseline
+from ..baselines import build_baseline
 from ..compiling import compile_model
 from ..controller import Controller
 from ..ddp import DistributedModel
+from ..method import Dense, TrainingMethod
 from ..rebuild import timm_with_models
 from ..wrapping import wrap
 from . import processes
@@ -43,8 +44,7 @@ class Session:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    controller: Controller | None
-    sparse: SparseTraining | None
+    method: TrainingMethod  # what steps after every optimizer step (`barter.method`)
     meter: FlopMeter
     schedule: WarmupCosine
     ddp: DistributedModel | None = None  # what training steps run through in a multi-process run
@@ -88,29 +88,31 @@ def build_data(config: TrainConfig) -> Data:
 
 def build_session(config: TrainConfig, data: Data, device: torch.device, total_steps: int, *,
                   pretrained: bool) -> Session:
-    """Model (with `init_from` weights when `pretrained`), optimizer, and the method's wrapper."""
+    """Model (with `init_from` weights when `pretrained`), optimizer, and the training method; BARTER's controller
+    is also followed by the EMA, the DistributedDataParallel wrapper and the compiled model, as its transfers
+    resize the model."""
     model = timm_with_models().create_model(config.model, **model_arguments(config, data)).to(device)
     if pretrained and config.init_from is not None:
         load_pretrained(model, config.init_from)
     optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                 decay=config.decay)
-    controller = sparse = None
+    try:
+        precision = build_precision(config.amp, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    controller = None
+    method: TrainingMethod = Dense()
     if config.method in WRAP_METHODS:
-        controller = wrap(model, optimizer, total_steps=total_steps, density=config.density, method=config.method,
-                          seed=config.seed, example_inputs=example_batch(data, device), **config.barter_options)
+        method = controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
+                                   method=config.method, seed=config.seed, example_inputs=example_batch(data, device),
+                                   auto=False, scaler=precision.scaler, **config.barter_options)
     elif config.method in BASELINE_METHODS:
-        sparse = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
+        method = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
                                 seed=config.seed, example_inputs=example_batch(data, device),
                                 **config.baseline_options)
     ema = build_ema(model, controller, config.model_ema)
     warmup = round(config.warmup_epochs * total_steps / config.epochs)
     schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
-    try:
-        precision = build_precision(config.amp, device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if controller is not None:
-        controller.track_scaler(precision.scaler)
     ddp = None
     if processes.world_size() > 1:
         device_ids = [device.index] if device.type == "cuda" else None
@@ -118,8 +120,8 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     if config.compile and ddp is not None:
         raise ConfigError("compile runs in one process only")
     compiled = compile_model(model, controller) if config.compile else None
-    return Session(model, optimizer, controller, sparse, FlopMeter(), schedule, ddp, precision=precision,
-                   compiled=compiled, ema=ema)
+    return Session(model, optimizer, method, FlopMeter(), schedule, ddp, precision=precision, compiled=compiled,
+                   ema=ema)
 
 
 def build_ema(model: nn.Module, controller: Controller | None, decay: float | None) -> ModelEmaV3 | None:

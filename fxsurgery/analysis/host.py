@@ -10,11 +10,11 @@ from typing import Callable
 import torch
 import torch.fx
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from ..capture.calls import training_mode
 from ..capture.front_ends import SYMBOLIC, Recording, record, record_concrete
 from ..capture.tracer import CODE_CONSTANT
+from ..compat import tree_leaves
 from ..dataflow.constants import ConstantSpec
 from ..dataflow.grouping import GroupSpec, Refusal, TapSite
 from ..errors import AnalysisError, TraceError
@@ -66,7 +66,7 @@ def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
                         for k, b in m.named_buffers(recurse=False))
         parts.append((name, type(m), attrs, params, buffers))
     call = tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
-                 for t in pytree.tree_leaves((args, kwargs)))
+                 for t in tree_leaves((args, kwargs)))
     return tuple(parts), call
 
 

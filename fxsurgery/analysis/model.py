@@ -19,8 +19,8 @@ from ..slicing import ParamSlice
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .own_forward import GroupRecord
-from .recapture import Analyses, HostServer, meta_template
-from .regions import find_regions, join_path, locate_hosts
+from .recapture import Analyses, HostServer, OwnForwardFit, meta_template
+from .regions import TraceFailure, find_regions, join_path, locate_hosts
 from .verify import self_check
 
 
@@ -38,39 +38,74 @@ class Findings:
             self.left_out.append(LeftOut(module, reasons))
 
 
-def analyse_model(model: nn.Module, example: tuple[tuple, dict], editor: Editor) -> Findings:
-    """Find, install and check the groups of ``model`` called as ``example`` (args, kwargs); their plumbing
-    goes to ``editor``."""
-    findings = Findings()
-    regions, failures = find_regions(model, example, findings.leave_out)
-    hosts = locate_hosts(model, regions, findings.leave_out)
+@dataclass
+class SharedAnalyses:
+    """What hosts built alike share, keyed by their fingerprint: one analysis, one self-check outcome per group
+    layout, one fit of the own forward, and the captures for other calls. Installing the same plan on another
+    model built alike (the analysed copy's original) reuses all of it."""
+
+    templates: dict[tuple, HostAnalysis | str] = field(default_factory=dict)  # an analysis, or why it failed
+    checked: dict[tuple, str | None] = field(default_factory=dict)
+    own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
+    recaptured: Analyses = field(default_factory=dict)
+
+
+@dataclass
+class ModelPlan:
+    """What installing needs, found once: the hosts in the order the model runs them, each host's analysed call
+    (object arguments left out) and whether it passes objects, the parts left out while locating the hosts,
+    the regions that did not trace, and the analyses hosts share."""
+
+    hosts: list[str]
+    calls: dict[str, tuple[tuple, dict]]
+    passes_objects: dict[str, bool]
+    left_out: list[LeftOut]
+    failures: list[TraceFailure]
+    shared: SharedAnalyses
+
+
+def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
+    """Trace ``model`` called as ``example`` (args, kwargs), locate the hosts and analyse each kind of host."""
+    found = Findings()
+    regions, failures = find_regions(model, example, found.leave_out)
+    hosts = locate_hosts(model, regions, found.leave_out)
+    plan = ModelPlan([], {}, {}, found.left_out, failures, SharedAnalyses())
     if hosts:
         calls = capture_inputs(model, example, [n for n, _ in model.named_modules() if n])
         calls[""] = example
         # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
-        inputs = {name: without_objects(call) for name, call in calls.items()}
-        installer = _Installer(model, editor, findings)
-        for host in _callers_of_returned_heads(hosts, inputs, installer):
-            installer.install(host, inputs[host], passes_objects=holds_objects(calls[host]))
+        plan.calls = {name: without_objects(call) for name, call in calls.items()}
+        plan.hosts = _callers_of_returned_heads(model, hosts, plan)
+        plan.passes_objects = {host: holds_objects(calls[host]) for host in plan.hosts}
+    return plan
+
+
+def install_model(model: nn.Module, plan: ModelPlan, editor: Editor) -> Findings:
+    """Install the plan's hosts on ``model`` (the model planned, or one built alike) and offer every group that
+    passes the self-check; their plumbing goes to ``editor``."""
+    findings = Findings(left_out=list(plan.left_out))
+    installer = _Installer(model, editor, findings, plan.shared)
+    for host in plan.hosts:
+        installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
-    for name, err in failures:
+    for name, err in plan.failures:
         findings.leave_out(name, [str(err)])
     if not findings.groups:
-        if failures:
-            raise TraceError("; ".join(str(err) for _, err in failures))
+        if plan.failures:
+            raise TraceError("; ".join(str(err) for _, err in plan.failures))
         why = "; ".join(f"{lo.module}: {', '.join(lo.reasons)}" for lo in findings.left_out) \
             or "no attention heads or FFN channels"
         raise AnalysisError(f"no unit groups found in {type(model).__name__}: {why}")
     return findings
 
 
-def _callers_of_returned_heads(hosts: list[str], inputs: dict[str, tuple[tuple, dict]],
-                               installer: _Installer) -> list[str]:
+def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPlan) -> list[str]:
     """The hosts, each one whose heads reach its outputs (an attention module that returns its per-head
     attention weights) replaced by its nearest calling module, where the weights may be dropped."""
+    inputs = plan.calls
     hosts = list(hosts)
     for host in list(hosts):
-        found = installer.analysis(host, inputs[host])
+        found = host_analysis(model, host, inputs[host], plan.shared)
         if host not in hosts or isinstance(found, str) or found.groups or not found.refusals \
                 or not all(r.at_output for r in found.refusals):
             continue
@@ -83,32 +118,31 @@ def _callers_of_returned_heads(hosts: list[str], inputs: dict[str, tuple[tuple, 
     return hosts
 
 
+def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], shared: SharedAnalyses
+                  ) -> HostAnalysis | str:
+    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
+    module = model.get_submodule(host) if host else model
+    key = fingerprint(module, *inputs)
+    if key not in shared.templates:
+        try:
+            shared.templates[key] = analyse_host(module, host, *inputs)
+        except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
+            shared.templates[key] = str(err)
+    return shared.templates[key]
+
+
 class _Installer:
     """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
 
-    def __init__(self, model: nn.Module, editor: Editor, findings: Findings):
-        self.model, self.editor, self.findings = model, editor, findings
-        self.templates: dict[tuple, HostAnalysis | str] = {}  # an analysis, or why it failed
-        self.checked: dict[tuple, str | None] = {}
-        self.recaptured: Analyses = {}  # the hosts' captures for other calls, shared by hosts built alike
-
-    def analysis(self, host: str, inputs: tuple[tuple, dict]) -> HostAnalysis | str:
-        """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
-        module = self.model.get_submodule(host) if host else self.model
-        key = fingerprint(module, *inputs)
-        if key not in self.templates:
-            try:
-                self.templates[key] = analyse_host(module, host, *inputs)
-            except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
-                self.templates[key] = str(err)
-        return self.templates[key]
+    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses):
+        self.model, self.editor, self.findings, self.shared = model, editor, findings, shared
 
     def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
         """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
         object is served by its own forward: where that cannot run a group with no units, the group keeps one."""
         module = self.model.get_submodule(host) if host else self.model
         key = fingerprint(module, *inputs)
-        template = self.analysis(host, inputs)
+        template = host_analysis(self.model, host, inputs, self.shared)
         if isinstance(template, str):
             self.findings.leave_out(host, [template])
             return
@@ -129,23 +163,26 @@ class _Installer:
                                                     slots=group_slots)
             # identical code, layout and inputs give identical self-check outcomes
             check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
-            if check not in self.checked:
-                self.checked[check] = self_check(self.editor, g, inputs)
-            if self.checked[check]:
-                self.findings.leave_out(g.module, [f"self-check failed: {self.checked[check]}"])
+            if check not in self.shared.checked:
+                self.shared.checked[check] = self_check(self.editor, g, inputs)
+            if self.shared.checked[check]:
+                self.findings.leave_out(g.module, [f"self-check failed: {self.shared.checked[check]}"])
                 del self.editor.plumbing[g]
             else:
                 self.findings.groups.append(g)
                 served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                           tuple(hg.spec.members), group_slots, point))
-        forward.server = HostServer(analysed_copy, host, inputs, served, self.recaptured)
+        forward.server = HostServer(analysed_copy, host, inputs, served, self.shared.recaptured)
         if passes_objects:
-            self.limit_to_own_forward(forward.server)
+            self.limit_to_own_forward(forward.server, key)
 
-    def limit_to_own_forward(self, server: HostServer) -> None:
+    def limit_to_own_forward(self, server: HostServer, key: tuple) -> None:
         """The groups of a host whose own forward serves its calls: a note where it cannot serve them at all, and
-        one unit at least where it cannot run a group with none."""
+        one unit at least where it cannot run a group with none (fitted once for hosts built alike)."""
+        if key in self.shared.own_forwards:
+            server.adopt_fit(self.shared.own_forwards[key])
         fault, empty = server.fit_own_forward()
+        self.shared.own_forwards[key] = server.fit
         for g in self.findings.groups:
             if self.editor.plumbing[g].host != server.host:
                 continue

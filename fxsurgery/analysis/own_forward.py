@@ -16,9 +16,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from ..capture.calls import materialize, training_mode
+from ..compat import tree_leaves
 from ..errors import UnservedCall
 from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
@@ -139,8 +139,8 @@ class _Trial:
         forward = type(self.masked).forward
         try:
             with training_mode(self.masked, False), training_mode(self.removed, False), torch.no_grad():
-                expected = [t for t in pytree.tree_leaves(forward(self.masked, *args, **kwargs)) if torch.is_tensor(t)]
-                got = [t for t in pytree.tree_leaves(forward(self.removed, *args, **kwargs)) if torch.is_tensor(t)]
+                expected = [t for t in tree_leaves(forward(self.masked, *args, **kwargs)) if torch.is_tensor(t)]
+                got = [t for t in tree_leaves(forward(self.removed, *args, **kwargs)) if torch.is_tensor(t)]
         except Exception as e:  # any failure means the forward does not follow the widths
             return f"fails once a unit is removed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         finally:

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import copy
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
 
 from ..capture.call_signature import call_signature, differing_arguments, holds_objects
 from ..capture.calls import forked_rng, materialize
 from ..capture.tracer import CODE_CONSTANT
+from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
 from ..taps import insert_tap_point
@@ -35,6 +35,15 @@ from .host import HostAnalysis, analyse_host, fingerprint
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_count, fit_count_attributes
 
 Analyses = dict[tuple, "HostAnalysis | str"]  # (template fingerprint, call signature) -> analysis or why not
+
+
+class OwnForwardFit(NamedTuple):
+    """Whether a host's own forward follows the widths: what goes wrong in it ("" if nothing), the attributes it
+    reads that follow the counts, and what goes wrong in it once a group has no units."""
+
+    fault: str
+    counts: list[CountAttribute]
+    empty_fault: str
 
 
 class HostServer:
@@ -47,9 +56,7 @@ class HostServer:
         self.analysed = analysed
         self.groups = groups
         self.shared = shared
-        self.own_fault: str | None = None  # why the host's own forward cannot serve ("" once it is known to)
-        self.counts: list[CountAttribute] = []  # the attributes it reads that follow the counts
-        self.empty_fault = ""  # what goes wrong in it once a group has no units
+        self.fit: OwnForwardFit | None = None  # fitted on the first call its own forward may serve
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
               hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
@@ -66,11 +73,11 @@ class HostServer:
     def capture(self, module: nn.Module, args: tuple, kwargs: dict, training: bool) -> torch.fx.Graph:
         """A graph of the template for this call in mode ``training``, bound to ``module``'s slots and tap points."""
         real = self.materialize(module)
-        inputs = pytree.tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, materialize((args, kwargs)))
+        inputs = tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, materialize((args, kwargs)))
         key = (fingerprint(real, (), {})[0], call_signature(args, kwargs, training))
         if key not in self.shared:
             try:
-                with _no_autocast(), torch.no_grad(), forked_rng(pytree.tree_leaves(inputs)):
+                with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):
                     self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,))
             except (TraceError, AnalysisError) as err:
                 self.shared[key] = str(err)
@@ -96,25 +103,30 @@ class HostServer:
     def fit_own_forward(self) -> tuple[str, str]:
         """Whether the host's own forward follows the widths (checked once): what goes wrong in it ("" if
         nothing), and what goes wrong once a group has no units."""
-        if self.own_fault is None:
-            counts, self.own_fault, self.empty_fault = fit_count_attributes(lambda: self.materialize(None),
-                                                                            self.groups, self.analysed)
-            self.counts = counts or []
-        return self.own_fault, self.empty_fault
+        if self.fit is None:
+            counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
+                                                              self.analysed)
+            self.fit = OwnForwardFit(fault, counts or [], empty_fault)
+        return self.fit.fault, self.fit.empty_fault
+
+    def adopt_fit(self, fit: OwnForwardFit) -> None:
+        """Take the fit of a host built alike (the same template, groups and analysed call)."""
+        self.fit = fit
 
     def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
         """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
-        self.fit_own_forward()
-        if self.own_fault:
+        fault, _ = self.fit_own_forward()
+        if fault:
             own = type(module).forward.__get__(module)
             differs = ", ".join(differing_arguments(own, (args, kwargs), self.analysed)) or "the analysed arguments"
             raise UnservedCall(f"{self.host or 'the model'} ({type(module).__name__}) cannot serve a call with "
-                               f"{differs}: {why}; and its own forward {self.own_fault}")
+                               f"{differs}: {why}; and its own forward {fault}")
         return None, f"its own forward ({why})"
 
     def own_forward(self) -> OwnForward:
         """The host's own forward, its count attributes kept in step and its taps run."""
-        return OwnForward(self.groups, self.counts, self.template, empty=self.empty_fault)
+        self.fit_own_forward()
+        return OwnForward(self.groups, self.fit.counts, self.template, empty=self.fit.empty_fault)
 
     def materialize(self, like: nn.Module | None) -> nn.Module:
         """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""
@@ -125,15 +137,14 @@ class HostServer:
         names = {id(p): name for name, p in real.named_parameters()}
         made: dict[int, nn.Parameter] = {}  # tied parameters stay tied
         for owner in real.modules():
-            for pname, p in list(owner._parameters.items()):
-                if p is not None and id(p) not in made:
+            for pname, p in list(owner.named_parameters(recurse=False, remove_duplicate=False)):
+                if id(p) not in made:
                     ref = live.get(names[id(p)])
                     value = torch.randn(p.shape, generator=gen).mul_(0.02)
                     made[id(p)] = nn.Parameter(value.to(dtype=p.dtype if ref is None else ref.dtype,
                                                         device="cpu" if ref is None else ref.device),
                                                requires_grad=p.requires_grad)
-                if p is not None:
-                    owner._parameters[pname] = made[id(p)]
+                setattr(owner, pname, made[id(p)])
         for name, b in real.named_buffers():
             ref = live_buffers.get(name)
             if ref is not None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ..capture.calls import forked_rng, materialize, training_mode
+from ..compat import tree_leaves
 from ..editing import Editor
 from ..groups import UnitGroup
 from ..slicing import clone_unit
@@ -26,7 +26,7 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
 
     def run() -> list[torch.Tensor]:
         with torch.no_grad():
-            return [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
+            return [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
 
     def restore() -> None:
         for t, data, grad in saved:
@@ -34,7 +34,7 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
         editor.settle(g, count)
 
     try:
-        with training_mode(module, False), forked_rng(pytree.tree_leaves((args, kwargs))):
+        with training_mode(module, False), forked_rng(tree_leaves((args, kwargs))):
             y0 = run()
             if g.exact:
                 noise = editor.noise(g, 0, 0.5, None, True)

@@ -13,6 +13,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ..compat import OpOverload, overload_name, rename_node
+
 aten = torch.ops.aten
 
 Call = tuple[str, Any, tuple, dict]  # (fx op, target, args, kwargs)
@@ -91,7 +93,7 @@ def _softmax(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
         aten.upsample_bilinear2d, aten.upsample_bicubic2d, aten.upsample_trilinear3d)
 def _upsample(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     """``upsample_<mode><n>d.vec``, the op ``F.interpolate`` calls; other overloads stay ATen calls."""
-    if node.target._overloadname != "vec":
+    if overload_name(node.target) != "vec":
         return "call_function", node.target, args, kwargs
     mode = _opname(node).split("_")[1].rstrip("123d")
     x, size, *rest = args
@@ -154,7 +156,7 @@ def _to(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     """``Tensor.to`` with the call's dtype and device: positional (``to.dtype``, ``to.other``, and ``to.device``
     which takes the dtype second) or keywords (``to.dtype_layout``, ``_to_copy``); copy flags do not matter here."""
     kept = {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
-    leading = 2 if node.target._overloadname == "device" else 1
+    leading = 2 if overload_name(node.target) == "device" else 1
     return "call_method", "to", (args[0], *args[1:1 + leading]), kept
 
 
@@ -166,7 +168,7 @@ def _alias(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
 def _same_name(packet: Any) -> Lowering | None:
     """An op whose torch function shares its name and schema (``aten.transpose`` and ``torch.transpose``), or
     an in-place op as the tensor method of its name (``aten.add_`` and ``Tensor.add_``)."""
-    name = packet._qualified_op_name.split("::")[-1]
+    name = packet.__name__
     if name.startswith("_"):
         return None
     if name.endswith("_") and hasattr(torch.Tensor, name):
@@ -178,7 +180,7 @@ def _same_name(packet: Any) -> Lowering | None:
 def lower(graph: torch.fx.Graph) -> None:
     """Rewrite ``graph``'s ATen calls as torch-level calls, in place; drop export's runtime checks."""
     for node in list(graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         packet = node.target.overloadpacket
         if packet in DROPPED:
@@ -194,4 +196,4 @@ def lower(graph: torch.fx.Graph) -> None:
         node.replace_all_uses_with(new)
         name = node.name
         graph.erase_node(node)
-        new._rename(name)
+        rename_node(new, name)

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..compat import module_hooks
+
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, enum.Enum)
 
 
@@ -46,9 +48,7 @@ def call_signature(args: tuple, kwargs: dict, training: bool, hooked: tuple[str,
 def hooked_submodules(inner: list[tuple[str, torch.nn.Module]]) -> tuple[str, ...]:
     """The names of the modules in ``inner`` with forward or backward hooks of their own (HF's output recorders,
     a user's feature hooks); fxsurgery's own call recorder does not count."""
-    return tuple(name for name, m in inner
-                 if m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
-                 or any(not getattr(h, "records_calls", False) for h in m._forward_pre_hooks.values()))
+    return tuple(name for name, m in inner if any(not getattr(h, "records_calls", False) for h in module_hooks(m)))
 
 
 def holds_objects(value: Any) -> bool:

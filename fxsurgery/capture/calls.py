@@ -9,6 +9,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from ..compat import tree_leaves, tree_map
+from .meta_memo import MetaMemo
+
 
 @contextmanager
 def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
@@ -41,7 +44,7 @@ def materialize(obj: Any, seed: int = 0) -> Any:
             return torch.randn(t.shape, generator=gen, dtype=t.dtype)
         return torch.zeros(t.shape, dtype=t.dtype)
 
-    return torch.utils._pytree.tree_map(real, obj)
+    return tree_map(real, obj)
 
 
 def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[str]) -> dict[str, tuple[tuple, dict]]:
@@ -52,11 +55,12 @@ def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[st
     handles = [model.get_submodule(name).register_forward_pre_hook(_recorder(seen, name), with_kwargs=True)
                for name in names]
     state = meta_state(model)
-    meta_args, meta_kwargs = torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example)
+    meta_args, meta_kwargs = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, example)
     try:
         with torch.no_grad(), forked_rng(_tensors(example)):
             try:
-                torch.func.functional_call(model, state, meta_args, meta_kwargs)
+                with MetaMemo():  # blocks built alike: their shapes are worked out once
+                    torch.func.functional_call(model, state, meta_args, meta_kwargs)
             except Exception:
                 seen.clear()
                 model(*example[0], **example[1])
@@ -83,4 +87,4 @@ def meta_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves(obj) if torch.is_tensor(t)]
+    return [t for t in tree_leaves(obj) if torch.is_tensor(t)]

@@ -18,8 +18,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 from torch.export import Dim
-from torch.utils import _pytree as pytree
 
+from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from .aten import lower
 from .calls import forked_rng, materialize, training_mode
@@ -33,7 +33,7 @@ def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, A
     dim (an attention mask [batch, 1, tokens, tokens]). Other dims stay as captured: a model's image size is
     fixed by its patch grid, and symbolic image sizes make window arithmetic slow to capture."""
     bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    tensors = [t for t in pytree.tree_leaves(bound.arguments) if torch.is_tensor(t)]
+    tensors = [t for t in tree_leaves(bound.arguments) if torch.is_tensor(t)]
     tokens = {t.shape[1] for t in tensors if t.dim() in (2, 3)}
 
     def dims(t: Any) -> Any:
@@ -43,7 +43,7 @@ def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, A
             return {0: Dim.AUTO, 1: Dim.AUTO}
         return {d: Dim.AUTO for d in range(t.dim()) if d == 0 or t.shape[d] in tokens}
 
-    return {name: pytree.tree_map(dims, value) for name, value in bound.arguments.items()}
+    return {name: tree_map(dims, value) for name, value in bound.arguments.items()}
 
 
 def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool, *,
@@ -52,7 +52,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     its ``get_attr`` nodes read) and the values of its placeholders. ``replayed``: a graph to install, with
     dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither."""
     args, kwargs = materialize((args, kwargs))
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
     try:
         with training_mode(module, training), forked_rng(leaves), _quiet_export():
             dynamic = _dynamic_shapes(module, args, kwargs) if replayed else None
@@ -74,8 +74,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     for node in graph.nodes:  # the analysis reads module paths; export's fake values are neither needed nor picklable
         node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
     _keep_constants(module, exported, graph)
-    info = graph._codegen.pytree_info
-    values = torch.fx._pytree.tree_flatten_spec((args, kwargs), info.in_spec)
+    values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
     if replayed:
@@ -86,7 +85,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
     """export logs each dim it specialises (a batch of one, a fixed token count): expected, not news."""
-    logger = logging.getLogger("torch._export.non_strict_utils")
+    logger = logging.getLogger(EXPORT_SPECIALISATION_LOGGER)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
@@ -99,16 +98,16 @@ def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwar
                   label: str) -> None:
     """The captured graph must compute what the module computes on the example inputs (same random draws):
     code that caches state between calls, or reads something the capture froze, is refused here."""
-    leaves = [t for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
     buffers = [(b, b.clone()) for b in module.buffers()]  # batch norm's statistics move in training mode
     try:
         with training_mode(module, training), forked_rng(leaves), torch.no_grad():
             torch.manual_seed(0)
-            expected = [t for t in pytree.tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
+            expected = [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
             for buffer, saved in buffers:
                 buffer.copy_(saved)
             torch.manual_seed(0)
-            got = [t for t in pytree.tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
+            got = [t for t in tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
     except Exception as e:  # the graph does not even run where the module does
         raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not run: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

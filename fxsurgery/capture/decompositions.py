@@ -17,6 +17,7 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..compat import feed_forward_block, self_attention_block
 from ..errors import TraceError
 
 DECOMPOSITIONS: dict[type, Callable[..., Any]] = {}
@@ -81,10 +82,11 @@ def multihead_attention(self: nn.MultiheadAttention, query: torch.Tensor, key: t
         value = key if shared_kv else value
     length, batch, source = query.shape[0], query.shape[1], key.shape[0]
     heads, head_dim = self.num_heads, self.head_dim
-    if shared and self._qkv_same_embed_dim:
+    packed = self.in_proj_weight is not None  # query, key and value weights in one parameter
+    if shared and packed:
         qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).reshape(length, batch, 3, heads, head_dim)
         q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)
-    elif shared_kv and self._qkv_same_embed_dim:  # thirds, not sizes: nothing here depends on the head count
+    elif shared_kv and packed:  # thirds, not sizes: nothing here depends on the head count
         w_q, w_k, w_v = self.in_proj_weight.chunk(3)
         w_kv = torch.cat([w_k, w_v])
         b_q, b_kv = None, None
@@ -95,7 +97,7 @@ def multihead_attention(self: nn.MultiheadAttention, query: torch.Tensor, key: t
         kv = F.linear(key, w_kv, b_kv).reshape(source, batch, 2, heads, head_dim)
         k, v = kv.permute(2, 1, 3, 0, 4).unbind(0)
     else:
-        if self._qkv_same_embed_dim:
+        if packed:
             w = self.in_proj_weight.chunk(3)
             weights = (w[0], w[1], w[2])
         else:
@@ -131,10 +133,10 @@ def transformer_encoder_layer(self: nn.TransformerEncoderLayer, src: torch.Tenso
     """The layer without its fused inference path (the same function)."""
     x = src
     if self.norm_first:
-        x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
-        return x + self._ff_block(self.norm2(x))
-    x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
-    return self.norm2(x + self._ff_block(x))
+        x = x + self_attention_block(self, self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+        return x + feed_forward_block(self, self.norm2(x))
+    x = self.norm1(x + self_attention_block(self, x, src_mask, src_key_padding_mask, is_causal))
+    return self.norm2(x + feed_forward_block(self, x))
 
 
 @decomposes(nn.TransformerEncoder)

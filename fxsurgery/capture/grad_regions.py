@@ -12,6 +12,7 @@ import operator
 import torch
 import torch.fx
 
+from ..compat import switch_grad_mode
 from ..errors import TraceError
 
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -36,9 +37,9 @@ def _inline(root: torch.fx.GraphModule, graph: torch.fx.Graph, node: torch.fx.No
     placeholders = [n for n in body.nodes if n.op == "placeholder"]
     with graph.inserting_before(node):
         before = graph.call_function(torch.is_grad_enabled)
-        graph.call_function(torch._C._set_grad_enabled, (enabled,))
+        graph.call_function(switch_grad_mode, (enabled,))
         outputs = graph.graph_copy(body, dict(zip(placeholders, inputs)))
-        graph.call_function(torch._C._set_grad_enabled, (before,))
+        graph.call_function(switch_grad_mode, (before,))
     for user in list(node.users):  # export unpacks the body's outputs by index
         if user.target is not operator.getitem or user.args[0] is not node:
             raise TraceError(f"{node.name}: its result is read by {user.name} ({user.target}), not by index")

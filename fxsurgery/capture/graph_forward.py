@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx
 
+from ..compat import GENERATED_SPEC_READS, pytree_info
 from .call_signature import call_signature, hooked_submodules
 
 MAX_GRAPHS = 16  # graphs a host keeps (the oldest goes first); the analysed call's graphs always stay
@@ -32,11 +33,12 @@ def compile_graph(graph: torch.fx.Graph) -> Callable[..., Any]:
     arguments reads its pytree specs from the function's own globals, not from ``self``, so graphs of several
     call signatures can serve one module."""
     code = graph.python_code(root_module="self")
-    src = code.src.replace("self._in_spec", "_fxsurgery_in_spec").replace("self._out_spec", "_fxsurgery_out_spec")
+    in_spec, out_spec = GENERATED_SPEC_READS
+    src = code.src.replace(in_spec, "_fxsurgery_in_spec").replace(out_spec, "_fxsurgery_out_spec")
     key = f"<fxsurgery-{next(_serial)}>"
     linecache.cache[key] = (len(src), None, src.splitlines(True), key)
     scope = dict(code.globals)
-    info = getattr(graph._codegen, "pytree_info", None)
+    info = pytree_info(graph)
     if info is not None:
         scope["_fxsurgery_in_spec"], scope["_fxsurgery_out_spec"] = info.in_spec, info.out_spec
     exec(compile(src, key, "exec"), scope)

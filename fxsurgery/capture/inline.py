@@ -8,7 +8,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from .tracer import Tracer, pytree_info, substitute
+from ..compat import pytree_info, tree_leaves
+from .tracer import Tracer, substitute
 
 _OWN_PACKAGE = __name__.split(".")[0]
 
@@ -41,7 +42,7 @@ def inline_helpers(graph: torch.fx.Graph, kind_of: Callable[[torch.fx.Node], str
         arguments = {k: (None if isinstance(v, torch.fx.Node) and kind_of(v) == "none" else v)
                      for k, v in bound.arguments.items()}  # a node that was None at run time is None
         literal = {k: v for k, v in arguments.items() if not isinstance(v, torch.fx.Node)}
-        if any(isinstance(v, torch.fx.Node) for v in torch.utils._pytree.tree_leaves(list(literal.values()))) or \
+        if any(isinstance(v, torch.fx.Node) for v in tree_leaves(list(literal.values()))) or \
                 any(kind_of(v) != "tensor" for v in arguments.values() if isinstance(v, torch.fx.Node)):
             continue
         try:

@@ -1,18 +1,23 @@
 """torch.fx tracing of whole models, of the submodules that host units, and of plain helper functions."""
 from __future__ import annotations
 
+import bisect
 import copy
+import dis
 import functools
 import importlib
 import importlib.util
 import inspect
 import operator
-from typing import Any, Callable
+import sys
+import types
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
 import torch.nn as nn
 
+from ..compat import pytree_info, tree_leaves
 from ..errors import TraceError
 from ..taps import strip_tap_points
 from .calls import training_mode
@@ -37,6 +42,23 @@ class _Proxy(torch.fx.Proxy):
     def __setitem__(self, index: Any, value: Any) -> None:
         self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
+    def __iter__(self) -> Iterator[torch.fx.Proxy]:
+        """fx's unpacking (``q, k, v = qkv.unbind(0)`` gives as many proxies as the caller unpacks), reading each
+        calling function's bytecode once, where fx reads it again at every unpacking (every block of a model)."""
+        caller = inspect.currentframe().f_back
+        offsets, found = _instructions(caller.f_code)
+        at = bisect.bisect_left(offsets, caller.f_lasti) if sys.version_info >= (3, 11) else caller.f_lasti // 2
+        if found[at].opname == "UNPACK_SEQUENCE":
+            return (self[i] for i in range(found[at].argval))
+        return self.tracer.iter(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def _instructions(code: types.CodeType) -> tuple[list[int], list[dis.Instruction]]:
+    """The offsets and instructions of a function's bytecode."""
+    found = list(dis.get_instructions(code))
+    return [inst.offset for inst in found], found
+
 
 class Tracer(torch.fx.Tracer):
     """A symbolic tracer that keeps registered leaf modules opaque, traces torch.nn modules that have
@@ -49,6 +71,8 @@ class Tracer(torch.fx.Tracer):
         self.leaf_types = leaves
         self.decomposing = 0
         self.decomposed: list[torch.fx.Node] = []
+        self._names_of: nn.Module | None = None  # the root whose tensor names ``_tensor_names`` holds
+        self._names: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if type(m) in DECOMPOSITIONS:
@@ -69,6 +93,30 @@ class Tracer(torch.fx.Tracer):
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _Proxy(node, self)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        """fx's read of a module attribute (a parameter or buffer of the root becomes a ``get_attr`` proxy, once per
+        name), with the tensor's name found in a table made once per trace where fx walks all of the model's
+        parameters at every read."""
+        if not isinstance(attr_val, torch.Tensor) or self.param_shapes_constant:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        params, buffers = self._tensor_names()
+        name = params.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None and self.proxy_buffer_attributes:
+            name = buffers.get(id(attr_val))
+        if name is None:
+            return attr_val
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def _tensor_names(self) -> tuple[dict[int, str], dict[int, str]]:
+        """The root's parameters and buffers by identity -> their first qualified names."""
+        if self._names_of is not self.root:
+            self._names_of = self.root
+            self._names = ({id(p): n for n, p in self.root.named_parameters()},  # each tensor once, by its first name
+                           {id(b): n for n, b in self.root.named_buffers()})
+        return self._names
 
     def create_node(self, *args: Any, **kwargs: Any) -> torch.fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -112,7 +160,7 @@ def bind_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[dict[str,
             if value:
                 raise TraceError(f"{type(module).__name__}.forward takes *args/**kwargs; pass them by name")
             continue
-        if not torch.is_tensor(value) and any(torch.is_tensor(t) for t in torch.utils._pytree.tree_leaves(value)):
+        if not torch.is_tensor(value) and any(torch.is_tensor(t) for t in tree_leaves(value)):
             raise TraceError(f"{type(module).__name__}.forward's argument {name} holds tensors in a "
                              f"{type(value).__name__}: symbolic tracing would freeze them as constants")
         (traced if torch.is_tensor(value) else concrete)[name] = value
@@ -179,11 +227,6 @@ def trace_function(fn: Any, arguments: dict[str, Any]) -> tuple[torch.fx.GraphMo
     return gm, _name_placeholders(gm.graph, arguments)
 
 
-def pytree_info(graph: torch.fx.Graph) -> Any:
-    """fx's input/output specs when the graph flattens structured arguments (else None)."""
-    return getattr(graph._codegen, "pytree_info", None)
-
-
 def _name_placeholders(graph: torch.fx.Graph, arguments: dict[str, Any]) -> list:
     """Values for the placeholders. fx names a frozen argument's placeholders ``{name}_{k}``, one per
     leaf of its value; a single one is renamed back to the caller's keyword name."""
@@ -202,7 +245,7 @@ def _name_placeholders(graph: torch.fx.Graph, arguments: dict[str, Any]) -> list
         if base not in arguments or not k.isdigit():
             values.append(node.args[0] if node.args else None)
             continue
-        leaves = torch.utils._pytree.tree_leaves(arguments[base])
+        leaves = tree_leaves(arguments[base])
         if len(leaves) <= 1 and not flattening:
             node.target = base
         values.append(leaves[int(k) - 1] if leaves else arguments[base])

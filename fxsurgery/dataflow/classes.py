@@ -8,12 +8,21 @@ from .records import Member
 
 
 def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
-    """Class representative (smallest id) of each of ``n`` ids: connected components of the (k, 2) edges,
-    by vectorised min-label propagation with pointer jumping (a few passes over the edge list)."""
+    """Class representative (smallest id) of each of ``n`` ids: connected components of the (k, 2) edges.
+    The components are found among the ids the edges touch only (most ids of a deep model, a position table's
+    elements say, are tied to none)."""
     rep = torch.arange(n)
     if not edges:
         return rep
-    e = unique_pairs(torch.cat(edges))
+    touched, e = torch.unique(unique_pairs(torch.cat(edges)), return_inverse=True)
+    rep[touched] = touched[_components(len(touched), e)]  # ascending: the smallest position is the smallest id
+    return rep
+
+
+def _components(n: int, e: torch.Tensor) -> torch.Tensor:
+    """Smallest member of each of ``n`` nodes' connected component in the (k, 2) edges ``e``, by vectorised
+    min-label propagation with pointer jumping (a few passes over the edge list)."""
+    rep = torch.arange(n)
     a, b = e[:, 0], e[:, 1]
     while True:
         low = torch.minimum(rep[a], rep[b])
@@ -35,8 +44,8 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     t = torch.cat(tent)
     pc = unique_pairs(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1))
     pc = pc[pc[:, 0] != pc[:, 1]]
-    ids, counts = torch.unique(pc[:, 0], return_counts=True)
-    single = pc[torch.isin(pc[:, 0], ids[counts == 1])]
+    _, counts = torch.unique_consecutive(pc[:, 0], return_counts=True)  # pairs come sorted by their first id
+    single = pc[torch.repeat_interleave(counts == 1, counts)]
     remap = torch.arange(rep.numel())
     remap[single[:, 0]] = single[:, 1]
     return remap[rep]

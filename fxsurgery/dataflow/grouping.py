@@ -129,10 +129,11 @@ class _Builder:
         for mixed in rec.mixes:
             c = self.cls(mixed.pairs)
             diff = c[:, 0] != c[:, 1]
-            for k in torch.unique(c[diff].flatten()).tolist():
-                if k >= 0 and self.unit_class[k]:
-                    self.mixed.setdefault(k, []).append(mixed.reason)
-        self.acts = [self.unit_act(act) for act in rec.acts]
+            k = torch.unique(c[diff].flatten())
+            k = k[k >= 0]
+            for unit in k[self.unit_class[k]].tolist():
+                self.mixed.setdefault(unit, []).append(mixed.reason)
+        self.acts = self.unit_acts(rec.acts)
         self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
         self.sinks_of_class: dict[int, list[int]] = {}  # unit class -> indices of the sinks that read it
         for i, sink in enumerate(self.sinks):
@@ -140,41 +141,42 @@ class _Builder:
                 self.sinks_of_class.setdefault(c, []).append(i)
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units
 
-    def unit_act(self, act: Act) -> UnitAct:
-        c = self.cls(act.ids)
-        present = torch.unique(c[c >= 0])
-        return UnitAct(act.node, act.index, c, present[self.unit_class[present]], act.param, act.ids)
+    def unit_acts(self, acts: list[Act]) -> list[UnitAct]:
+        """Each labelled value with its ids as classes and the unit classes it carries, in ascending order. Values
+        that share their ids (a norm or a dropout passes its input's on, a reshape views them) are worked out once
+        and share the result."""
+        known: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        found = []
+        for act in acts:
+            key = _layout(act.ids)
+            if key not in known:
+                c = self.cls(act.ids)
+                present = torch.unique(c)
+                present = present[present >= 0]
+                known[key] = c, present[self.unit_class[present]]
+            c, units = known[key]
+            found.append(UnitAct(act.node, act.index, c, units, act.param, act.ids))
+        return found
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
 
     def groups(self) -> list[list[int]]:
         """Unit classes that share a tensor axis belong to one group (in order of first appearance)."""
-        local: dict[int, int] = {}  # unit class -> its index among the unit classes seen
-        edges, seen = [], set()
-        for act in self.acts:
-            if act.param:
-                continue  # parameters join units, they do not define which units share an axis
-            if act.units.numel() and self.benign[act.units].all():
-                continue  # only classes that are no unit axis (the residual stream): dropped anyway
-            key = tuple(act.units.tolist())
-            if key not in seen:
-                seen.add(key)
-                chain = [local.setdefault(u, len(local)) for u in key]
-                if len(chain) > 1:
-                    edges.append(torch.tensor(list(zip(chain, chain[1:])), dtype=torch.long))
-        units = list(local)
-        comps: dict[int, list[int]] = {}
-        for u, rep in zip(units, classes(len(units), edges).tolist()):
-            comps.setdefault(rep, []).append(u)
-        comps_list = [sorted(comp) for comp in comps.values()]
+        # parameters join units, they do not define which units share an axis; values whose classes are all no
+        # unit axis (the residual stream) are dropped anyway
+        axes = list({id(act.units): act.units for act in self.acts  # values that share their units: once
+                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())
+        units, edges = _first_appearance(axes)
+        comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
         group_of = torch.full((self.rec.next_id,), NO_ID)
-        for k, comp in enumerate(comps_list):
-            group_of[torch.tensor(comp)] = k
-        for act in self.acts:
-            if act.units.numel():
-                self.acts_of.setdefault(int(group_of[act.units[0]]), []).append(act)
-        return comps_list
+        for k, comp in enumerate(comps):
+            group_of[comp] = k
+        carriers = [act for act in self.acts if act.units.numel()]
+        if carriers:
+            for act, k in zip(carriers, group_of[torch.cat([act.units[:1] for act in carriers])].tolist()):
+                self.acts_of.setdefault(k, []).append(act)
+        return [comp.tolist() for comp in comps]
 
     def build(self, locate: bool) -> GraphGroups:
         out = GraphGroups()
@@ -226,7 +228,7 @@ class _Builder:
     def locate(self, k: int, units: list[int], out: GraphGroups) -> bool:
         """Only where a candidate group lives (to pick the modules to trace on their own); True if located."""
         ut = torch.tensor(units)
-        hard = self.hard_reasons(units)
+        hard = self.hard_reasons(ut)
         if self.benign[ut].any() and not hard:
             return False
         sinks = self.sinks_of(ut)
@@ -239,8 +241,7 @@ class _Builder:
         out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
         return True
 
-    def hard_reasons(self, units: list[int]) -> list[str]:
-        ut = torch.tensor(units)
+    def hard_reasons(self, ut: torch.Tensor) -> list[str]:
         return sorted({why for c, why in self.hard if torch.isin(c, ut).any()})
 
     def modules_of(self, k: int) -> list[str]:
@@ -256,7 +257,7 @@ class _Builder:
 
     def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | list[Refusal] | None:
         ut = torch.tensor(units)
-        hard = self.hard_reasons(units)
+        hard = self.hard_reasons(ut)
         if hard:
             return Refusal(self.home_of(k, ut), hard, _at_output(hard))
         if self.benign[ut].any():
@@ -459,6 +460,37 @@ class _Builder:
             consts += RULES.constants_of(site)
             notes += site.notes
         return consts, notes
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What decides a tensor's contents among live tensors: its storage, offset, shape, strides and dtype."""
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _first_appearance(axes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit classes of ``axes`` (each value's unit classes, values in order) in order of first appearance, and
+    the edges that chain each value's classes, as positions in that order."""
+    if not axes:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
+    seq = torch.cat(axes)
+    value = torch.repeat_interleave(torch.arange(len(axes)), torch.tensor([len(a) for a in axes]))
+    seen, where = torch.unique(seq, return_inverse=True)
+    first = torch.full((len(seen),), len(seq)).scatter_reduce(0, where, torch.arange(len(seq)), "amin")
+    order = first.argsort()
+    position = torch.empty_like(order)
+    position[order] = torch.arange(len(order))
+    chained, same_value = position[where], value[1:] == value[:-1]
+    return seen[order], torch.stack([chained[:-1][same_value], chained[1:][same_value]], dim=1)
+
+
+def _components(units: torch.Tensor, rep: torch.Tensor, bound: int) -> list[torch.Tensor]:
+    """``units`` (classes below ``bound``) grouped by their component representatives ``rep`` (each the first
+    position of its component): components in order of first appearance, each one's classes sorted."""
+    if not len(units):
+        return []
+    order = torch.argsort(rep * bound + units)
+    _, sizes = torch.unique_consecutive(rep[order], return_counts=True)
+    return list(torch.split(units[order], sizes.tolist()))
 
 
 def analyse(lab: Labeller, locate: bool = False) -> GraphGroups:

@@ -16,6 +16,8 @@ import torch.fx
 from torch.fx.node import Node, map_arg
 
 from ..capture.calls import meta_state
+from ..capture.meta_memo import MetaMemo
+from ..compat import running_node, tree_leaves, tree_map
 from .records import Act, Records
 
 
@@ -47,7 +49,7 @@ def _reads_metadata(n: Node) -> bool:
 
 
 def to_meta(x: Any) -> Any:
-    return torch.utils._pytree.tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, x)
+    return tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, x)
 
 
 class Labeller(torch.fx.Interpreter):
@@ -64,6 +66,7 @@ class Labeller(torch.fx.Interpreter):
         self.rec = rec if rec is not None else Records()
         self.seeds = seeds  # set when labelling the inside of an opaque function: its inputs' labels
         self.meta = meta
+        self.memo = MetaMemo()  # blocks built alike: their shapes are worked out once
         self.dynamic: set[Node] = set()  # nodes whose values depend on the inputs
         self.labels: dict[Node, Any] = {}
         self.shapes: dict[Node, Any] = {}
@@ -74,12 +77,12 @@ class Labeller(torch.fx.Interpreter):
         if (n.op == "placeholder" and not self.nested) or any(a in self.dynamic for a in n.all_input_nodes):
             self.dynamic.add(n)
         if self.meta and n in self.dynamic:
-            with self._set_current_node(n):
+            with running_node(self, n), self.memo:
                 args, kwargs = to_meta(self.fetch_args_kwargs_from_env(n))
                 out = getattr(self, n.op)(n.target, args, kwargs)
         else:
             out = super().run_node(n)
-        if n.op == "placeholder" and self.nested and any(_is_meta(t) for t in torch.utils._pytree.tree_leaves(out)):
+        if n.op == "placeholder" and self.nested and any(_is_meta(t) for t in tree_leaves(out)):
             self.dynamic.add(n)  # the caller's value depends on its inputs
         if n in self.dynamic and _reads_metadata(n):  # known exactly on the meta device: index tables built
             self.dynamic.discard(n)                    # from sizes on x.device are computed for real
@@ -101,10 +104,12 @@ class Labeller(torch.fx.Interpreter):
         return to_meta(out) if self.meta and not self.nested else out  # a caller's values are already decided
 
     def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if not self.meta or not any(_is_meta(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+        if not self.meta or not any(_is_meta(t) for t in tree_leaves((args, kwargs))):
             return super().call_module(target, args, kwargs)
         mod = self.fetch_attr(target)
         state = meta_state(mod)
+        if not state:  # nothing to swap for meta tensors (a dropout, an activation): a plain call
+            return super().call_module(target, args, kwargs)
         return torch.func.functional_call(mod, state, args, kwargs)
 
     def label_of(self, n: Node) -> Any:

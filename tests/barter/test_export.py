@@ -3,6 +3,7 @@ counts, further training), models barter did not resize, and clear errors for co
 import copy
 import gc
 import json
+import pickle
 import weakref
 
 import pytest
@@ -153,6 +154,7 @@ def test_model_barter_did_not_resize(tmp_path):
     tensors; a dense model exports every group at its maximum."""
     model, ctl, _ = compact_timm(*CCT)
     copied = copy.deepcopy(model)
+    del copied.barter_base  # what barter knows of the model's base
     loaded = barter.load(barter.export(copied, tmp_path / "copy"))
     assert read_topology(tmp_path / "copy")["groups"] == read_topology(barter.export(model, tmp_path / "model"))[
         "groups"]
@@ -167,7 +169,8 @@ def test_model_barter_did_not_resize(tmp_path):
 def test_half_precision_comes_back_in_half_precision(tmp_path):
     model, _, _ = compact_timm(*CCT)
     model.to(torch.bfloat16)
-    copied = copy.deepcopy(model)  # no recorded analysis: the single-precision base is analysed
+    copied = copy.deepcopy(model)
+    del copied.barter_base  # no recorded analysis: the single-precision base is analysed
     for source, name in ((model, "model"), (copied, "copy")):
         loaded = barter.load(barter.export(source, tmp_path / name))
         assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
@@ -259,3 +262,20 @@ def test_recorded_analyses_do_not_keep_models_alive(tmp_path):
     del model, ctl, loaded
     gc.collect()
     assert all(ref() is None for ref in refs)
+
+
+def test_the_base_travels_with_the_model(tmp_path, monkeypatch):
+    """`model.barter_base` is an attribute: a model made by `wrap` or `load`, a deep copy of either and a pickle
+    round trip of either export the same topology, each without analysing the model again."""
+    model, ctl, _ = compact_timm(*VIT)
+    ctl.close()
+    loaded = barter.load(barter.export(model, tmp_path / "model"))
+    expected = read_topology(tmp_path / "model")
+    assert loaded.barter_base.architecture == VIT[0] and loaded.barter_base.analysis == model.barter_base.analysis
+    monkeypatch.setattr(barter.serialization, "analyse", None)  # exporting must not analyse anything
+    for label, source in (("wrap", model), ("load", loaded)):
+        for way, made in (("deepcopy", copy.deepcopy(source)), ("pickle", pickle.loads(pickle.dumps(source)))):
+            assert made.barter_base.analysis == source.barter_base.analysis, (label, way)
+            topology = read_topology(barter.export(made, tmp_path / f"{label}-{way}", program=False))
+            assert {k: v for k, v in topology.items() if k != "program"} == {
+                k: v for k, v in expected.items() if k != "program"}, (label, way)

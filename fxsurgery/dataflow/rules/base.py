@@ -15,6 +15,7 @@ from ..labeller import Label, Step
 from ..rule_table import RuleTable
 
 RULES = RuleTable()
+register_rule = RULES.register  # the one way a rule enters the table, the built-in families' and a user's
 
 
 def first_tensor(s: Step) -> tuple[torch.Tensor, Label | None]:

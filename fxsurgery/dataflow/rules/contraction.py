@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
 from ..records import Note
-from .base import RULES, defer_pins, elementwise_labels, mix, pin_all
+from .base import defer_pins, elementwise_labels, mix, pin_all, register_rule
 
 
 class Operand(NamedTuple):
@@ -148,8 +148,7 @@ def matmul_subs(ra: int, rb: int) -> tuple[str, str, str]:
     return a, b, out
 
 
-@RULES.function(torch.matmul, operator.matmul, torch.bmm, torch.mm)
-@RULES.method("matmul", "bmm", "mm")
+@register_rule(torch.matmul, operator.matmul, torch.bmm, torch.mm, "matmul", "bmm", "mm")
 def matmul(s: Step) -> Label | None:
     (a, la), (b, lb) = list(s.tensors())[:2]
     sa, sb, so = matmul_subs(a.dim(), b.dim())
@@ -175,7 +174,7 @@ def parse_einsum(eq: str, ranks: Sequence[int]) -> tuple[list[str], str]:
     return subs, rhs
 
 
-@RULES.function(torch.einsum)
+@register_rule(torch.einsum)
 def einsum(s: Step) -> Label | None:
     eq = s.args[0]
     ops = list(s.tensors())
@@ -203,7 +202,7 @@ def _shared_by_heads(s: Step, lab: Label | None, heads: int) -> Label | None:
     return Label(lab.ids, True)
 
 
-@RULES.function(F.scaled_dot_product_attention)
+@register_rule(F.scaled_dot_product_attention)
 def sdpa(s: Step) -> Label | None:
     (q, lq), (k, lk), (v, lv) = s.arg(0, "query"), s.arg(1, "key"), s.arg(2, "value")
     mask, lmask = s.arg(3, "attn_mask")

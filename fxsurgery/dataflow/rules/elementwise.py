@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..labeller import Label, Step
-from .base import RULES, elementwise_labels, first_tensor
+from .base import elementwise_labels, first_tensor, register_rule
 
 _UNARY_FUNCS = [
     torch.relu, F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.hardswish, F.hardsigmoid, F.mish,
@@ -27,7 +27,6 @@ _ELEMENTWISE_METHODS = [
     "square", "clamp", "clip", "pow", "add", "sub", "mul", "div", "masked_fill", "where", "lerp",
     "zero", "fill", "nan_to_num", "softplus", "addcmul", "maximum", "minimum",
 ]
-_ELEMENTWISE_METHODS += [f"{m}_" for m in _ELEMENTWISE_METHODS if hasattr(torch.Tensor, f"{m}_")]  # in place
 _PASSTHROUGH_METHODS = [
     "contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as",
     "requires_grad_", "cpu", "cuda",
@@ -39,21 +38,20 @@ _ELEMENTWISE_MODULES = (
 )
 
 
-@RULES.function(*_UNARY_FUNCS, *_BINARY_FUNCS)
-@RULES.method(*_ELEMENTWISE_METHODS)
+@register_rule(*_UNARY_FUNCS, *_BINARY_FUNCS, *_ELEMENTWISE_METHODS)
 def elementwise(s: Step) -> Label | None:
     if not torch.is_tensor(s.out):
         return None
     return elementwise_labels(s, list(s.tensors()), s.out.dim())
 
 
-@RULES.method(*_PASSTHROUGH_METHODS)
+@register_rule(*_PASSTHROUGH_METHODS)
 def passthrough(s: Step) -> Label | None:
     """Copies and dtype/device moves: the first tensor's ids (later tensor arguments only give a dtype)."""
     x, xl = first_tensor(s)
     return xl if torch.is_tensor(s.out) else None
 
 
-@RULES.module(*_ELEMENTWISE_MODULES)
+@register_rule(*_ELEMENTWISE_MODULES)
 def elementwise_module(s: Step) -> Label | None:
     return elementwise(s)

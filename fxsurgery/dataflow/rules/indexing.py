@@ -10,8 +10,7 @@ from torch.fx.node import Node
 from ..constants import ConstantSpec, Site, Unsupported, set_path
 from ..ids import align, compact, expand_dims, pairs
 from ..labeller import Label, Step
-from ..rule_table import always
-from .base import RULES, first_tensor, pin_all, wrap_dim
+from .base import RULES, first_tensor, pin_all, register_rule, wrap_dim
 
 
 def _slice_like(s: Step, dim: int) -> Any:
@@ -28,14 +27,13 @@ def _slice_like(s: Step, dim: int) -> Any:
     return Label(compact(res), xl.param)
 
 
-@RULES.function(torch.split, torch.chunk, torch.tensor_split)
-@RULES.method("split", "chunk", "tensor_split")
+@register_rule(torch.split, torch.chunk, torch.tensor_split, "split", "chunk", "tensor_split")
 def split(s: Step) -> Any:
     dim = s.arg(2, "dim", 0)[0]
     return _slice_like(s, dim)
 
 
-@RULES.constants(functions=[torch.split], methods=["split"])
+@RULES.constants(torch.split, "split")
 def split_constants(site: Site) -> list[ConstantSpec]:
     if site.in_dim is None:
         return []
@@ -59,19 +57,17 @@ def _literal_size(site: Site, v: Any) -> int:
     return v
 
 
-@RULES.function(torch.unbind)
-@RULES.method("unbind")
+@register_rule(torch.unbind, "unbind")
 def unbind(s: Step) -> Any:
     return _slice_like(s, s.arg(1, "dim", 0)[0])
 
 
-@RULES.function(torch.narrow, torch.select, torch.index_select)
-@RULES.method("narrow", "select", "index_select")
+@register_rule(torch.narrow, torch.select, torch.index_select, "narrow", "select", "index_select")
 def narrow(s: Step) -> Any:
     return _slice_like(s, s.arg(1, "dim", 0)[0])
 
 
-@RULES.constants(functions=[torch.narrow], methods=["narrow"])
+@RULES.constants(torch.narrow, "narrow")
 def narrow_constants(site: Site) -> list[ConstantSpec]:
     if site.in_dim is None:
         return []
@@ -110,8 +106,7 @@ def index_dims(index: Any, ndim: int) -> list[IndexEntry]:
     return out
 
 
-@RULES.function(operator.getitem)
-@always
+@register_rule(operator.getitem, always=True)
 def getitem(s: Step) -> Any:
     src, idx = s.args[0], s.args[1]
     if s.node.args[0] in s.rec.size_reads:
@@ -135,7 +130,7 @@ def getitem(s: Step) -> Any:
     return Label(compact(res), xl.param)
 
 
-@RULES.constants(functions=[operator.getitem])
+@RULES.constants(operator.getitem)
 def getitem_constants(site: Site) -> list[ConstantSpec]:
     if site.in_dim is None:
         return []
@@ -161,7 +156,7 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
     return out
 
 
-@RULES.function(operator.setitem)
+@register_rule(operator.setitem)
 def setitem(s: Step) -> None:
     """``target[index] = value``: the written region of a labelled target takes the value's coordinates
     (tied); coordinates written into a plain tensor cannot be followed."""

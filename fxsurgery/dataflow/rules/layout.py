@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..ids import NO_ID, align, compact, expand_dims, fold
 from ..labeller import Label, Step
-from .base import RULES, defer_pins, first_tensor, wrap_dim
+from .base import defer_pins, first_tensor, register_rule, wrap_dim
 
 
 class Piece(NamedTuple):
@@ -21,7 +21,7 @@ class Piece(NamedTuple):
     shape: list[int]
 
 
-@RULES.function(torch.cat, torch.concat, torch.stack)
+@register_rule(torch.cat, torch.concat, torch.stack)
 def cat(s: Step) -> Label | None:
     tensors, dim = s.args[0], s.arg(1, "dim", 0)[0]
     labels = s.largs[0]
@@ -63,7 +63,7 @@ def cat(s: Step) -> Label | None:
     return Label(out, all(p.param for p in labelled))
 
 
-@RULES.function(F.pad)
+@register_rule(F.pad)
 def pad(s: Step) -> Label:
     """Padding along a dim whose positions carry different coordinates adds positions that carry none; along
     a dim whose positions all carry the same ones (space, beside the channels) the new positions are theirs
@@ -78,8 +78,7 @@ def pad(s: Step) -> Label:
     return Label(compact(F.pad(ids, tuple(widths), value=NO_ID)), xl.param)
 
 
-@RULES.function(torch.roll, torch.flip, torch.repeat_interleave)
-@RULES.method("roll", "flip", "repeat", "repeat_interleave")
+@register_rule(torch.roll, torch.flip, torch.repeat_interleave, "roll", "flip", "repeat", "repeat_interleave")
 def reorder(s: Step) -> Any:
     """Shifts and flips move positions, repeats copy them (grouped-query attention's key/value heads): run
     them on ids expanded along every dim."""
@@ -89,7 +88,7 @@ def reorder(s: Step) -> Any:
     return Label(compact(fn(*s.args[1:], **s.kwargs)), xl.param)
 
 
-@RULES.method("unfold")
+@register_rule("unfold")
 def windows(s: Step) -> Label:
     """``x.unfold(dim, size, step)``: overlapping windows along ``dim`` (a new last dim of window positions):
     run it on ids expanded along ``dim``."""
@@ -99,8 +98,7 @@ def windows(s: Step) -> Label:
     return Label(compact(ids.unfold(d, s.arg(2, "size")[0], s.arg(3, "step")[0])), xl.param)
 
 
-@RULES.function(F.unfold)
-@RULES.module(nn.Unfold)
+@register_rule(F.unfold, nn.Unfold)
 def unfold(s: Step) -> Label | None:
     """Sliding blocks ``[N, C, *space] -> [N, C * prod(kernel), blocks]``: channel c becomes the rows of its
     kernel positions, ``c * K .. (c + 1) * K - 1``; positions within a channel are one coordinate."""

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from ..ids import align, fold, pairs
 from ..labeller import Label, Step
 from ..records import NonEmpty, Sink, Space
-from ..rule_table import always
-from .base import RULES, defer_pins, first_tensor, param_label
+from .base import defer_pins, first_tensor, param_label, register_rule
 from .opaque import fallback
 
 
@@ -68,11 +67,12 @@ def _is_state(s: Step, node: Any) -> bool:
         return False
     owner, _, name = node.target.rpartition(".")
     module = s.lab.module.get_submodule(owner)
-    return name in module._parameters or name in module._buffers
+    state = (*module.named_parameters(recurse=False, remove_duplicate=False),
+             *module.named_buffers(recurse=False, remove_duplicate=False))
+    return any(name == own for own, _ in state)
 
 
-@RULES.module(nn.Linear)
-@always
+@register_rule(nn.Linear, always=True)
 def linear_module(s: Step) -> Label:
     x, xl = first_tensor(s)
     mod = s.lab.module.get_submodule(s.node.target)
@@ -80,8 +80,7 @@ def linear_module(s: Step) -> Label:
     return linear_labels(s, x, xl, f"{s.node.target}.weight", bias)
 
 
-@RULES.function(F.linear)
-@always
+@register_rule(F.linear, always=True)
 def linear_function(s: Step) -> Label:
     x, xl = s.arg(0, "input")
     raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
@@ -92,8 +91,7 @@ def linear_function(s: Step) -> Label:
     return linear_labels(s, x, xl, weight, (bval, blab, bname), computed=s.arg(1, "weight")[1])
 
 
-@RULES.function(torch.addmm)
-@always
+@register_rule(torch.addmm, always=True)
 def addmm(s: Step) -> Label:
     """``bias + x @ W`` with W a parameter stored [in, out]: a linear map whose weight rows are its inputs."""
     (bval, blab), (x, xl) = s.arg(0, "input"), s.arg(1, "mat1")
@@ -110,16 +108,14 @@ _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_FUNCS = (F.conv1d, F.conv2d, F.conv3d)
 
 
-@RULES.module(*_CONVS)
-@always
+@register_rule(*_CONVS, always=True)
 def conv_module(s: Step) -> Label | None:
     mod = s.lab.module.get_submodule(s.node.target)
     bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
     return conv_labels(s, f"{s.node.target}.weight", mod.weight, bias, mod.groups)
 
 
-@RULES.function(*_CONV_FUNCS)
-@always
+@register_rule(*_CONV_FUNCS, always=True)
 def conv_function(s: Step) -> Label | None:
     raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
     if not _is_state(s, raw_w):  # a computed kernel (or a plain attribute): nothing to slice
@@ -175,8 +171,7 @@ _POOL_FUNCS = (
 )
 
 
-@RULES.module(*_POOL_MODULES, nn.Upsample)
-@RULES.function(*_POOL_FUNCS, F.interpolate)
+@register_rule(*_POOL_MODULES, nn.Upsample, *_POOL_FUNCS, F.interpolate)
 def pool(s: Step) -> Label | None:
     """Pooling and resampling over space keep channels (dim 1) apart, like a depthwise convolution without
     weights (a position embedding resized to another grid keeps its channels)."""

@@ -11,7 +11,7 @@ from ..constants import ConstantSpec, Site
 from ..ids import align
 from ..labeller import Label, Step
 from ..records import Weighing
-from .base import RULES, elementwise_labels, first_tensor, mix, param_label, wrap_dim
+from .base import RULES, elementwise_labels, first_tensor, mix, param_label, register_rule, wrap_dim
 
 
 def _normalise(s: Step, x: torch.Tensor, xl: Label | None, dims: Sequence[int], what: str,
@@ -30,20 +30,19 @@ def _softmax(s: Step, x: torch.Tensor, xl: Label | None, dim: int) -> Label | No
     return _normalise(s, x, xl, [d], "softmax")
 
 
-@RULES.function(F.softmax, torch.softmax, F.log_softmax, torch.log_softmax)
-@RULES.method("softmax", "log_softmax")
+@register_rule(F.softmax, torch.softmax, F.log_softmax, torch.log_softmax, "softmax", "log_softmax")
 def softmax(s: Step) -> Label:
     x, xl = first_tensor(s)
     return _softmax(s, x, xl, s.arg(1, "dim")[0])
 
 
-@RULES.module(nn.Softmax)
+@register_rule(nn.Softmax)
 def softmax_module(s: Step) -> Label:
     x, xl = first_tensor(s)
     return _softmax(s, x, xl, s.lab.module.get_submodule(s.node.target).dim)
 
 
-@RULES.function(F.layer_norm, F.rms_norm)
+@register_rule(F.layer_norm, F.rms_norm)
 def layer_norm(s: Step) -> Label:
     x, xl = s.arg(0, "input")
     shape = s.arg(1, "normalized_shape")[0]
@@ -53,7 +52,7 @@ def layer_norm(s: Step) -> Label:
     return _normalise(s, x, xl, dims, "normalisation", affine)
 
 
-@RULES.constants(functions=[F.layer_norm, F.rms_norm])
+@RULES.constants(F.layer_norm, F.rms_norm)
 def layer_norm_constants(site: Site) -> list[ConstantSpec]:
     if site.in_dim is None:
         return []
@@ -64,7 +63,7 @@ def layer_norm_constants(site: Site) -> list[ConstantSpec]:
     return [site.constant(("args", 1, site.in_dim - first), site.in_shape[site.in_dim])]
 
 
-@RULES.module(nn.LayerNorm, nn.RMSNorm)
+@register_rule(nn.LayerNorm, nn.RMSNorm)
 def layer_norm_module(s: Step) -> Label:
     x, xl = first_tensor(s)
     mod = s.lab.module.get_submodule(s.node.target)
@@ -77,7 +76,7 @@ def layer_norm_module(s: Step) -> Label:
     return _normalise(s, x, xl, dims, "normalisation", affine)
 
 
-@RULES.module(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+@register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 def batch_norm_module(s: Step) -> Label | None:
     """Statistics are per channel (dim 1): channels stay separate, and the affine weights and running
     statistics are per-channel members."""
@@ -97,15 +96,15 @@ def batch_norm_module(s: Step) -> Label | None:
     return elementwise_labels(s, operands, x.dim())
 
 
-@RULES.function(F.normalize)
+@register_rule(F.normalize)
 def normalize(s: Step) -> Label:
     x, xl = first_tensor(s)
     d = s.arg(2, "dim", 1)[0]
     return _normalise(s, x, xl, [wrap_dim(d, x.dim())], "normalisation")
 
 
-@RULES.function(torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.norm, torch.var, torch.std)
-@RULES.method("sum", "mean", "amax", "amin", "logsumexp", "norm", "var", "std")
+@register_rule(torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.norm, torch.var, torch.std,
+               "sum", "mean", "amax", "amin", "logsumexp", "norm", "var", "std")
 def reduce(s: Step) -> Label | None:
     x, xl = first_tensor(s)
     ids = align(xl.ids, x.dim())

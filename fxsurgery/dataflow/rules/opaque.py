@@ -8,14 +8,16 @@ from typing import Any
 import torch
 
 from ...capture.inline import pack
-from ...capture.tracer import pytree_info, trace_function
+from ...capture.tracer import trace_function
+from ...compat import pytree_info, tree_unflatten
 from ...errors import TraceError
 from ..labeller import Label, Labeller, Step
 from ..records import Opaque
-from .base import RULES, pin_all
+from ..rule_table import FALLBACK
+from .base import RULES, pin_all, register_rule
 
 
-@RULES.function(pack)
+@register_rule(pack)
 def packed(s: Step) -> Any:
     """An inlined helper's returned structure: the labels of its parts."""
     lab = s.largs[0]
@@ -45,9 +47,10 @@ def inline(s: Step) -> Any:
         _INLINING.discard(target)
     out = sub.labels[next(n for n in gm.graph.nodes if n.op == "output")]
     info = pytree_info(gm.graph)
-    return torch.utils._pytree.tree_unflatten(list(out), info.out_spec) if info is not None else out
+    return tree_unflatten(list(out), info.out_spec) if info is not None else out
 
 
+@register_rule(FALLBACK)
 def fallback(s: Step) -> None:
     """No rule: look inside plain Python functions; otherwise ids that reach this op become
     unsliceable, unless the op returns no tensor."""
@@ -72,6 +75,3 @@ def fallback(s: Step) -> None:
 
 def _is_param(label: Any) -> bool:
     return isinstance(label, Label) and label.param
-
-
-RULES.fallback = fallback

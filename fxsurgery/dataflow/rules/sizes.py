@@ -7,12 +7,10 @@ import torch
 
 from ..ids import align
 from ..labeller import Label, Step
-from ..rule_table import always
-from .base import RULES
+from .base import register_rule
 
 
-@RULES.function(getattr)
-@always
+@register_rule(getattr, always=True)
 def attribute(s: Step) -> Any:
     if s.args[1] in ("shape",):
         s.rec.size_reads.add(s.node)
@@ -23,8 +21,7 @@ def attribute(s: Step) -> Any:
     return None
 
 
-@RULES.method("size", "dim", "numel", "__len__")
-@always
+@register_rule("size", "dim", "numel", "__len__", always=True)
 def size(s: Step) -> None:
     s.rec.size_reads.add(s.node)
     return None

@@ -9,12 +9,14 @@ import torch.nn.functional as F
 
 from ...capture.tracer import CODE_CONSTANT
 from ..labeller import Label, Step
-from .base import RULES, param_label
+from ..rule_table import NodeKind
+from .base import param_label, register_rule
 
 # functions whose rules read a parameter in these argument positions by its name, never by its labels
 _READ_BY_NAME = {F.linear: (1, 2), F.conv1d: (1, 2), F.conv2d: (1, 2), F.conv3d: (1, 2), torch.addmm: (0, 2)}
 
 
+@register_rule(NodeKind("get_attr"), always=True)
 def get_attr(s: Step) -> Label | None:
     """Parameters and float buffers get one fresh id per element; integer buffers are indices. A weight that
     only linear maps read (a captured graph's ``F.linear(x, weight)``) needs none: its rule names it."""
@@ -37,6 +39,7 @@ def _read_by_name(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     return all(i in slots for i, a in enumerate(user.args) if a is node)
 
 
+@register_rule(NodeKind("output"), always=True)
 def output(s: Step) -> Any:
     if s.lab.nested:  # the inside of an opaque function hands its labels back to the caller
         return s.largs[0]
@@ -46,10 +49,6 @@ def output(s: Step) -> Any:
     return None
 
 
+@register_rule(NodeKind("placeholder"), always=True)
 def placeholder(s: Step) -> Any:
     return s.lab.seeds.get(s.node.target) if s.lab.nested else None
-
-
-RULES.always["get_attr"] = get_attr
-RULES.always["output"] = output
-RULES.always["placeholder"] = placeholder

@@ -10,12 +10,12 @@ from torch.fx.node import Node
 from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
 from ..ids import align, compact, reshape_blocks, reshape_ids
 from ..labeller import Label, Step
-from .base import RULES, first_tensor
+from .base import RULES, first_tensor, register_rule
 
 
-@RULES.function(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten)
-@RULES.method("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as")
-@RULES.module(nn.Flatten)  # no sizes of its own (nn.Unflatten holds one: no rule, so it is refused)
+@register_rule(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
+               "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
+               nn.Flatten)  # no sizes of its own (nn.Unflatten holds one: no rule, so it is refused)
 def reshape(s: Step) -> Label | None:
     x, xl = first_tensor(s)
     if xl is None:  # only the shape source (view_as / reshape_as) carries ids
@@ -70,7 +70,7 @@ def _read_along_units(site: Site, value: object) -> bool:
     return isinstance(source, Node) and site.axes.get((source, None)) == value.args[1]
 
 
-@RULES.constants(functions=[torch.reshape], methods=["view", "reshape"])
+@RULES.constants(torch.reshape, "view", "reshape")
 def reshape_constants(site: Site) -> list[ConstantSpec]:
     """As ``view_constants``; a ``-1`` beside the unit axis would take the whole size at zero units, so
     the size it stands for is written in where it cannot depend on the count or on other input sizes."""
@@ -116,7 +116,7 @@ def _merged_without_units(site: Site, k: int) -> list[int] | None:
     return None
 
 
-@RULES.constants(functions=[torch.unflatten], methods=["unflatten"])
+@RULES.constants(torch.unflatten, "unflatten")
 def unflatten_constants(site: Site) -> list[ConstantSpec]:
     if site.out_dim is None or site.in_dim is None:
         return []
@@ -127,8 +127,8 @@ def unflatten_constants(site: Site) -> list[ConstantSpec]:
     return [site.constant(("args", 2, k), site.out_shape[site.out_dim])]
 
 
-@RULES.function(torch.permute, torch.transpose, torch.movedim, torch.swapaxes, torch.t)
-@RULES.method("permute", "transpose", "movedim", "swapaxes", "t", "swapdims")
+@register_rule(torch.permute, torch.transpose, torch.movedim, torch.swapaxes, torch.t,
+               "permute", "transpose", "movedim", "swapaxes", "t", "swapdims")
 def move_dims(s: Step) -> Label:
     """Dim moves act on ids exactly as on the value."""
     x, xl = first_tensor(s)
@@ -141,14 +141,13 @@ def move_dims(s: Step) -> Label:
     return Label(out, xl.param)
 
 
-@RULES.method("expand", "expand_as", "broadcast_to")
-@RULES.function(torch.broadcast_to)
+@register_rule("expand", "expand_as", "broadcast_to", torch.broadcast_to)
 def expand(s: Step) -> Label:
     x, xl = first_tensor(s)
     return Label(align(xl.ids, s.out.dim()), xl.param)
 
 
-@RULES.constants(methods=["expand"])
+@RULES.constants("expand")
 def expand_constants(site: Site) -> list[ConstantSpec]:
     if site.out_dim is None:
         return []

@@ -1,0 +1,120 @@
+"""``analyse``: what fxsurgery finds in a model, as a read-only value (``Analysis``) that ``Surgeon`` installs.
+
+The analysis runs on a working copy of the model whose parameters share the model's storage (no memory) and
+whose buffers are cloned, so tracing, the train-mode capture and the self-check's trial edits never touch the
+model. The value keeps what installing needs (the hosts, their graphs and self-check outcomes) so that
+``Surgeon(model, analysis)`` does no tracing; pickling and copying drop that part, and a Surgeon given an analysis
+without it analyses the model again and checks that it finds the same.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from ..capture.call_signature import describe
+from ..editing import Editor
+from ..groups import LeftOut, UnitGroup
+from .model import ModelPlan, install_model, plan_model
+
+Structure = tuple[tuple[str, str, tuple], ...]  # (module path, class, ((tensor, shape, dtype), ...)) per module
+
+
+@dataclass(eq=False)
+class Analysis:
+    """The unit groups of a model called as ``model(*example_inputs, **example_kwargs)`` at their analysed
+    counts, what was left out and why, and which front end recorded each host module.
+
+    Two analyses are equal when they describe the same groups, left-out parts and front ends of models of the
+    same structure called alike. Picklable; a pickled or copied analysis installs by analysing again."""
+
+    model_class: str
+    structure: Structure
+    groups: tuple[UnitGroup, ...]
+    left_out: tuple[LeftOut, ...]
+    front_ends: dict[str, str]
+    example_inputs: tuple
+    example_kwargs: dict[str, Any]
+    _plan: ModelPlan | None = field(default=None, repr=False)
+
+    def group(self, name: str) -> UnitGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"no group named {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Analysis):
+            return NotImplemented
+        return self._key() == other._key()
+
+    __hash__ = None  # mutable containers inside: equal, not hashable
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The description without the install plan (graphs bound to the analysed copy's code)."""
+        return {**self.__dict__, "_plan": None}
+
+    def _key(self) -> tuple:
+        groups = tuple(describe_group(g) for g in self.groups)
+        left_out = tuple((lo.module, tuple(lo.reasons)) for lo in self.left_out)
+        call = describe((self.example_inputs, self.example_kwargs))
+        return self.model_class, self.structure, groups, left_out, tuple(self.front_ends.items()), call
+
+
+def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None) -> Analysis:
+    """Find the unit groups of ``model`` called as ``model(*example_inputs, **example_kwargs)``, leaving ``model``
+    untouched (same forward, parameters, buffers and ``state_dict``). Every group offered has passed the
+    self-check: a clone leaves the outputs unchanged and a removal equals masking the unit."""
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    if not args and not kwargs:
+        raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
+    working = working_copy(model)
+    plan = plan_model(working, (args, kwargs))
+    found = install_model(working, plan, Editor(working))
+    return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
+                    found.front_ends, args, kwargs, plan)
+
+
+def working_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters are new objects over the same storage (edits replace data, never
+    write into it) and whose buffers are cloned (a train-mode capture updates running statistics)."""
+    memo: dict[int, Any] = {id(b): b.clone() for b in model.buffers()}
+    memo.update({id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in model.parameters()})
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:  # an attribute deepcopy cannot copy (a lock, a file handle)
+        raise TypeError(f"fxsurgery analyses a copy of {type(model).__name__} so the model stays untouched, and "
+                        f"the model cannot be copied: {type(err).__name__}: {err}") from err
+
+
+def structure(model: nn.Module) -> Structure:
+    """Each module's path, class and tensors (name, shape, dtype): what an installed plan relies on."""
+    rows = []
+    for name, module in model.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        rows.append((name, type(module).__qualname__,
+                     tuple((k, tuple(t.shape), str(t.dtype)) for k, t in tensors if t is not None)))
+    return tuple(rows)
+
+
+def structure_difference(expected: Structure, found: Structure) -> str:
+    """The first module where ``found`` differs from ``expected``, in words."""
+    for want, have in zip(expected, found):
+        if want != have:
+            return f"module {want[0] or '(model)'} was {want[1:]} and is {have[1:]}"
+    return f"{len(expected)} modules were analysed and the model has {len(found)}"
+
+
+def describe_group(g: UnitGroup) -> tuple:
+    """Everything a group says about itself (its count as analysed)."""
+    return (g.name, g.kind, g.module, g.count, g.max_count, g.min_count, g.exact, g.slices, g.notes)
+
+
+def check_installed(analysis: Analysis, groups: list[UnitGroup]) -> None:
+    """Installing must offer exactly the analysed groups."""
+    if [describe_group(g) for g in groups] != [describe_group(g) for g in analysis.groups]:
+        raise RuntimeError(f"installing the analysis of {analysis.model_class} offered other groups than it found: "
+                           f"{[g.name for g in groups]} against {[g.name for g in analysis.groups]}")

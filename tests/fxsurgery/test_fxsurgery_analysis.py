@@ -1,0 +1,114 @@
+"""`fxsurgery.analyse`: a read-only value that leaves the model untouched, pickles, compares, and installs with
+`Surgeon(model, analysis)` without analysing again."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
+
+from fxsurgery import Analysis, Surgeon, analyse
+from fxsurgery.analysis import model as model_analysis
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Everything a user could observe of a model without running it."""
+    return {
+        "attributes": {name: sorted(vars(m)) for name, m in model.named_modules()},
+        "forwards": {name: m.forward.__func__ for name, m in model.named_modules()},
+        "tensors": {name: (t, t.data_ptr(), t.detach().clone()) for name, t in
+                    [*model.named_parameters(), *model.named_buffers()]},
+        "state_dict": list(model.state_dict()),
+        "hooks": {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks)) for name, m in model.named_modules()},
+        "training": {name: m.training for name, m in model.named_modules()},
+    }
+
+
+def assert_untouched(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    for key in ("attributes", "forwards", "state_dict", "hooks", "training"):
+        assert after[key] == before[key], key
+    for name, (tensor, pointer, value) in before["tensors"].items():
+        now, now_pointer, _ = after["tensors"][name]
+        assert now is tensor and now_pointer == pointer and torch.equal(now, value), name
+
+
+def test_analyse_leaves_the_model_untouched() -> None:
+    """A model with batch norm in train mode (a train-mode capture would move its running statistics): the
+    analysis finds the groups and the model keeps its forward, attributes, tensors and their values."""
+    torch.manual_seed(0)
+    model = ConvTransformer().double().train()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.double)
+    before = snapshot(model)
+    with torch.no_grad():
+        y = model.eval()(x)
+    model.train()
+    analysis = analyse(model, (x,))
+    assert [g.name for g in analysis.groups] == ["attns.0:head", "mlps.0:channel", "attns.1:head", "mlps.1:channel"]
+    assert all(g.count == g.max_count for g in analysis.groups)
+    assert_untouched(model, before)
+    with torch.no_grad():
+        assert torch.equal(model.eval()(x), y)
+
+
+def test_analysis_pickles_copies_and_compares() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3)).double()
+    x = torch.randn(2, 4, 5, dtype=torch.double)
+    analysis = analyse(model, (x,))
+    assert analysis == analyse(copy.deepcopy(model), (x,))  # the same model, analysed again
+    restored = pickle.loads(pickle.dumps(analysis))
+    assert isinstance(restored, Analysis) and restored == analysis and restored._plan is None
+    assert copy.deepcopy(analysis) == analysis
+    assert [(g.name, g.count, g.slices) for g in restored.groups] == [(g.name, g.count, g.slices)
+                                                                        for g in analysis.groups]
+    assert analysis != analyse(TinyTransformer(Style(heads=2)).double(), (x,))  # other widths
+    assert analysis != analyse(model, (torch.randn(2, 4, 5),))  # another dtype of the call
+
+
+def test_surgeon_installs_an_analysis_without_analysing_again(monkeypatch) -> None:
+    """`Surgeon(model, analysis)` installs the plan the analysis made; on a model built alike it operates as a
+    Surgeon made from the example call does (a removal equals masking the unit)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3)).double().eval()
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 4, 5, dtype=torch.double)
+    analysis = analyse(model, (x,))
+
+    def no_planning(*_):
+        raise AssertionError("Surgeon(model, analysis) planned again")
+
+    monkeypatch.setattr(model_analysis, "plan_model", no_planning)
+    surgeon = Surgeon(model, analysis)
+    assert surgeon.analysis is analysis
+    assert [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
+    head = surgeon.group(analysis.groups[0].name)
+    surgeon.remove(head, 1)
+    assert analysis.groups[0].count == analysis.groups[0].max_count  # the analysis keeps its counts
+    out = next(sl for sl in head.slices if sl.output)
+    reference = masked_copy(original, {out.name: {1}}, {out.name: out.outer * out.inner})
+    with torch.no_grad():
+        assert (model(x) - reference(x)).abs().max() <= 1e-9
+
+
+def test_surgeon_refuses_an_analysis_of_another_model() -> None:
+    x = torch.randn(2, 4, 5)
+    analysis = analyse(TinyTransformer(Style(heads=3)), (x,))
+    with pytest.raises(ValueError, match=r"another model than this TinyTransformer: module blocks\.0\.attn\.qkv"):
+        Surgeon(TinyTransformer(Style(heads=2)), analysis)
+    with pytest.raises(ValueError, match="an Analysis or an example call, not both"):
+        Surgeon(TinyTransformer(Style(heads=3)), analysis, {"mask": None})
+
+
+def test_an_unpickled_analysis_installs_after_analysing_again() -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3)).double()
+    x = torch.randn(2, 4, 5, dtype=torch.double)
+    restored = pickle.loads(pickle.dumps(analyse(model, (x,))))
+    surgeon = Surgeon(model, restored)
+    assert [g.name for g in surgeon.groups] == [g.name for g in restored.groups]
+    surgeon.clone(surgeon.groups[0], 0)
+    assert surgeon.groups[0].count == restored.groups[0].count + 1

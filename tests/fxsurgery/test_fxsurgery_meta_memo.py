@@ -1,0 +1,61 @@
+"""The memo of meta runs: the same shapes, strides and dtypes as a plain meta run, each new-tensor op's kernel run
+once per metadata of its arguments, and views, in-place ops and real data left to run as they are."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxsurgery.capture.meta_memo import MetaMemo
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, 2 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.fc(self.norm(x)).chunk(2, dim=-1)
+        return x + F.gelu(a) * b.softmax(-1).transpose(1, 2).transpose(1, 2)
+
+
+def layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
+
+
+def test_a_memoised_meta_run_gives_the_plain_run_s_layouts():
+    model = nn.Sequential(Block(), Block(), Block()).to("meta")
+    for x in (torch.empty(2, 5, 8, device="meta"), torch.empty(2, 5, 8, device="meta", dtype=torch.float64),
+              torch.empty(5, 2, 8, device="meta").transpose(0, 1)):
+        plain = [layout(model[:k](x)) for k in range(1, 4)]
+        with MetaMemo() as memo:
+            memoised = [layout(model[:k](x)) for k in range(1, 4)]
+        assert memoised == plain
+        assert memo.known  # the blocks' kernels ran once per layout
+
+
+def test_hits_skip_the_kernel_and_give_new_tensors():
+    x = torch.empty(3, 4, device="meta")
+    with MetaMemo() as memo:
+        first = torch.exp(x)
+        calls = len(memo.known)
+        second = torch.exp(x)
+    assert len(memo.known) == calls and layout(first) == layout(second) and first is not second
+
+
+def test_views_in_place_ops_and_real_tensors_run_as_they_are():
+    x = torch.empty(3, 4, device="meta")
+    with MetaMemo() as memo:
+        v = x.view(12)
+        x.add_(1)
+        real = torch.ones(2) * 3
+    assert v._base is x
+    assert torch.equal(real, torch.full((2,), 3.0))
+    assert not memo.known
+
+
+def test_scalars_of_another_type_promote_apart():
+    x = torch.empty(3, dtype=torch.int64, device="meta")
+    with MetaMemo():
+        assert (x * 2).dtype == torch.int64
+        assert (x * 2.0).dtype == torch.float32

@@ -1,0 +1,390 @@
+"""The private torch and Lightning APIs the project relies on: each works on the installed version (one test per
+entry of ``fxsurgery.compat`` and ``barter.integrations.lightning_compat``, so an upgrade that removes or changes one
+fails here, by name), and none is reached from anywhere else in the project's source."""
+from __future__ import annotations
+
+import ast
+import importlib
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx
+import torch.nn as nn
+
+from fxsurgery import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+SCANNED = ("fxsurgery", "barter", "benchmarks")
+TORCH_COMPAT = Path("fxsurgery/compat.py")
+LIGHTNING_COMPAT = Path("barter/integrations/lightning_compat.py")
+LIBRARIES = ("torch", "lightning", "pytorch_lightning")
+# underscore names of other libraries' objects that are no private torch API: a NamedTuple's public methods, and the
+# attention kernel a transformers config names
+OTHER_LIBRARIES = {"_replace", "_asdict", "_fields", "_make", "_attn_implementation"}
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
+    """``torch.utils._pytree.tree_map`` for an attribute chain whose root name is bound by an import (or a
+    module-level assignment of such a chain), its alias spelled out; None for any other expression."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in aliases:
+        return None
+    return ".".join([aliases[node.id], *reversed(parts)])
+
+
+def aliases_of(tree: ast.Module) -> dict[str, str]:
+    """Each name a module binds to an imported object -> that object's dotted path (relative imports start with a
+    dot: the project's own)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                aliases[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
+                    alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+    for node in tree.body:  # ``aten = torch.ops.aten``
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            path = dotted(node.value, aliases)
+            if path is not None:
+                aliases[node.targets[0].id] = path
+    return aliases
+
+
+def names_defined(tree: ast.Module) -> set[str]:
+    """The names a module defines: functions and classes, ``self.``/``cls.`` attributes, and names assigned at module
+    or class level (constants, dataclass fields)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)
+    scopes = [tree.body] + [node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    for body in scopes:
+        for statement in body:
+            targets = statement.targets if isinstance(statement, ast.Assign) else \
+                [statement.target] if isinstance(statement, ast.AnnAssign) else []
+            names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def is_library_path(path: str) -> bool:
+    """A dotted path into torch or Lightning with a private part; ``torch.ops`` paths name operators
+    (``aten._to_copy`` is an op of export's ATen IR), not Python attributes."""
+    parts = path.split(".")
+    return parts[0] in LIBRARIES and any(is_private(p) for p in parts) and not path.startswith("torch.ops.")
+
+
+def private_names(tree: ast.Module, own: set[str]) -> list[tuple[int, str]]:
+    """(line, name) of every private torch or Lightning name the module reaches: imports and attribute chains of
+    library paths (``torch.utils._pytree``, ``torch._C._set_grad_enabled``), private attributes of other objects that
+    the project does not define itself (``graph._codegen``, also by ``getattr``), and such names in strings."""
+    aliases = aliases_of(tree)
+    chained = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+
+    def foreign_attribute(name: str) -> bool:
+        return is_private(name) and name not in own and name not in OTHER_LIBRARIES
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if is_library_path(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                      if is_library_path(f"{node.module}.{a.name}")]
+        elif isinstance(node, ast.Attribute):
+            path = dotted(node, aliases)
+            if path is None and foreign_attribute(node.attr):
+                found.append((node.lineno, f".{node.attr}"))
+            elif path is not None and id(node) not in chained and is_library_path(path):
+                found.append((node.lineno, path))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            name, path = node.args[1].value, dotted(node.args[0], aliases)
+            if path is not None and is_library_path(f"{path}.{name}"):
+                found.append((node.lineno, f"{path}.{name}"))
+            elif path is None and foreign_attribute(name):
+                found.append((node.lineno, f".{name}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DOTTED.fullmatch(node.value):
+            parts = node.value.split(".")
+            if is_library_path(node.value) or (parts[0] not in LIBRARIES and any(map(foreign_attribute, parts[1:]))):
+                found.append((node.lineno, node.value))
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[Path, ast.Module]:
+    """The parsed modules of the project's source, by path."""
+    return {path.relative_to(ROOT): ast.parse(path.read_text(), str(path))
+            for package in SCANNED for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+@pytest.fixture(scope="module")
+def own(sources) -> set[str]:
+    return set().union(*map(names_defined, sources.values()))
+
+
+def test_no_private_torch_name_outside_the_compat_modules(sources, own):
+    outside = [f"{path}:{line}: {name}" for path, tree in sources.items()
+               if path not in (TORCH_COMPAT, LIGHTNING_COMPAT) for line, name in private_names(tree, own)]
+    assert not outside, ("private torch or Lightning names reached outside fxsurgery/compat.py and "
+                         "barter/integrations/lightning_compat.py (reach them through those):\n" + "\n".join(outside))
+
+
+def test_the_compat_tables_list_what_their_modules_reach(sources, own):
+    lightning_compat = pytest.importorskip("barter.integrations.lightning_compat")
+    for path, table, table_name in ((TORCH_COMPAT, compat.PRIVATE_TORCH_NAMES, "PRIVATE_TORCH_NAMES"),
+                                    (LIGHTNING_COMPAT, lightning_compat.PRIVATE_LIGHTNING_NAMES,
+                                     "PRIVATE_LIGHTNING_NAMES")):
+        code = ast.Module([s for s in sources[path].body if not assigns(s, table_name)], [])  # the table's own text
+        assert {name for _, name in private_names(code, own)} == set(table), path  # does not count
+
+
+def assigns(statement: ast.stmt, name: str) -> bool:
+    target = statement.target if isinstance(statement, ast.AnnAssign) else \
+        statement.targets[0] if isinstance(statement, ast.Assign) else None
+    return isinstance(target, ast.Name) and target.id == name
+
+
+def test_every_compat_entry_is_exported_and_has_its_test():
+    lightning_compat = pytest.importorskip("barter.integrations.lightning_compat")
+    assert set(compat.PRIVATE_TORCH_NAMES.values()) <= set(compat.__all__)
+    entries = {*compat.PRIVATE_TORCH_NAMES.values(), *lightning_compat.PRIVATE_LIGHTNING_NAMES.values()}
+    assert all(hasattr(compat, e) or hasattr(lightning_compat, e) for e in entries)
+    assert sorted(e for e in entries if f"test_{e.lower()}" not in globals()) == []
+
+
+SAMPLE = '''
+import torch
+import torch.nn as nn
+from torch.utils import _pytree
+from torch._ops import OpOverload
+aten = torch.ops.aten
+LOGGER = "torch._export.non_strict_utils"
+
+class Editor:
+    def __init__(self, graph):
+        self._graph = graph
+
+    def edit(self, node, record):
+        self._graph.lint()
+        record._replace(x=1)
+        node.target is aten._to_copy.default
+        node._rename("y")
+        getattr(self._graph, "_codegen", None)
+        nn.modules.conv._ConvNd
+        torch._C._set_grad_enabled(False)
+        super()._private_of_a_torch_base()
+        code = "self._in_spec"
+'''
+
+
+def test_the_check_finds_torch_private_names_and_not_the_projects_own():
+    tree = ast.parse(SAMPLE)
+    found = private_names(tree, names_defined(tree))
+    assert [name for _, name in found] == [
+        "torch.utils._pytree", "torch._ops.OpOverload", "torch._export.non_strict_utils", "._rename", "._codegen",
+        "torch.nn.modules.conv._ConvNd", "torch._C._set_grad_enabled", "._private_of_a_torch_base", "self._in_spec"]
+
+
+def structured_graph() -> torch.fx.GraphModule:
+    """A graph that flattens a dict argument and builds a structured result: fx gives it pytree specs."""
+    def structured(x):
+        return {"sum": x["a"] + x["b"], "pair": (x["a"], x["b"])}
+    return torch.fx.symbolic_trace(structured, concrete_args={"x": {"a": torch.fx.PH, "b": torch.fx.PH}})
+
+
+def test_tree_leaves():
+    t = torch.ones(1)
+    assert compat.tree_leaves({"a": [1, (2, t)], "b": None}) == [1, 2, t, None]
+
+
+def test_tree_map():
+    assert compat.tree_map(lambda v: v * 2, {"a": [1, (2, 3)]}) == {"a": [2, (4, 6)]}
+
+
+def test_tree_unflatten():
+    spec = compat.pytree_info(structured_graph().graph).out_spec
+    assert compat.tree_unflatten([3, 1, 2], spec) == {"sum": 3, "pair": (1, 2)}
+
+
+def test_flatten_to_spec():
+    spec = compat.pytree_info(structured_graph().graph).in_spec
+    assert compat.flatten_to_spec([{"b": 2, "a": 1}], spec) == [1, 2]
+
+
+def test_pytree_info():
+    gm = structured_graph()
+    assert compat.pytree_info(gm.graph).orig_args == ["x"]
+    assert compat.pytree_info(torch.fx.symbolic_trace(lambda x: x + 1).graph) is None
+    a, b = torch.randn(2), torch.randn(2)
+    out = gm({"a": a, "b": b})
+    assert torch.equal(out["sum"], a + b) and out["pair"] == (a, b)
+
+
+def test_generated_spec_reads():
+    src = structured_graph().graph.python_code(root_module="self").src
+    assert all(read in src for read in compat.GENERATED_SPEC_READS)
+
+
+def test_running_node():
+    gm = torch.fx.symbolic_trace(lambda x: x.relu())
+    node = next(n for n in gm.graph.nodes if n.op == "call_method")
+    node.meta["marker"] = "relu"
+    with torch.fx.traceback.preserve_node_meta(), compat.running_node(torch.fx.Interpreter(gm), node):
+        assert torch.fx.traceback.get_current_meta()["marker"] == "relu"
+
+
+def test_rename_node():
+    gm = torch.fx.symbolic_trace(lambda x: x.relu().neg())
+    relu, neg = (n for n in gm.graph.nodes if n.op == "call_method")
+    compat.rename_node(neg, "negated")
+    compat.rename_node(relu, "negated")  # taken: suffixed
+    gm.recompile()
+    assert (relu.name, neg.name) == ("negated_1", "negated")
+    assert "negated_1 = x.relu()" in gm.code and "negated = negated_1.neg()" in gm.code
+    assert torch.equal(gm(torch.ones(2)), -torch.ones(2))
+
+
+def test_opoverload():
+    assert isinstance(torch.ops.aten.add.Tensor, compat.OpOverload)
+    assert not isinstance(torch.ops.aten.add, compat.OpOverload)
+
+
+def test_overload_name():
+    assert compat.overload_name(torch.ops.aten.add.Tensor) == "Tensor"
+    assert compat.overload_name(torch.ops.aten.relu.default) == "default"
+
+
+def test_switch_grad_mode():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(compat.switch_grad_mode, (False,))
+    y = graph.call_function(torch.mul, (x, 2))
+    graph.call_function(compat.switch_grad_mode, (True,))
+    graph.output(y)
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    with torch.enable_grad():
+        assert not gm(torch.ones(2, requires_grad=True)).requires_grad
+        assert torch.is_grad_enabled()
+
+
+def test_export_specialisation_logger():
+    module = importlib.import_module(compat.EXPORT_SPECIALISATION_LOGGER)
+    assert logging.getLogger(compat.EXPORT_SPECIALISATION_LOGGER) in vars(module).values()
+
+
+def test_module_hooks():
+    module = nn.Linear(2, 2)
+    assert compat.module_hooks(module) == []
+    hooks = [lambda *a: None for _ in range(4)]
+    module.register_forward_pre_hook(hooks[0])
+    module.register_forward_hook(hooks[1])
+    module.register_full_backward_pre_hook(hooks[2])
+    module.register_full_backward_hook(hooks[3])
+    assert compat.module_hooks(module) == hooks
+
+
+def test_normbase():
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm2d, nn.SyncBatchNorm):
+        assert issubclass(cls, compat.NormBase) and cls(3).num_features == 3
+    assert not issubclass(nn.LayerNorm, compat.NormBase)
+
+
+def test_convnd():
+    for conv in (nn.Conv1d(2, 3, 1), nn.Conv2d(2, 3, 1), nn.ConvTranspose2d(2, 3, 1)):
+        assert isinstance(conv, compat.ConvNd) and (conv.in_channels, conv.out_channels, conv.groups) == (2, 3, 1)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_self_attention_block(norm_first):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, norm_first=norm_first)
+    x = torch.randn(2, 3, 8)
+
+    def attend(y):
+        return compat.self_attention_block(layer, y, None, None, False)
+
+    if norm_first:
+        h = x + attend(layer.norm1(x))
+        expected = h + compat.feed_forward_block(layer, layer.norm2(h))
+    else:
+        h = layer.norm1(x + attend(x))
+        expected = layer.norm2(h + compat.feed_forward_block(layer, h))
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_feed_forward_block():
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="relu")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compat.feed_forward_block(layer, x), layer.linear2(layer.linear1(x).relu()))
+
+
+def test_dynamo_config():
+    config = compat.dynamo_config()
+    assert isinstance(config.recompile_limit, int) and isinstance(config.accumulated_recompile_limit, int)
+
+
+def test_foreach_mul_():
+    a, b = torch.ones(2), torch.ones(3)
+    compat.foreach_mul_([a, b], [torch.full((2,), 2.0), torch.zeros(3)])
+    compat.foreach_mul_([a], 3.0)
+    assert torch.equal(a, torch.full((2,), 6.0)) and torch.equal(b, torch.zeros(3))
+
+
+def test_device_scale():
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    assert compat.device_scale(scaler) is None  # no scale before the first scaled loss
+    scaler.scale(torch.ones(()))
+    scale = compat.device_scale(scaler)
+    assert torch.is_tensor(scale) and scale.item() == 8.0
+    assert compat.device_scale(object()) is None
+
+
+def test_fits_in_child_processes():
+    pl = pytest.importorskip("lightning.pytorch")
+    from barter.integrations.lightning_compat import fits_in_child_processes
+
+    def trainer(strategy: str):
+        return pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False)
+
+    assert fits_in_child_processes(trainer("ddp_spawn")) and fits_in_child_processes(trainer("ddp_fork"))
+    assert not fits_in_child_processes(trainer("ddp"))
+
+
+def test_dispatchmode():
+    seen = []
+
+    class Record(compat.DispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2, device="meta") + 1
+    assert torch.ops.aten.add.Tensor in seen
+
+
+def test_returns_new_tensors():
+    aten = torch.ops.aten
+    assert compat.returns_new_tensors(aten.add.Tensor) and compat.returns_new_tensors(aten.native_layer_norm.default)
+    assert not compat.returns_new_tensors(aten.view.default)  # a view of its argument
+    assert not compat.returns_new_tensors(aten.add_.Tensor)  # writes its argument
+    assert not compat.returns_new_tensors(print)  # no ATen op

@@ -10,7 +10,7 @@ import torch.nn as nn
 from .dataflow.constants import ConstantSpec, set_path
 from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
 from .module_sizes import sync_sizes
-from .slicing import ParamSlice, clone_state, clone_unit, state_tensors
+from .slicing import ParamSlice, by_tensor, clone_state, clone_unit, in_turn, state_tensors
 from .taps import TapPoint
 
 TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
@@ -76,13 +76,14 @@ class Editor:
         return out
 
     def edit(self, g: UnitGroup, new_count: int, data_fn: TensorEdit, state_fn: TensorEdit | None) -> None:
-        """Compute every new tensor first, then swap them in: a failure leaves the model untouched.
-        Without ``state_fn`` optimizer state is left alone (the self-check's trial edits)."""
-        tensors = [(sl, self.tensor(sl.name)) for sl in g.slices]
+        """Compute every new tensor first, then swap them in: a failure leaves the model untouched. A tensor
+        sliced along two dims (a head-mixing map) takes its edits in turn (``slicing.in_turn``). Without
+        ``state_fn`` optimizer state is left alone (the self-check's trial edits)."""
+        tensors = [(slices, self.tensor(name)) for name, slices in by_tensor(g.slices)]
         optimizers = self.optimizers if state_fn is not None else []
-        states = [(sl, st, k) for sl, t in tensors for st, k in state_tensors(optimizers, t)]
-        new_data = [(t, data_fn(sl, t.data)) for sl, t in tensors]
-        new_state = [(st, k, state_fn(sl, st[k])) for sl, st, k in states]
+        states = [(slices, st, k) for slices, t in tensors for st, k in state_tensors(optimizers, t)]
+        new_data = [(t, in_turn(data_fn, slices, t.data)) for slices, t in tensors]
+        new_state = [(st, k, in_turn(state_fn, slices, st[k])) for slices, st, k in states]
         for t, d in new_data:
             replace_data(t, d)
         for st, k, v in new_state:

@@ -65,9 +65,11 @@ class ConstantSlot(NamedTuple):
 @dataclass(kw_only=True)
 class GroupPlumbing:
     """What the engine needs to operate on one group: its host module (whose graph it rewrites), the host
-    attribute holding its tap point, the graph constants that follow the count, and their slots."""
+    attribute holding its tap point, its output projection's weight (whose input the tap sees), the graph
+    constants that follow the count, and their slots."""
 
     host: str
     tap_point: str
+    sink: str
     constants: list[ConstantSpec]
     slots: list[ConstantSlot] = field(default_factory=list)

@@ -2,7 +2,8 @@
 must follow them. Every edit is vectorised and touches only the group's own tensors."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -44,6 +45,41 @@ class ParamSlice:
 
     def unit(self, t: torch.Tensor, count: int, i: int) -> torch.Tensor:
         return self.units(t, count).select(self.dim + 1, i)
+
+
+def by_tensor(slices: tuple[ParamSlice, ...] | list[ParamSlice]) -> list[tuple[str, list[ParamSlice]]]:
+    """The slices of each tensor (two for a head-mixing map, sliced along both dims), in order of first appearance;
+    ``output`` slices first, so a clone's split noise, drawn for the tensor as it was, fits its shape."""
+    out: dict[str, list[ParamSlice]] = {}
+    for sl in slices:
+        out.setdefault(sl.name, []).append(sl)
+    return [(name, sorted(group, key=lambda sl: not sl.output)) for name, group in out.items()]
+
+
+def in_turn(fn: Callable[[ParamSlice, torch.Tensor], torch.Tensor], slices: list[ParamSlice],
+            t: torch.Tensor) -> torch.Tensor:
+    """``fn`` applied for each slice of one tensor in turn, each to the result of the one before (the edits of
+    the dims of a head-mixing map compose: a clone splits its read row, then copies its produced column)."""
+    for sl in slices:
+        t = fn(sl, t)
+    return t
+
+
+def unit_squares(t: torch.Tensor, slices: list[ParamSlice], count: int) -> torch.Tensor:
+    """Sum of squares of each unit's elements of ``t``, shape ``(count,)``: an element a unit holds along two
+    dims (its diagonal entry of a head-mixing map) counts once."""
+    sq = t.float().square()
+    total = sum(_per_unit(sl.units(sq, count), sl.dim + 1) for sl in slices)
+    for k, a in enumerate(slices):
+        for b in slices[k + 1:]:
+            first, second = sorted((a, b), key=lambda sl: sl.dim)
+            v = replace(second, dim=second.dim + 2).units(first.units(sq, count), count)
+            total = total - torch.diagonal(v, dim1=first.dim + 1, dim2=second.dim + 3).flatten(0, -2).sum(0)
+    return total
+
+
+def _per_unit(v: torch.Tensor, axis: int) -> torch.Tensor:
+    return v.sum(dim=[d for d in range(v.dim()) if d != axis])
 
 
 MAX_RUNS = 8  # more runs of consecutive units than this: one gather

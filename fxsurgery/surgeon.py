@@ -12,7 +12,7 @@ from .capture.graph_forward import GraphForward
 from .editing import Editor
 from .groups import LeftOut, UnitGroup
 from .report import explain
-from .slicing import state_tensors
+from .slicing import by_tensor, state_tensors, unit_squares
 
 
 class Surgeon:
@@ -99,12 +99,11 @@ class Surgeon:
         return new
 
     def unit_norms(self, group: UnitGroup) -> torch.Tensor:
-        """L2 norm of each unit's parameters (all its slices together), shape ``(count,)``."""
+        """L2 norm of each unit's parameters (all its slices together, each element once), shape ``(count,)``."""
         g = self._own(group)
         total = None
-        for sl in g.slices:
-            v = sl.units(self._editor.tensor(sl.name).detach(), g.count).float()
-            sq = v.square().sum(dim=[d for d in range(v.dim()) if d != sl.dim + 1])
+        for name, slices in by_tensor(g.slices):
+            sq = unit_squares(self._editor.tensor(name).detach(), slices, g.count)
             total = sq if total is None else total + sq.to(total.device)
         return total.sqrt()
 

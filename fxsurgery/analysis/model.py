@@ -159,8 +159,8 @@ class _Installer:
         served = []
         for hg, group_slots, point in zip(found.groups, slots, points):
             g = self.make_group(host, hg.spec)
-            self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, constants=hg.constants,
-                                                    slots=group_slots)
+            self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
+                                                    constants=hg.constants, slots=group_slots)
             # identical code, layout and inputs give identical self-check outcomes
             check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
             if check not in self.shared.checked:

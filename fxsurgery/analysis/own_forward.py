@@ -118,10 +118,10 @@ class _Trial:
             n = (r.max_count if r.min_count == 0 else 0) if k is None else (k if r.max_count > k else 0)
             if not n:
                 continue
-            out = next(sl for sl in r.slices if sl.output)
-            with torch.no_grad():
-                for i in range(n):
-                    out.unit(self.masked.get_parameter(out.name).data, r.max_count, i).zero_()
+            with torch.no_grad():  # every point where the units enter the others
+                for out in (sl for sl in r.slices if sl.output):
+                    for i in range(n):
+                        out.unit(self.masked.get_parameter(out.name).data, r.max_count, i).zero_()
             rest = torch.arange(n, r.max_count)
             for sl in r.slices:
                 owner, _, name = sl.name.rpartition(".")

@@ -10,13 +10,14 @@ from ..capture.calls import forked_rng, materialize, training_mode
 from ..compat import tree_leaves
 from ..editing import Editor
 from ..groups import UnitGroup
-from ..slicing import clone_unit
+from ..slicing import ParamSlice, by_tensor, clone_unit
 
 
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str | None:
-    """Clone and remove unit 0 on the live host, compare its outputs, and restore everything; zeroing unit 0
-    at the group's tap point must equal masking it (the tap sees what the projection reads). Returns what went
-    wrong, or None."""
+    """Clone and remove unit 0 on the live host, compare its outputs, and restore everything. A removal must equal
+    masking unit 0 at every output slice (where it enters the others: the projection's columns, a head-mixing map's
+    read rows); zeroing it at the group's tap point must equal masking the projection's columns (the tap sees what
+    the projection reads). Returns what went wrong, or None."""
     module = editor.host(g)
     args, kwargs = materialize(inputs)
     saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
@@ -33,6 +34,18 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
             t.data, t.grad = data, grad
         editor.settle(g, count)
 
+    def masked(slices: list[ParamSlice]) -> list[torch.Tensor]:
+        """The outputs with unit 0 of ``slices`` zeroed (in copies of their tensors)."""
+        for name, group in by_tensor(slices):
+            w = editor.tensor(name)
+            w.data = w.data.clone()
+            for sl in group:
+                sl.unit(w.data, count, 0).zero_()
+        try:
+            return run()
+        finally:
+            restore()
+
     try:
         with training_mode(module, False), forked_rng(tree_leaves((args, kwargs))):
             y0 = run()
@@ -43,19 +56,17 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
                 restore()
                 if err > tol:
                     return f"a clone changed the outputs by {err:.2e}"
-            out = next(sl for sl in g.slices if sl.output)
-            w = editor.tensor(out.name)
-            w.data = w.data.clone()
-            out.unit(w.data, count, 0).zero_()
-            y_mask = run()
-            restore()
+            outputs = [sl for sl in g.slices if sl.output]
+            y_mask = masked(outputs)  # every point where unit 0 enters the others: a removal equals this
+            at_sink = [sl for sl in outputs if sl.name == editor.plumbing[g].sink]
+            y_sink = y_mask if at_sink == outputs else masked(at_sink)  # heads mixed: the tap sees the sink's input
             handle = editor.tap_point(g).add(_zero_first_unit)
             try:
                 y_tap = run()
             finally:
                 handle.remove()
-            if max_rel_diff(y_mask, y_tap) > tol:
-                return f"zeroing unit 0 at its tap point differs from masking it by {max_rel_diff(y_mask, y_tap):.2e}"
+            if max_rel_diff(y_sink, y_tap) > tol:
+                return f"zeroing unit 0 at its tap point differs from masking it by {max_rel_diff(y_sink, y_tap):.2e}"
             rest = torch.arange(1, count)
             editor.edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
             y_rm = run()

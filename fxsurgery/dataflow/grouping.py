@@ -21,7 +21,7 @@ from .gates import silent_softmaxes
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
 from .paths import common_module, module_of
-from .records import Act, Sink
+from .records import Act, Member, Sink
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
 from .unit_layout import describe_layout, layout
@@ -276,11 +276,11 @@ class _Builder:
         if n < 2 and not self.one_coordinate(ut):
             members, axes = self.single_head(k, index, sink)
         else:
-            members = [self.member(m.name, m.ids, index, n, sink) for m in self.rec.members]
+            members = [self.member(m, index, n, sink) for m in self.rec.members]
             members = list(dict.fromkeys(m for m in members if m is not None))
             axes = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, n)
-        sink_member = next(m for m in members if m.output)
+        sink_member = next(m for m in members if m.output and m.name == sink.weight)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
         kind = "head" if self.head[ut].any() else "channel"
@@ -352,8 +352,11 @@ class _Builder:
         names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
         return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
-    def member(self, name: str, ids: torch.Tensor, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
-        c = self.cls(ids)
+    def member(self, m: Member, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
+        """The slice of a member listing whose ids belong to the units, or None; its read side (the sink's columns, a
+        head-mixing map's rows) is an ``output`` slice."""
+        name = m.name
+        c = self.cls(m.ids)
         u = torch.where(c >= 0, index[c.clamp(min=0)], c)
         if not (u >= 0).any():
             return None
@@ -379,14 +382,14 @@ class _Builder:
         lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
         if lay is None:
             raise Unsupported(f"{name}: {describe_layout(u1.flatten(), n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], name == sink.weight and d == sink.weight_dim)
+        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim))
 
     def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
         """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie
         along the dim of their coordinate ids, every other tensor of the head along the dim the graph tells."""
         head = SingleHead(self.lab, [HeadAct(a.node, a.index, a.ids, a.param) for a in self.acts_of.get(k, [])])
         members, seeds = [], {}
-        for name, ids in self.rec.members:
+        for name, ids, _ in self.rec.members:
             c = self.cls(ids)
             unit = torch.where(c >= 0, index[c.clamp(min=0)], c) >= 0
             if not unit.any():

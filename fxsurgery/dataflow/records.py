@@ -35,10 +35,13 @@ class Space(NamedTuple):
 
 
 class Member(NamedTuple):
-    """Ids (broadcastable to the parameter or buffer ``name``) naming the coordinates of its elements."""
+    """Ids (broadcastable to the parameter or buffer ``name``) naming the coordinates of its elements. ``output``:
+    its elements read the units into other units (a head-mixing map's read side), split on a clone like the
+    output projection's columns."""
 
     name: str
     ids: torch.Tensor
+    output: bool = False
 
 
 class Sink(NamedTuple):
@@ -125,9 +128,9 @@ class Records:
         if p.numel():
             self.ties.append(p)
 
-    def member(self, name: str, ids: torch.Tensor) -> None:
+    def member(self, name: str, ids: torch.Tensor, output: bool = False) -> None:
         """A weight is listed once for its rows and once for its columns."""
-        self.members.append(Member(name, ids))
+        self.members.append(Member(name, ids, output))
 
     def pin(self, ids: torch.Tensor, reason: str, benign: bool = False, dim: int | None = None,
             at_output: bool = False) -> None:

@@ -69,6 +69,9 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
                 s.rec.contracted.append(reps[i])
                 reps[i], tie = fold(reps[i], [ax])
                 s.rec.tie(tie)
+        elif len(acts) == 1 and params and (mixed := _mixed_heads(s, views, reps[acts[0]], params, c, letters,
+                                                                   out_sub)) is not None:
+            reps[acts[0]] = mixed
         elif len(acts) == 1 and params:
             a = acts[0]
             for p in params:
@@ -93,6 +96,50 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     if out is not None and sum(v.activation for v in views) >= 2:
         s.rec.products.append(out.ids)
     return out
+
+
+def _mixed_heads(s: Step, views: list[Operand], ids: torch.Tensor, params: list[int], c: str, letters: list[str],
+                 out_sub: str) -> torch.Tensor | None:
+    """Heads mixed by a heads×heads parameter (talking heads: ``b h i j, h g -> b g i j``): head g of the output is
+    unit g, so the activation's ids move from the contracted letter to the produced one, and the map is a member
+    along both dims: its read dim (split on a clone, zeroed for a removal, like output weights) and its produced
+    dim (copied). None where this is no such mixing (the map is then a parameter the heads read); a mixing that
+    cannot be sliced is pinned."""
+    pos = {k: i for i, k in enumerate(letters)}
+    ax = pos[c]
+    p = views[params[0]]
+    made = [k for k in p.subs if k != c and k in out_sub and not any(k in v.subs for v in views if v.activation)]
+    if (len(params) != 1 or len(p.subs) != 2 or len(made) != 1 or not varies(ids, ax)
+            or any(varies(ids, d) for d in range(ids.dim()) if d != ax) or not _head_products(s, ids)):
+        return None
+    n, name = ids.shape[ax], _state_name(s, p.label)
+    produced = p.shape[p.subs.index(made[0])]
+    if name is None or produced != n:
+        why = "a computed map" if name is None else f"a map to {produced} heads"
+        s.rec.pin(ids, f"{s.name}: {n} heads mixed by {why}: a head is not one unit on both sides")
+        return None
+    col = ids.movedim(ax, 0).reshape(n, -1)[:, 0]
+    for k, read in ((c, True), (made[0], False)):
+        shape = [1, 1]
+        shape[p.subs.index(k)] = n
+        s.rec.member(name, col.reshape(shape), output=read)
+    s.rec.notes.append(Note(col, f"heads mixed by {name} ({s.name}): a head also owns its row and column of it (the "
+                                 "read side split on a clone and zeroed for a removal, like output weights)"))
+    full = [1] * len(letters)
+    full[pos[made[0]]] = n
+    return col.reshape(full)
+
+
+def _head_products(s: Step, ids: torch.Tensor) -> bool:
+    """Every id is that of a product of two activations that contracted a head's features (q·kᵀ): heads."""
+    known = [t.flatten() for t in s.rec.products]
+    return bool(known) and bool(torch.isin(ids[ids != NO_ID], torch.cat(known)).all())
+
+
+def _state_name(s: Step, label: Label | None) -> str | None:
+    """The name of the parameter or buffer an operand with ``label`` reads (None for a computed tensor)."""
+    nodes = [n for n in s.node.all_input_nodes if s.lab.labels.get(n) is label and n.op == "get_attr"]
+    return nodes[0].target if nodes else None
 
 
 def _output_label(s: Step, views: list[Operand], reps: list[torch.Tensor | None], consumed: list[set[int]],

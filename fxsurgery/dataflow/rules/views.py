@@ -142,8 +142,12 @@ def move_dims(s: Step) -> Label:
 
 
 @register_rule("expand", "expand_as", "broadcast_to", torch.broadcast_to)
-def expand(s: Step) -> Label:
+def expand(s: Step) -> Label | None:
+    """The expanded tensor's ids, repeated as its values are; the shape source of ``expand_as`` lends only its
+    shape, so its ids go nowhere."""
     x, xl = first_tensor(s)
+    if xl is None:
+        return None
     return Label(align(xl.ids, s.out.dim()), xl.param)
 
 

@@ -13,10 +13,13 @@ Glossary (as the code uses the words):
 - *space*: the fresh ids a linear map (Linear, ``F.linear``, pointwise convolution) gives its output
   features. A class that holds space ids is a unit; units that share a tensor axis form a group.
 - *sink*: the weight whose columns read a unit's coordinates (the output projection). A group has
-  exactly one sink weight; its column slice is the group's ``output`` slice, and ``tap`` sees its input
+  exactly one sink weight; its column slice is an ``output`` slice, and ``tap`` sees its input
   (each installed graph passes that input through the group's tap point).
 - *member*: a parameter or buffer whose elements carry ids (weight rows and columns, biases, norm
-  weights); a member whose ids line up with the units along one axis becomes a ``ParamSlice``.
+  weights); a member whose ids line up with the units along one axis becomes a ``ParamSlice``. A
+  heads×heads map that mixes attention heads (talking heads) is a member along both dims: the dim that
+  reads a head is an ``output`` slice too (split on a clone, zeroed when masking the head), the dim that
+  makes it is copied.
 - *tie*: a pair of ids that must belong to one unit (an elementwise op of two activations, a dim
   contracted between two activations, a reshape folding positions together).
 - *pin*: ids that cannot be sliced, with the reason (an op without a rule, a contraction against a

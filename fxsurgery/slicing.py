@@ -13,7 +13,8 @@ from .errors import OptimizerStateError
 @dataclass(frozen=True)
 class ParamSlice:
     """A parameter or buffer of a group: unit i owns positions ``o·count·inner + i·inner + r`` along
-    ``dim`` (o < outer, r < inner). ``output`` marks the output projection's columns."""
+    ``dim`` (o < outer, r < inner). ``output`` marks where the unit enters the others (the output projection's
+    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit."""
 
     name: str
     dim: int

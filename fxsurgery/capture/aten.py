@@ -197,3 +197,45 @@ def lower(graph: torch.fx.Graph) -> None:
         name = node.name
         graph.erase_node(node)
         rename_node(new, name)
+    for node in list(graph.nodes):
+        _fold_normalize(graph, node)
+
+
+def _fold_normalize(graph: torch.fx.Graph, div: torch.fx.Node) -> None:
+    """``x / vector_norm(x, p, [d], True).clamp_min(eps).expand_as(x)``, what export records of ``F.normalize``,
+    back to one ``F.normalize`` call: the norm of a unit's own features then stays with the unit."""
+    parts = _normalize_parts(div)
+    if parts is None:
+        return
+    x, options, dead = parts
+    with graph.inserting_before(div):
+        folded = graph.call_function(F.normalize, (x,), options)
+    folded.meta = div.meta
+    div.replace_all_uses_with(folded)
+    for node in (div, *dead):
+        graph.erase_node(node)
+
+
+def _normalize_parts(div: torch.fx.Node) -> tuple[torch.fx.Node, dict, list[torch.fx.Node]] | None:
+    """For a division that is ``F.normalize`` of ``x``: ``x``, the call's options and the nodes it replaces
+    (each read only by the next); None for any other division."""
+    if div.op != "call_function" or div.target is not operator.truediv or len(div.args) != 2:
+        return None
+    x, expanded = div.args
+    if not _single_use(expanded, "call_method", "expand_as") or tuple(expanded.args[1:]) != (x,):
+        return None
+    clamped = expanded.args[0]
+    if not _single_use(clamped, "call_function", torch.clamp_min) or len(clamped.args) != 2 or clamped.kwargs:
+        return None
+    norm = clamped.args[0]
+    if not _single_use(norm, "call_function", aten.linalg_vector_norm.default) or norm.kwargs:
+        return None
+    source, p, dims, keepdim = (*norm.args, *(2, None, False)[len(norm.args) - 1:])
+    if source is not x or not keepdim or not isinstance(dims, (list, tuple)) or len(dims) != 1:
+        return None
+    return x, {"p": p, "dim": dims[0], "eps": clamped.args[1]}, [expanded, clamped, norm]
+
+
+def _single_use(node: Any, op: str, target: Any) -> bool:
+    """``node`` is a call of ``target`` whose value nothing else reads."""
+    return isinstance(node, torch.fx.Node) and node.op == op and node.target == target and len(node.users) == 1

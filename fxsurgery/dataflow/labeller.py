@@ -18,6 +18,7 @@ from torch.fx.node import Node, map_arg
 from ..capture.calls import meta_state
 from ..capture.meta_memo import MetaMemo
 from ..compat import running_node, tree_leaves, tree_map
+from ..errors import AnalysisError
 from .records import Act, Records
 
 
@@ -94,10 +95,29 @@ class Labeller(torch.fx.Interpreter):
             self.dtypes[n] = tuple(o.dtype for o in out)
         elif out is None or isinstance(out, (int, float, bool, torch.Size, tuple, list, torch.device, torch.dtype)):
             self.values[n] = out
-        label = self.rules.label(Step(self, n, out))
+        label = self._label(Step(self, n, out))
         self.labels[n] = label
         self._record_acts(n, label)
         return out
+
+    def _label(self, step: Step) -> Any:
+        """The node's label from its rule. A rule that fails refuses what reaches the node, naming it and the
+        error, so the rest of the graph is still analysed; on meta values the failure is raised instead (the
+        caller labels again on real ones), and with no ids reaching the node there is nothing to refuse but the
+        graph."""
+        try:
+            return self.rules.label(step)
+        except Exception as e:
+            if self.meta:
+                raise
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            reason = f"{step.name}: its rule failed: {type(e).__name__}: {first_line}"
+            labelled = [lab for _, lab in step.tensors() if lab is not None]
+            if not labelled:
+                raise AnalysisError(reason) from e
+            for lab in labelled:
+                self.rec.pin(lab.ids, reason)
+            return None
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
         out = super().placeholder(target, args, kwargs)

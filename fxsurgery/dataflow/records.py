@@ -114,6 +114,9 @@ class Records:
     opaque: list[Opaque] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
     products: list[torch.Tensor] = field(default_factory=list)  # ids of products of two activations (q·kᵀ)
+    # ids of products of two activations that contract no coordinates (weights applied to values, attn·V): a
+    # map over those heads past this point is their output projection, not a mixing of their weights
+    applied: list[torch.Tensor] = field(default_factory=list)
     softmaxes: list[Weighing] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:

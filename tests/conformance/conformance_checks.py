@@ -2,8 +2,9 @@
 `benchmarks/conformance.py`.
 
 For one model: analysis finds groups (or says what it leaves out and why); every exact group's clone
-leaves the outputs unchanged and its removal equals masking the unit's output slice, and equals zeroing the
-unit's activations through the public ``tap`` (a second oracle, float64); train() (same seed) and eval()
+leaves the outputs unchanged and its removal equals masking the unit's output slices, and equals zeroing the
+unit's activations through the public ``tap`` (a second oracle, float64; heads mixed before the projection also
+have their rows of the mixing maps zeroed, which the tap does not see); train() (same seed) and eval()
 behave like the original; and a short training run with transfers stays finite, its scores non-zero in every
 layer at its end (the taps ran).
 """
@@ -109,7 +110,8 @@ def training_loss(out: object, y: torch.Tensor) -> torch.Tensor:
 
 def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
     """In float64: cloning unit 0 of every exact group leaves the outputs unchanged; removing it
-    (on a fresh copy) equals the original with that unit's output slice zeroed."""
+    (on a fresh copy) equals the original with that unit's output slices zeroed (its projection columns, and its
+    rows of any head-mixing map)."""
     model = copy.deepcopy(model).double().eval()
     x = x.double() if x.is_floating_point() else x  # token ids stay integers
     original = copy.deepcopy(model)
@@ -142,16 +144,16 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
         result.clone_ok = _close(model(x), y0, 1e-9)
         s2 = Surgeon(fresh, (x,))
         exact = [g for g in s2.groups if g.exact]
+        for g in exact:  # the tap sees the projection's input; heads mixed before it enter the others there
+            _zero_first_unit_at(dict(fresh.named_parameters()), g, _mixing_reads(g))
         taps = [s2.tap(g, _zero_first_unit) for g in exact]
         by_taps = fresh(x)
         for handle in taps:
             handle.remove()
         params = dict(masked.named_parameters())
-        for g in s2.groups:
-            if g.exact:
-                out = next(sl for sl in g.slices if sl.output)
-                out.unit(params[out.name].data, g.count, 0).zero_()
-                s2.remove(g, 0)
+        for g in exact:
+            _zero_first_unit_at(params, g, [sl for sl in g.slices if sl.output])
+            s2.remove(g, 0)
         removed = fresh(x)
         result.remove_ok = _close(removed, masked(x), 1e-9)
         result.tap_ok = _close(by_taps, removed, 1e-9)
@@ -159,6 +161,19 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
 
 def _zero_first_unit(a: torch.Tensor) -> None:
     a[..., 0, :] = 0
+
+
+def _mixing_reads(g) -> list:
+    """The output slices of the tensors a group slices along two dims (a head-mixing map's rows that read a head
+    into the others)."""
+    both = {sl.name for sl in g.slices if not sl.output}
+    return [sl for sl in g.slices if sl.output and sl.name in both]
+
+
+def _zero_first_unit_at(params: dict[str, torch.Tensor], g, slices: list) -> None:
+    """Zero unit 0 of ``slices`` (every output slice: every point where the unit enters the others)."""
+    for sl in slices:
+        sl.unit(params[sl.name].data, g.count, 0).zero_()
 
 
 def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps: int = 6) -> None:

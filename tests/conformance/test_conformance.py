@@ -20,6 +20,10 @@ SLOW = {"eva_giant_patch14_224", "twins_svt_small", "twins_pcpvt_small", "naflex
         "swinv2_cr_tiny_224", "levit_128s", "crossvit_tiny_240", "tnt_s_patch16_224", "hiera_tiny_224",
         "mvitv2_tiny", "volo_d1_224", "levit_conv_128s"}
 
+# models whose heads are mixed by learnable heads×heads maps: they pass only with head groups
+HEADS_REQUIRED = {"vit_pytorch_cait", "vit_pytorch_deepvit"}
+# and those whose heads meet a diagonal masked_fill, batch norm over their channels, or cosine attention
+HEADS_REQUIRED |= {"vit_pytorch_small_dataset", "vit_pytorch_levit", "hf_swinv2"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers
@@ -45,6 +49,7 @@ def test_conformance(name, build, x) -> None:
     r = check(name, build, x)
     assert not r.error, r.error
     assert r.channels > 0, f"no channel groups; left out: {r.left_out}"
+    assert r.heads > 0 or name not in HEADS_REQUIRED, f"no head groups; left out: {r.left_out}"
     assert not r.unaccounted, f"neither grouped nor reported: {r.unaccounted}"
     assert r.clone_ok, "a clone changed the outputs"
     assert r.remove_ok, "a removal differs from masking"

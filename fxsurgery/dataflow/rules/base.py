@@ -10,8 +10,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ..ids import align, broadcast, merge, pairs, unique_pairs
+from ..ids import NO_ID, align, broadcast, merge, pairs, unique_pairs, varies
 from ..labeller import Label, Step
+from ..records import Note
 from ..rule_table import RuleTable
 
 RULES = RuleTable()
@@ -79,6 +80,32 @@ def mix(s: Step, ids: torch.Tensor, dims: Sequence[int], what: str) -> None:
         a, b = broadcast(ids, rep)
         p = unique_pairs(torch.stack([a.flatten(), b.flatten()], 1))
         s.rec.mix(p, f"{s.name}: {what}")
+
+
+def head_axis(s: Step, ids: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The ids along ``dim`` where they vary along it alone and are all ids of products of two activations (q·kᵀ)
+    not yet applied to values (``Records.applied``): a heads axis of attention logits or weights. None otherwise."""
+    if not varies(ids, dim) or any(varies(ids, d) for d in range(ids.dim()) if d != dim):
+        return None
+    heads = ids.movedim(dim, 0).reshape(ids.shape[dim], -1)[:, 0]
+    present = heads[heads != NO_ID]
+    products, applied = ([t.flatten() for t in ts] for ts in (s.rec.products, s.rec.applied))
+    if not products or not torch.isin(present, torch.cat(products)).all():
+        return None
+    return None if applied and torch.isin(present, torch.cat(applied)).any() else heads
+
+
+def mixing_map(s: Step, name: str, heads: torch.Tensor, read: int, made: int) -> None:
+    """The heads×heads parameter ``name`` mixes heads ``heads`` (talking heads): head g of its output is unit g, and
+    the map is a member along both dims, ``read`` (the side that reads a head: split on a clone and masked for a
+    removal, like output weights) and ``made`` (the side that makes it: copied)."""
+    for d, output in ((read, True), (made, False)):
+        shape = [1, 1]
+        shape[d] = heads.numel()
+        s.rec.member(name, heads.reshape(shape), output)
+    s.rec.notes.append(Note(heads, f"heads mixed by {name} ({s.name}): a head also owns its row and column of it (the "
+                                   "side that reads the head is split on a clone, like output weights; the side "
+                                   "that makes it is copied)"))
 
 
 def param_label(s: Step, name: str, p: torch.Tensor) -> Label:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
 from ..records import Note
-from .base import defer_pins, elementwise_labels, mix, pin_all, register_rule
+from .base import defer_pins, elementwise_labels, head_axis, mix, mixing_map, pin_all, register_rule
 
 
 class Operand(NamedTuple):
@@ -53,6 +53,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
     reps = [v.ids for v in views]
     consumed: list[set[int]] = [set() for _ in views]
+    before = len(s.rec.contracted)
     for c in letters:
         if c in out_sub:
             continue
@@ -95,45 +96,32 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     out = _output_label(s, views, reps, consumed, letters, out_sub)
     if out is not None and sum(v.activation for v in views) >= 2:
         s.rec.products.append(out.ids)
+        if len(s.rec.contracted) == before:
+            s.rec.applied.append(out.ids)
     return out
 
 
 def _mixed_heads(s: Step, views: list[Operand], ids: torch.Tensor, params: list[int], c: str, letters: list[str],
                  out_sub: str) -> torch.Tensor | None:
-    """Heads mixed by a heads×heads parameter (talking heads: ``b h i j, h g -> b g i j``): head g of the output is
-    unit g, so the activation's ids move from the contracted letter to the produced one, and the map is a member
-    along both dims: its read dim (split on a clone, zeroed for a removal, like output weights) and its produced
-    dim (copied). None where this is no such mixing (the map is then a parameter the heads read); a mixing that
-    cannot be sliced is pinned."""
+    """Heads mixed by a heads×heads parameter (talking heads: ``b h i j, h g -> b g i j``, ``base.mixing_map``): the
+    activation's ids move from the contracted letter to the one the map makes. None where this is no such mixing
+    (the map is then a parameter the heads read); a mixing that cannot be sliced is pinned."""
     pos = {k: i for i, k in enumerate(letters)}
-    ax = pos[c]
     p = views[params[0]]
     made = [k for k in p.subs if k != c and k in out_sub and not any(k in v.subs for v in views if v.activation)]
-    if (len(params) != 1 or len(p.subs) != 2 or len(made) != 1 or not varies(ids, ax)
-            or any(varies(ids, d) for d in range(ids.dim()) if d != ax) or not _head_products(s, ids)):
+    heads = head_axis(s, ids, pos[c]) if len(params) == 1 and len(p.subs) == 2 and len(made) == 1 else None
+    if heads is None:
         return None
-    n, name = ids.shape[ax], _state_name(s, p.label)
+    n, name = heads.numel(), _state_name(s, p.label)
     produced = p.shape[p.subs.index(made[0])]
     if name is None or produced != n:
         why = "a computed map" if name is None else f"a map to {produced} heads"
         s.rec.pin(ids, f"{s.name}: {n} heads mixed by {why}: a head is not one unit on both sides")
         return None
-    col = ids.movedim(ax, 0).reshape(n, -1)[:, 0]
-    for k, read in ((c, True), (made[0], False)):
-        shape = [1, 1]
-        shape[p.subs.index(k)] = n
-        s.rec.member(name, col.reshape(shape), output=read)
-    s.rec.notes.append(Note(col, f"heads mixed by {name} ({s.name}): a head also owns its row and column of it (the "
-                                 "read side split on a clone and zeroed for a removal, like output weights)"))
+    mixing_map(s, name, heads, p.subs.index(c), p.subs.index(made[0]))
     full = [1] * len(letters)
     full[pos[made[0]]] = n
-    return col.reshape(full)
-
-
-def _head_products(s: Step, ids: torch.Tensor) -> bool:
-    """Every id is that of a product of two activations that contracted a head's features (q·kᵀ): heads."""
-    known = [t.flatten() for t in s.rec.products]
-    return bool(known) and bool(torch.isin(ids[ids != NO_ID], torch.cat(known)).all())
+    return heads.reshape(full)
 
 
 def _state_name(s: Step, label: Label | None) -> str | None:

@@ -8,14 +8,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..labeller import Label, Step
-from .base import elementwise_labels, first_tensor, register_rule
+from .base import defer_pins, elementwise_labels, first_tensor, register_rule
 
 _UNARY_FUNCS = [
     torch.relu, F.relu, F.gelu, F.silu, F.elu, F.leaky_relu, F.hardswish, F.hardsigmoid, F.mish,
     F.softplus, F.relu6, torch.sigmoid, torch.tanh, F.dropout, torch.exp, torch.neg, torch.abs,
     torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.erf, torch.log, torch.square, torch.clamp,
     torch.clone, torch.detach, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
-    torch.rand_like, torch.randn_like, operator.neg, torch.nan_to_num, F.sigmoid, F.tanh,
+    torch.rand_like, torch.randn_like, operator.neg, torch.nan_to_num, F.sigmoid, F.tanh, torch.clamp_min,
+    torch.clamp_max,
 ]
 _BINARY_FUNCS = [
     operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.iadd,
@@ -24,8 +25,8 @@ _BINARY_FUNCS = [
 ]
 _ELEMENTWISE_METHODS = [
     "relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "sin", "cos", "erf", "log",
-    "square", "clamp", "clip", "pow", "add", "sub", "mul", "div", "masked_fill", "where", "lerp",
-    "zero", "fill", "nan_to_num", "softplus", "addcmul", "maximum", "minimum",
+    "square", "clamp", "clip", "pow", "add", "sub", "mul", "div", "where", "lerp",
+    "zero", "fill", "nan_to_num", "softplus", "addcmul", "maximum", "minimum", "clamp_min", "clamp_max",
 ]
 _PASSTHROUGH_METHODS = [
     "contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as",
@@ -43,6 +44,23 @@ def elementwise(s: Step) -> Label | None:
     if not torch.is_tensor(s.out):
         return None
     return elementwise_labels(s, list(s.tensors()), s.out.dim())
+
+
+@register_rule(torch.masked_fill, "masked_fill")
+def masked_fill(s: Step) -> Label | None:
+    """``x.masked_fill(mask, value)``: the output carries the ids of ``x`` (and of a tensor ``value``). The mask
+    only picks positions and cannot be sliced: units it lines up with, and any coordinates it carries, are
+    pinned."""
+    x, xl = s.arg(0, "input")
+    mask, mask_label = s.arg(1, "mask")
+    value, value_label = s.arg(2, "value")
+    operands = [(x, xl)] + ([(value, value_label)] if torch.is_tensor(value) else [])
+    out = elementwise_labels(s, operands, s.out.dim())
+    if mask_label is not None:
+        s.rec.pin(mask_label.ids, f"{s.name}: a mask computed from unit coordinates", True)
+    if out is not None:
+        defer_pins(s, out.ids, tuple(mask.shape), "the mask", benign=False)
+    return out
 
 
 @register_rule(*_PASSTHROUGH_METHODS)

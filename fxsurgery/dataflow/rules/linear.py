@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..ids import align, fold, pairs
 from ..labeller import Label, Step
 from ..records import NonEmpty, Sink, Space
-from .base import defer_pins, first_tensor, param_label, register_rule
+from .base import defer_pins, first_tensor, head_axis, mixing_map, param_label, register_rule
 from .opaque import fallback
 
 
@@ -21,7 +21,12 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
     x's feature coordinates are consumed (W's columns are the sink); y's feature dim is a new space
     of coordinates, W's rows and b's entries belong to them. A weight ``computed`` from a parameter (a
     chunk of a packed one) lends its rows to the space but cannot be the sink. ``weight_in_rows``: W is
-    stored [in, out] (``y = x W + b``, GPT-2's Conv1D), so its rows are read and its columns are the space."""
+    stored [in, out] (``y = x W + b``, GPT-2's Conv1D), so its rows are read and its columns are the space. A map
+    over a heads axis mixes the heads instead (``_over_heads``)."""
+    if xl is not None and not xl.param and weight is not None:
+        mixed = _over_heads(s, x, xl, weight, bias, dim, weight_in_rows)
+        if mixed is not None:
+            return mixed
     w_rank = 2 if weight is None else _state(s, weight).dim()
     kernel = (1,) * (w_rank - 2)
     reads, writes = ((-1, 1), (1, -1)) if weight_in_rows else ((1, -1, *kernel), (-1, 1, *kernel))
@@ -54,6 +59,24 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
     elif torch.is_tensor(bias_val):
         defer_pins(s, space, tuple(bias_val.shape), "a computed bias")
     return Label(align(space.reshape(n_out, *(1,) * (s.out.dim() - d_out - 1)), s.out.dim()))
+
+
+def _over_heads(s: Step, x: torch.Tensor, xl: Label, weight: str, bias: Any, dim: int,
+                weight_in_rows: bool) -> Label | None:
+    """A heads×heads map over a heads axis (timm's talking heads: ``proj_l(attn.permute(0, 2, 3, 1))``) mixes the
+    heads (``base.mixing_map``): its output carries the input's ids, and its bias belongs to the heads it makes.
+    None where the input is no heads axis, or the map is not heads×heads with a bias of its own (or none)."""
+    d = dim % x.dim()
+    bias_val, _, bias_name = bias
+    if tuple(_state(s, weight).shape) != (x.shape[d],) * 2 or (torch.is_tensor(bias_val) and bias_name is None):
+        return None
+    heads = head_axis(s, align(xl.ids, x.dim()), d)
+    if heads is None:
+        return None
+    mixing_map(s, weight, heads, *((0, 1) if weight_in_rows else (1, 0)))
+    if bias_name is not None:
+        s.rec.member(bias_name, heads)
+    return Label(xl.ids)
 
 
 def _state(s: Step, name: str) -> torch.Tensor:
@@ -179,3 +202,24 @@ def pool(s: Step) -> Label | None:
     if not torch.is_tensor(s.out) or x.dim() < 3:  # indices returned too, or an unbatched input
         return fallback(s)
     return depthwise_labels(s, x, xl, [])
+
+
+@register_rule(nn.Embedding, F.embedding, always=True)
+def embedding(s: Step) -> Label | None:
+    """A lookup of rows, ``one_hot(indices) @ W``: a linear map from the table's rows, so the looked-up features
+    (W's columns) are a new space and W is its member along dim 1. Indices that carry ids, a computed table, or
+    one renormalised in place (``max_norm``) are read as no such map."""
+    if s.node.op == "call_module":
+        mod = s.lab.module.get_submodule(s.node.target)
+        index_label, table, max_norm = first_tensor(s)[1], f"{s.node.target}.weight", mod.max_norm
+    else:
+        index_label = s.arg(0, "input")[1]
+        raw_table = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
+        table, max_norm = raw_table.target if _is_state(s, raw_table) else None, s.arg(3, "max_norm")[0]
+    if index_label is not None or table is None or max_norm is not None:
+        return fallback(s)
+    n_out = s.out.shape[-1]
+    space = s.rec.fresh((n_out,))
+    s.rec.spaces.append(Space(int(space[0]) if n_out else s.rec.next_id, s.rec.next_id, s.name))
+    s.rec.member(table, space.reshape(1, n_out))
+    return Label(align(space, s.out.dim()))

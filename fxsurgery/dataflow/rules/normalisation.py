@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..constants import ConstantSpec, Site
 from ..ids import align
 from ..labeller import Label, Step
-from ..records import Weighing
+from ..records import NonEmpty, Weighing
 from .base import RULES, elementwise_labels, first_tensor, mix, param_label, register_rule, wrap_dim
 
 
@@ -76,24 +76,54 @@ def layer_norm_module(s: Step) -> Label:
     return _normalise(s, x, xl, dims, "normalisation", affine)
 
 
+def _batch_norm(s: Step, x: torch.Tensor, xl: Label | None,
+                per_channel: Sequence[tuple[Any, Label | None]]) -> Label | None:
+    """Statistics are per channel (dim 1), in training (the batch's) and in evaluation (the running ones):
+    channels stay separate, so a unit's channels are cut exactly, and the affine weights and running statistics
+    (``per_channel``, 1-d) are elementwise operands along dim 1, members sliced with the units. torch's batch norm
+    takes no input without channels."""
+    if xl is None:
+        return None
+    ids = align(xl.ids, x.dim())
+    mix(s, ids, [d for d in range(x.dim()) if d != 1], "batch normalisation")
+    s.rec.nonempty.append(NonEmpty(ids, f"{s.name}: a batch norm cannot have zero channels"))
+    along_channels = (-1, *([1] * (x.dim() - 2)))
+    operands = [(x, Label(ids))]
+    for t, label in per_channel:
+        if torch.is_tensor(t):
+            channel_label = Label(label.ids.reshape(along_channels), label.param) if label is not None else None
+            operands.append((t.reshape(along_channels), channel_label))
+    return elementwise_labels(s, operands, x.dim())
+
+
 @register_rule(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 def batch_norm_module(s: Step) -> Label | None:
-    """Statistics are per channel (dim 1): channels stay separate, and the affine weights and running
-    statistics are per-channel members."""
+    """A batch norm module (an fx leaf): its float tensors are per-channel members."""
     x, xl = first_tensor(s)
     if xl is None:
         return None
     mod = s.lab.module.get_submodule(s.node.target)
-    ids = align(xl.ids, x.dim())
-    mix(s, ids, [d for d in range(x.dim()) if d != 1], "batch normalisation")
-    operands = [(x, Label(ids))]
-    for pname in ("weight", "bias", "running_mean", "running_var"):
-        p = getattr(mod, pname, None)
-        if torch.is_tensor(p) and p.is_floating_point():
-            per_channel = (-1, *([1] * (x.dim() - 2)))
-            pid = param_label(s, f"{s.node.target}.{pname}", p).ids
-            operands.append((p.reshape(per_channel), Label(pid.reshape(per_channel), True)))
-    return elementwise_labels(s, operands, x.dim())
+    tensors = [(pname, getattr(mod, pname, None)) for pname in ("weight", "bias", "running_mean", "running_var")]
+    per_channel = [(p, param_label(s, f"{s.node.target}.{pname}", p)) for pname, p in tensors
+                   if torch.is_tensor(p) and p.is_floating_point()]
+    return _batch_norm(s, x, xl, per_channel)
+
+
+@register_rule(F.batch_norm)
+def batch_norm(s: Step) -> Label | None:
+    """``F.batch_norm(input, running_mean, running_var, weight, bias, ...)``, as a symbolic trace records it."""
+    x, xl = s.arg(0, "input")
+    names = ("running_mean", "running_var", "weight", "bias")
+    return _batch_norm(s, x, xl, [s.arg(i, name) for i, name in enumerate(names, 1)])
+
+
+@register_rule(torch.batch_norm)
+def captured_batch_norm(s: Step) -> Label | None:
+    """``torch.batch_norm(input, weight, bias, running_mean, running_var, ...)``, the lowered ATen op of a captured
+    graph (``num_batches_tracked`` is counted beside it, a shared scalar and no member)."""
+    x, xl = s.arg(0, "input")
+    names = ("weight", "bias", "running_mean", "running_var")
+    return _batch_norm(s, x, xl, [s.arg(i, name) for i, name in enumerate(names, 1)])
 
 
 @register_rule(F.normalize)

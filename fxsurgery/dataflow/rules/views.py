@@ -32,6 +32,9 @@ def view_constants(site: Site) -> list[ConstantSpec]:
     shape = site.node.args[1] if len(site.node.args) == 2 else None
     if not paths and isinstance(shape, Node) and site.follows_units(shape):
         return []
+    appended = _appended_literal(site, shape) if not paths and isinstance(shape, Node) else None
+    if appended is not None:
+        return [appended]
     if len(paths) != len(site.out_shape):
         raise Unsupported(f"{site.node.name}: shape built at run time; cannot rewrite the unit axis")
     value = get_path(site.node, paths[site.out_dim])
@@ -39,6 +42,24 @@ def view_constants(site: Site) -> list[ConstantSpec]:
         site.notes.append(f"{site.node.name}: the unit axis holds positions too, its size is inferred at run time")
         return []
     return [site.constant(paths[site.out_dim], site.out_shape[site.out_dim])]
+
+
+def _appended_literal(site: Site, shape: Node) -> ConstantSpec | None:
+    """``x.view(x.size()[:-k] + (width,))``: leading sizes read at run time, the rest literals appended to them;
+    a unit axis among the literals is rewritten in the appended tuple (None if the shape is not built so)."""
+    if shape.op != "call_function" or shape.target is not operator.add or len(shape.args) != 2:
+        return None
+    read, literals = shape.args
+    if read not in site.size_reads or not isinstance(literals, tuple) or \
+            not all(isinstance(k, int) for k in literals):
+        return None
+    k = site.out_dim - (len(site.out_shape) - len(literals))
+    if k < 0:
+        return None
+    size = site.out_shape[site.out_dim]
+    if size % site.count or literals[k] != size:
+        raise Unsupported(f"{site.node.name}: size {literals[k]} on the unit axis is not {site.count} units")
+    return ConstantSpec(shape, ("args", 1, k), size // site.count)
 
 
 def _merges_positions(site: Site) -> bool:

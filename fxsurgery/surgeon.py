@@ -1,6 +1,7 @@
 """The public entry point: find unit groups in a model and remove or clone units in place."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -43,7 +44,9 @@ class Surgeon:
                                  f"given: {[g.name for g in fresh.groups]} against {[g.name for g in analysis.groups]}")
             analysis = fresh
         self.model = model
-        self.analysis = analysis
+        # without its install plan: the plan's graphs hold the analysed copy, whose parameters share the storage
+        # the model had before any edit, and would keep it alive beside the compact model
+        self.analysis = dataclasses.replace(analysis, _plan=None)
         self.example_inputs = analysis.example_inputs
         self.example_kwargs = analysis.example_kwargs
         self._editor = Editor(model)

@@ -28,7 +28,9 @@ class Analysis:
     counts, what was left out and why, and which front end recorded each host module.
 
     Two analyses are equal when they describe the same groups, left-out parts and front ends of models of the
-    same structure called alike. Picklable; a pickled or copied analysis installs by analysing again."""
+    same structure called alike. Picklable; a pickled or copied analysis installs by analysing again. Until it is
+    installed it holds the analysed copy, whose parameters share the model's storage as it was: an analysis kept
+    after its model has been edited keeps that storage alive (a Surgeon keeps it without the plan)."""
 
     model_class: str
     structure: Structure

@@ -83,7 +83,7 @@ def test_surgeon_installs_an_analysis_without_analysing_again(monkeypatch) -> No
 
     monkeypatch.setattr(model_analysis, "plan_model", no_planning)
     surgeon = Surgeon(model, analysis)
-    assert surgeon.analysis is analysis
+    assert surgeon.analysis == analysis and surgeon.analysis._plan is None  # the plan goes once installed
     assert [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
     head = surgeon.group(analysis.groups[0].name)
     surgeon.remove(head, 1)

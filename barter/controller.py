@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .averaging import AveragedCopy
+from .fsdp import check_optimizer, sharded_access
 from .loss_scale import Scaler, current_scale
 from .options import Options
 from .schedule import KINDS, Schedule
@@ -50,7 +51,8 @@ class Controller:
     state_key = "controller"  # the entry of a training checkpoint that holds `state_dict()`
 
     def __init__(self, surgeon, layers: dict[str, list], schedule: Schedule, *, method: str, auto: bool,
-                 options: Options, select_rng: torch.Generator, noise_rng: torch.Generator) -> None:
+                 options: Options, select_rng: torch.Generator, noise_rng: torch.Generator,
+                 initial_units: dict[str, list[int]] | None = None) -> None:
         self.surgeon = surgeon
         self.layers = layers
         self.method = method
@@ -59,6 +61,8 @@ class Controller:
         self._schedule = schedule
         self._due = {kind: Counter(schedule.steps[kind]) for kind in KINDS}
         self.initial = {kind: [g.count for g in layers[kind]] for kind in KINDS}
+        # {group name: indices, in the model as built, of the units compact initialisation kept}
+        self.initial_units = dict(initial_units or {})
         self.maximum = {kind: [g.max_count for g in layers[kind]] for kind in KINDS}
         # the method's minimum, raised where fxsurgery cannot go lower (a model whose heads cannot reach 0)
         self.minimum = {kind: [max(MIN_WIDTH[kind], g.min_count) for g in layers[kind]] for kind in KINDS}
@@ -158,6 +162,7 @@ class Controller:
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep `optimizer`'s state in step with surgery; with `auto`, run `step` after each of its steps."""
         if optimizer is not self._optimizer:
+            check_optimizer(self.model, optimizer)
             self.surgeon.attach_optimizer(optimizer)
             self.follow_optimizer(optimizer)
 
@@ -222,6 +227,7 @@ class Controller:
                  "receiver_layer": None if prop.receiver is None else groups[prop.receiver].module,
                  "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped}
         if prop.skipped is None:
+            self._prepare_edits()
             self.surgeon.remove(groups[prop.donor_layer], prop.donor_index)
             table.remove(prop.donor_layer, prop.donor_index)
             event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
@@ -233,6 +239,14 @@ class Controller:
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
             self.edits += 1
         self.events.append(event)
+
+    def _prepare_edits(self) -> None:
+        """Edit through the model's current layout: plain, or sharded by FSDP2 after the wrap (`barter.fsdp`)."""
+        if self._optimizer is not None:
+            check_optimizer(self.model, self._optimizer)
+        access = sharded_access(self.model)
+        if access is not None:
+            self.surgeon.set_tensor_access(access)
 
     def _drop_finished_taps(self) -> None:
         """Stop collecting a kind's scores once its last proposal has run: no overhead afterwards."""
@@ -290,6 +304,7 @@ class Controller:
         """
         if sd["method"] != self.method or sd["schedule"] != self.schedule or sd["initial"] != self.initial:
             raise ValueError("state_dict comes from a wrap with another method, schedule or initial topology")
+        self._prepare_edits()
         for g in self.surgeon.groups:
             target = sd["topology"][g.name]
             while g.count < target:

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-INITS = ("first", "magnitude", "random")
+INITS = ("first", "magnitude", "random", "score")  # which units compact initialisation keeps
+RANKED_INITS = ("magnitude", "score")  # the inits that rank units by importance, as global allocation needs
+ALLOCATIONS = ("uniform", "global")  # how compact initialisation chooses each layer's width
 
 
 @dataclass(frozen=True)
 class Options:
     """beta: EMA decay; window: reallocation window as fractions of T; head_ratio / channel_ratio: K per
     initial unit; noise_std: split noise sigma (relative to std of the parent's output weights when
-    noise_relative, absolute otherwise; 0 allowed); init: which units compact initialisation keeps."""
+    noise_relative, absolute otherwise; 0 allowed); init: which units compact initialisation keeps (the first, a
+    random subset, the largest norms, or the largest D measured on calibration batches: `barter.compact_init`);
+    allocation: each layer's initial width, uniform (rho of it) or global (units ranked across layers by init's
+    importance under the uniform allocation's parameter budget)."""
 
     beta: float = 0.99
     window: tuple[float, float] = (0.1, 0.4)
@@ -19,6 +24,7 @@ class Options:
     noise_std: float = 0.01
     noise_relative: bool = True
     init: str = "first"
+    allocation: str = "uniform"
 
     @classmethod
     def from_kwargs(cls, **options: object) -> "Options":
@@ -39,4 +45,9 @@ class Options:
             raise ValueError(f"noise_std must be >= 0, got {opts.noise_std}")
         if opts.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {opts.init!r}")
+        if opts.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {opts.allocation!r}")
+        if opts.allocation == "global" and opts.init not in RANKED_INITS:
+            raise ValueError(f"allocation='global' ranks units by importance: it needs init in {RANKED_INITS}, "
+                             f"got init={opts.init!r}")
         return opts

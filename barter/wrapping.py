@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -10,8 +11,10 @@ from torch import nn
 from fxsurgery import Surgeon, analyse
 
 from .analysis import ModelBase, default_example_inputs, keep_base
+from .calibration import Batch, LossFn, calibrated_scores
 from .compact_init import compact
 from .controller import Controller
+from .fsdp import refuse_sharded
 from .loss_scale import Scaler
 from .options import Options
 from .schedule import KINDS, make_schedule, transfer_count
@@ -21,7 +24,7 @@ from .selection import METHODS
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, total_steps: int,
          density: float = 0.5, example_inputs: tuple | None = None, example_kwargs: dict[str, Any] | None = None,
          method: str = "barter", seed: int = 0, auto: bool = True, scaler: Scaler | None = None,
-         **options: Any) -> Controller:
+         calibration: Iterable[Batch] | None = None, loss_fn: LossFn | None = None, **options: Any) -> Controller:
     """Make `model` compact in place (n_l,0 units per layer) and return its BARTER controller.
 
     example_inputs, example_kwargs: the call the model is analysed on, `model(*example_inputs, **example_kwargs)`,
@@ -29,10 +32,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     without either, a zero batch of a timm model's input size.
     method: "barter", "static" (never transfers), "random_receiver", "random_donor" or "random_pair".
     options: see `barter.options.Options` (beta, window, head_ratio, channel_ratio, noise_std,
-    noise_relative, init). An optimizer passed here (made before wrap) is attached before the model shrinks;
+    noise_relative, init, allocation). calibration: the (inputs, targets) batches (a DataLoader) that init="score"
+    measures each unit's D on, with `loss_fn(outputs, targets)` (default cross-entropy); `ctl.initial_units` says
+    which units were kept. An optimizer passed here (made before wrap) is attached before the model shrinks;
     one made later goes through `ctl.attach_optimizer`. With `auto`, transfers run from the optimizer's
     post-step hook; otherwise call `ctl.step()` right after every `optimizer.step()` (or `scaler.step`).
     scaler: the `torch.amp.GradScaler` of fp16 training (also `ctl.track_scaler`): scores are unscaled by it.
+    FSDP2: wrap the whole model first, then `fully_shard` it, then attach the optimizer built on the sharded
+    parameters (`barter.fsdp`); a model sharded already is refused.
     To resume, wrap a freshly built model with the same arguments, then call `ctl.load_state_dict(sd)` before
     `model.load_state_dict` and `optimizer.load_state_dict` (it restores the saved widths first).
     """
@@ -43,6 +50,12 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     opts = Options.from_kwargs(**options)
+    refuse_sharded(model)
+    if (opts.init == "score") != (calibration is not None):
+        raise ValueError("init='score' measures D on calibration batches: pass calibration=<loader>"
+                         if calibration is None else f"calibration is read by init='score' only (init={opts.init!r})")
+    if loss_fn is not None and calibration is None:
+        raise ValueError("loss_fn is the loss of the calibration batches: it needs calibration")
     if example_inputs is None and not example_kwargs:
         example_inputs = default_example_inputs(model)
     analysis = analyse(model, () if example_inputs is None else example_inputs, example_kwargs)
@@ -58,15 +71,18 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     select_rng = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     noise_rng = torch.Generator(device=device).manual_seed(seed)
-    counts = {kind: compact(surgeon, layers[kind], density, opts.init, select_rng, surgeon.unit_norms)
-              for kind in KINDS}
+    scores = None if calibration is None else calibrated_scores(
+        surgeon, [g for kind in KINDS for g in layers[kind]], calibration, loss_fn)
+    kept = compact(surgeon, layers, density=density, init=opts.init, allocation=opts.allocation,
+                   generator=select_rng, importance=surgeon.unit_norms if scores is None else lambda g: scores[g.name])
+    counts = {kind: [g.count for g in layers[kind]] for kind in KINDS}
     ratio = {"head": opts.head_ratio, "channel": opts.channel_ratio}
     budgets = {
         kind: 0 if method == "static" else transfer_count(sum(counts[kind]), ratio[kind], _feasible(layers[kind]))
         for kind in KINDS
     }
     ctl = Controller(surgeon, layers, make_schedule(total_steps, budgets, opts.window), method=method, auto=auto,
-                     options=opts, select_rng=select_rng, noise_rng=noise_rng)
+                     options=opts, select_rng=select_rng, noise_rng=noise_rng, initial_units=kept)
     if optimizer is not None:
         ctl.follow_optimizer(optimizer)
     ctl.track_scaler(scaler)

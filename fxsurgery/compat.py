@@ -26,7 +26,7 @@ __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
            "feed_forward_block", "dynamo_config", "foreach_mul_", "device_scale", "DispatchMode",
-           "returns_new_tensors"]
+           "returns_new_tensors", "fsdp_records", "reshard_resized"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
 # -> the name of this module that reaches it
@@ -57,6 +57,14 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch._dynamo.config": "dynamo_config",
     "torch._foreach_mul_": "foreach_mul_",
     "._get_scale_async": "device_scale",
+    "._get_fsdp_state": "fsdp_records",
+    "._fsdp_param_group": "fsdp_records",
+    "._orig_param_uid": "reshard_resized",
+    "._init_sharded_param": "reshard_resized",
+    "._init_sharded_post_forward_param_metadata": "reshard_resized",
+    "._setattr_on_modules": "reshard_resized",
+    "._unsharded_param": "reshard_resized",
+    "._unsharded_inner_tensors": "reshard_resized",
 }
 
 def pytree_info(graph: torch.fx.Graph) -> Any:
@@ -151,3 +159,37 @@ def device_scale(scaler: Any) -> torch.Tensor | None:
     torch >= 1.6); None for a scaler without that reader, or one that has not scaled yet."""
     read = getattr(scaler, "_get_scale_async", None)
     return read() if read is not None else None
+
+
+def fsdp_records(module: nn.Module) -> list[Any]:
+    """The records (``FSDPParam``) of the parameters that ``fully_shard(module)`` shards as ``module``'s own group,
+    each with its ``sharded_param`` (the DTensor Parameter the module holds and an optimizer steps); [] for a
+    module without parameters of its own (``FSDPModule._get_fsdp_state()._fsdp_param_group``, torch >= 2.6)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return [] if group is None else list(group.fsdp_params)
+
+
+def reshard_resized(record: Any, values: torch.Tensor) -> None:
+    """Make the parameter FSDP2's ``record`` (an ``FSDPParam``) shards hold ``values``: the whole tensor at a new
+    size, equal on every rank, sharded on dim 0 as ``fully_shard`` shards it, in the same Parameter object (an
+    optimizer's, with its attributes). The unsharded parameter and the all-gather buffers, sized for the old shape,
+    are made afresh at the next all-gather. The record must be sharded (``FSDPModule.reshard()``).
+
+    ``FSDPParam._init_sharded_param`` shards a new Parameter and sets the sizes the collectives read; its content
+    is swapped into the old Parameter object (torch >= 2.6)."""
+    param = record.sharded_param
+    attributes, uid = dict(param.__dict__), record._orig_param_uid
+    whole = nn.Parameter(values.to(record.device), requires_grad=param.requires_grad)
+    record._init_sharded_param(whole, record.device, None, record.mesh_info)
+    if record.post_forward_mesh_info is not None:
+        record._init_sharded_post_forward_param_metadata(whole)
+    torch.utils.swap_tensors(param, record.sharded_param)
+    param.__dict__.update(attributes)
+    record.sharded_param = param
+    record._setattr_on_modules(param)
+    record._orig_param_uid = uid
+    record.all_gather_outputs = []
+    if hasattr(record, "_unsharded_param"):
+        del record._unsharded_param
+    record._unsharded_inner_tensors = []
+    record.unsharded_accumulated_grad = None

@@ -16,13 +16,33 @@ from .taps import TapPoint
 TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
 
 
+class TensorAccess:
+    """How an edit reads and writes a group's tensors: here, each tensor holds all its values. A subclass serves
+    tensors whose values are laid out elsewhere (sharded over processes): it gathers them whole for the edit and
+    lays the edited values out again, keeping the tensor objects."""
+
+    def values(self, t: torch.Tensor) -> torch.Tensor:
+        """All of ``t``'s values (a parameter, buffer or optimizer state tensor) as one plain tensor."""
+        return t.data
+
+    def write(self, t: torch.Tensor, values: torch.Tensor) -> None:
+        """Make the parameter or buffer ``t`` hold ``values``, resized, as the same object."""
+        replace_data(t, values)
+
+    def state(self, old: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The optimizer state tensor that holds ``values``, laid out as ``old`` was."""
+        return values
+
+
 class Editor:
-    """Operates on the groups of one model; keeps each group's plumbing and the attached optimizers."""
+    """Operates on the groups of one model; keeps each group's plumbing, the attached optimizers and the
+    access to their tensors."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.optimizers: list[torch.optim.Optimizer] = []
         self.plumbing: dict[UnitGroup, GroupPlumbing] = {}
+        self.access = TensorAccess()
 
     def tensor(self, name: str) -> torch.Tensor:
         try:
@@ -53,41 +73,52 @@ class Editor:
         count = g.count
         self.edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx), lambda sl, t: sl.keep(t, count, idx))
 
-    def clone(self, g: UnitGroup, parent: int, noise: dict[str, torch.Tensor]) -> None:
-        """Append a copy of unit ``parent`` (``noise`` by output slice name splits its output weights)."""
-        count = g.count
+    def clone(self, g: UnitGroup, parent: int, std: float, generator: torch.Generator | None,
+              relative: bool) -> None:
+        """Append a copy of unit ``parent``; split noise (``noise``) on its output weights, which the edit then
+        reads as the noise did (each tensor's values are read once)."""
+        count, read = g.count, {}
+        noise = self.noise(g, parent, std, generator, relative, read)
         self.edit(g, count + 1,
                   lambda sl, t: clone_unit(t, sl, count, parent, noise.get(sl.name)),
-                  lambda sl, t: clone_state(t, sl, count, parent))
+                  lambda sl, t: clone_state(t, sl, count, parent), read=read)
 
     def noise(self, g: UnitGroup, parent: int, std: float, generator: torch.Generator | None,
-              relative: bool) -> dict[str, torch.Tensor]:
-        """ε ~ N(0, σ²) for each output slice of unit ``parent`` (σ relative to its weights' std if asked)."""
+              relative: bool, read: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """ε ~ N(0, σ²) for each output slice of unit ``parent`` (σ relative to its weights' std if asked); the
+        values of each tensor read are left in ``read`` by name."""
         out = {}
         if std == 0:
             return out
+        read = {} if read is None else read
         for sl in g.slices:
             if not sl.output:
                 continue
-            w = sl.unit(self.tensor(sl.name).data, g.count, parent)
+            if sl.name not in read:
+                read[sl.name] = self.access.values(self.tensor(sl.name))
+            w = sl.unit(read[sl.name], g.count, parent)
             sigma = std * (float(w.float().std()) if relative and w.numel() > 1 else 1.0)
             dev = generator.device if generator is not None else w.device
             out[sl.name] = (torch.randn(w.shape, generator=generator, device=dev, dtype=torch.float32) * sigma).to(w)
         return out
 
-    def edit(self, g: UnitGroup, new_count: int, data_fn: TensorEdit, state_fn: TensorEdit | None) -> None:
+    def edit(self, g: UnitGroup, new_count: int, data_fn: TensorEdit, state_fn: TensorEdit | None, *,
+             read: dict[str, torch.Tensor] | None = None) -> None:
         """Compute every new tensor first, then swap them in: a failure leaves the model untouched. A tensor
         sliced along two dims (a head-mixing map) takes its edits in turn (``slicing.in_turn``). Without
-        ``state_fn`` optimizer state is left alone (the self-check's trial edits)."""
-        tensors = [(slices, self.tensor(name)) for name, slices in by_tensor(g.slices)]
+        ``state_fn`` optimizer state is left alone (the self-check's trial edits). ``read``: values read already,
+        by tensor name, each dropped once used (a sharded tensor is gathered once)."""
+        tensors = [(name, slices, self.tensor(name)) for name, slices in by_tensor(g.slices)]
         optimizers = self.optimizers if state_fn is not None else []
-        states = [(slices, st, k) for slices, t in tensors for st, k in state_tensors(optimizers, t)]
-        new_data = [(t, in_turn(data_fn, slices, t.data)) for slices, t in tensors]
-        new_state = [(st, k, in_turn(state_fn, slices, st[k])) for slices, st, k in states]
+        states = [(slices, st, k) for _, slices, t in tensors for st, k in state_tensors(optimizers, t)]
+        access, read = self.access, {} if read is None else read
+        new_data = [(t, in_turn(data_fn, slices, read.pop(name) if name in read else access.values(t)))
+                    for name, slices, t in tensors]
+        new_state = [(st, k, in_turn(state_fn, slices, access.values(st[k]))) for slices, st, k in states]
         for t, d in new_data:
-            replace_data(t, d)
+            access.write(t, d)
         for st, k, v in new_state:
-            st[k] = v
+            st[k] = access.state(st[k], v)
         self.settle(g, new_count)
 
     def settle(self, g: UnitGroup, count: int) -> None:

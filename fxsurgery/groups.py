@@ -47,14 +47,6 @@ class LeftOut:
     reasons: list[str]
 
 
-class TapLayout(NamedTuple):
-    """The output projection's input features are laid out ``[outer][unit][inner]`` along ``dim``."""
-
-    outer: int
-    inner: int
-    dim: int
-
-
 class ConstantSlot(NamedTuple):
     """A host attribute that holds ``per_unit`` × the count (a rewritten graph constant)."""
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from .analysis.model import install_model
 from .analysis.value import Analysis, analyse, check_installed, structure, structure_difference
 from .capture.graph_forward import GraphForward
-from .editing import Editor
+from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
 from .report import explain
 from .slicing import by_tensor, state_tensors, unit_squares
@@ -72,6 +72,11 @@ class Surgeon:
         if all(o is not optimizer for o in self._editor.optimizers):
             self._editor.optimizers.append(optimizer)
 
+    def set_tensor_access(self, access: TensorAccess) -> None:
+        """Read and write the groups' tensors and optimizer state through ``access`` from now on (tensors whose
+        values are laid out elsewhere, such as sharded over processes; ``TensorAccess()`` for plain ones)."""
+        self._editor.access = access
+
     def remove(self, group: UnitGroup, index: int) -> None:
         """Delete unit ``index``; the remaining units keep their relative order."""
         g = self._own(group)
@@ -98,7 +103,7 @@ class Surgeon:
         if not 0 <= parent < g.count:
             raise IndexError(f"{g.name}: parent {parent} out of range for {g.count} units")
         new = g.count
-        self._editor.clone(g, parent, self._editor.noise(g, parent, noise_std, generator, relative))
+        self._editor.clone(g, parent, noise_std, generator, relative)
         return new
 
     def unit_norms(self, group: UnitGroup) -> torch.Tensor:
@@ -106,14 +111,16 @@ class Surgeon:
         g = self._own(group)
         total = None
         for name, slices in by_tensor(g.slices):
-            sq = unit_squares(self._editor.tensor(name).detach(), slices, g.count)
+            sq = unit_squares(self._editor.access.values(self._editor.tensor(name)).detach(), slices, g.count)
             total = sq if total is None else total + sq.to(total.device)
         return total.sqrt()
 
     def tap(self, group: UnitGroup, fn: Callable[[torch.Tensor], None]) -> torch.utils.hooks.RemovableHandle:
         """Call ``fn(a)`` in every forward with the activations that feed the group's output
-        projection, viewed as ``(*lead, count, per_unit)``; changes ``fn`` makes to ``a`` reach the
-        projection. Every front end's graph calls the tap. ``handle.remove()`` stops it."""
+        projection, viewed as ``(*lead, count, per_unit)``, and, for heads mixed by heads×heads maps, with
+        each map's input viewed alike (a head enters the others there too): zeroing a unit in every call masks
+        it as a removal would. Changes ``fn`` makes to ``a`` reach the forward. Every front end's graph calls
+        the tap. ``handle.remove()`` stops it."""
         g = self._own(group)
         return self._editor.tap_point(g).add(fn)
 

@@ -1,9 +1,11 @@
-"""Tap points: where an installed graph hands a group's units to its output projection.
+"""Tap points: where an installed graph hands a group's units to its output projection (and, for heads mixed by
+heads×heads maps, to each map: a head enters the others there too).
 
 The front ends call a projection in different ways (a Linear module, ``F.linear``, the ``addmm`` of a captured
 Conv1D), and a captured host calls it inside its own graph, so a hook on the projection module would not see
 every group. Instead each host graph passes the projection's input through the group's ``TapPoint``, a plain
-attribute of the host, and the taps registered there see it (and may change it) on every front end.
+attribute of the host, with the layout of the units there, and the taps registered there see it (and may change
+it) on every front end, once per site.
 """
 from __future__ import annotations
 
@@ -14,20 +16,20 @@ import torch
 import torch.fx
 from torch.utils.hooks import RemovableHandle
 
-from .groups import TapLayout
+from .dataflow.records import TapLayout
 
 Tap = Callable[[torch.Tensor], None]
 POINT_PREFIX = "_fxsurgery_tap"
 
 
 class TapPoint:
-    """The taps of one group; called by its host's graphs with the input of the group's output projection.
+    """The taps of one group; called by its host's graphs with the values that hand its units on (the output
+    projection's input, a mixing map's input) and their layout there.
 
     Taps are live callbacks of a session: ``copy.deepcopy`` copies them along (like module hooks), pickling
     drops them."""
 
-    def __init__(self, layout: TapLayout):
-        self.layout = layout
+    def __init__(self) -> None:
         self.hooks: OrderedDict[int, Tap] = OrderedDict()
 
     def add(self, fn: Tap) -> RemovableHandle:
@@ -35,10 +37,10 @@ class TapPoint:
         self.hooks[handle.id] = fn
         return handle
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, layout: TapLayout) -> torch.Tensor:
         if not self.hooks:
             return x
-        outer, inner, dim = self.layout
+        outer, inner, dim = layout
         y = x.movedim(dim, -1)
         y = y.unflatten(-1, (outer, y.shape[-1] // (outer * inner), inner))
         a = y.movedim(-3, -2).flatten(-2)  # (*lead, count, outer*inner): a view when outer is 1
@@ -48,23 +50,25 @@ class TapPoint:
         return y.movedim(-1, dim)  # the projection reads a: gradients reach it
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"layout": self.layout}
+        return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.layout, self.hooks = state["layout"], OrderedDict()
+        self.hooks = OrderedDict()
 
 
-def run_tap_point(point: TapPoint, x: torch.Tensor) -> torch.Tensor:
+def run_tap_point(point: TapPoint, x: torch.Tensor, layout: TapLayout) -> torch.Tensor:
     """The graph's call of a tap point (a module-level function, so generated code can name it)."""
-    return point(x)
+    return point(x, layout)
 
 
-def insert_tap_point(attr: str, sink: torch.fx.Node, source: torch.fx.Node) -> None:
-    """Route ``source`` into ``sink`` through the tap point that the host holds as ``attr``."""
+def insert_tap_point(attr: str, sink: torch.fx.Node, source: torch.fx.Node, layout: TapLayout) -> None:
+    """Route ``source`` into ``sink`` through the tap point that the host holds as ``attr``; the units lie in
+    ``source`` as ``layout`` says."""
     graph = sink.graph
     with graph.inserting_before(sink):
         point = graph.create_node("get_attr", attr, name=attr)
-        tapped = graph.create_node("call_function", run_tap_point, (point, source), name=f"{attr}_input")
+        tapped = graph.create_node("call_function", run_tap_point, (point, source, tuple(layout)),
+                                   name=f"{attr}_input")
     sink.replace_input_with(source, tapped)
 
 

@@ -388,3 +388,49 @@ def test_returns_new_tensors():
     assert not compat.returns_new_tensors(aten.view.default)  # a view of its argument
     assert not compat.returns_new_tensors(aten.add_.Tensor)  # writes its argument
     assert not compat.returns_new_tensors(print)  # no ATen op
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone, for FSDP2 on CPU."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_records(one_process_group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    fully_shard(model[0])
+    fully_shard(model)
+    assert [id(r.sharded_param) for r in compat.fsdp_records(model[0])] == [id(p) for p in model[0].parameters()]
+    assert [id(r.sharded_param) for r in compat.fsdp_records(model)] == [id(p) for p in model[1].parameters()]
+    assert compat.fsdp_records(fully_shard(nn.Sequential(nn.ReLU()))) == []
+
+
+def test_reshard_resized(one_process_group):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2)))
+    model(torch.randn(4, 2)).sum().backward()  # lazy init and a first all-gather at the old sizes
+    records = {id(r.sharded_param): r for r in compat.fsdp_records(model)}
+    weight, bias, out = model[0].weight, model[0].bias, model[2].weight
+    weight.custom_attribute = "kept"
+    new = {weight: torch.randn(4, 2), bias: torch.randn(4), out: torch.randn(2, 4)}
+    for param, values in new.items():
+        compat.reshard_resized(records[id(param)], values)
+    assert model[0].weight is weight and weight.custom_attribute == "kept" and weight.grad is None
+    for param, values in new.items():
+        assert param.shape == values.shape and torch.equal(param.full_tensor(), values)
+    x = torch.randn(4, 2)
+    expected = torch.relu(x @ new[weight].T + new[bias]) @ new[out].T + model[2].bias.full_tensor().detach()
+    y = model(x)
+    torch.testing.assert_close(y, expected)
+    y.sum().backward()
+    assert weight.grad.shape == (4, 2) and out.grad.shape == (2, 4)

@@ -29,7 +29,14 @@ submodule's call: pass the submodule's example, or let `barter.wrap` use a timm 
 Under DDP (torchrun, `accelerate launch`) the Trainer builds its DistributedDataParallel wrapper before any
 callback event and hands it to none, and its training loop keeps a reference to it. The callback finds it at
 its first forward (a one-shot global forward pre-hook), rebuilds its reducer in place for the compact model,
-and keeps that same object valid across the transfers (`barter.ddp.follow_transfers`). FSDP and DeepSpeed are refused.
+and keeps that same object valid across the transfers (`barter.ddp.follow_transfers`).
+
+Under FSDP2 (accelerate's FSDP plugin at version 2: `TrainingArguments(fsdp=..., fsdp_config={"version": 2})` or
+`accelerate launch` with FSDP version 2) the Trainer shards the model before `on_train_begin`, and `barter.wrap`
+analyses the whole model, so the callback wraps at the end of the Trainer's `__init__`, before the Trainer has a
+dataloader: pass `example_kwargs` (the keyword arguments of one training call). The optimizer the Trainer then
+builds on the sharded parameters is attached in `on_train_begin`, and the transfers edit the sharded model
+(`barter.fsdp`). FSDP1 and DeepSpeed are refused; resuming an FSDP2 run is not supported.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.state import AcceleratorState
 from accelerate.utils import send_to_device
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -49,6 +57,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ..controller import Controller
 from ..ddp import follow_transfers, rebuild_reducer, world_size
+from ..fsdp import SUPPORTED, UnsupportedSharding
 from ..serialization import ExportError, pack_state, unpack_state
 from ..wrapping import wrap
 
@@ -88,7 +97,22 @@ class BarterCallback(TrainerCallback):
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
                     model: nn.Module, **kwargs: Any) -> None:
-        """With `resume_from`: wrap now and restore the saved widths, before the Trainer loads the weights."""
+        """With `resume_from`: wrap now and restore the saved widths, before the Trainer loads the weights. Under
+        FSDP2: wrap now, before the Trainer shards the model."""
+        sharding = trainer_sharding()
+        if sharding == "fsdp2" and self.controller is None:
+            if self.resume_from is not None:
+                raise UnsupportedSharding("resuming a BARTER run under the Trainer's FSDP2 is not supported")
+            if self._takes_a_batch:
+                raise ValueError("under FSDP2 the callback wraps the model before the Trainer shards it, when the "
+                                 "Trainer has no dataloader yet: pass BarterCallback(example_kwargs=...), the keyword "
+                                 "arguments of a training call")
+            total_steps = self.total_steps or args.max_steps
+            if total_steps < 1:
+                raise ValueError("under FSDP2 the callback wraps before the Trainer counts its steps: pass "
+                                 "BarterCallback(total_steps=...) or TrainingArguments(max_steps=...)")
+            self._wrap(model, total_steps, optimizer=None)
+            return
         if self.resume_from is None or self.controller is not None:
             return
         path = os.path.join(self.resume_from, STATE_FILE)
@@ -119,7 +143,7 @@ class BarterCallback(TrainerCallback):
                                  f"{self.controller.step_count}, the Trainer resumes at step {state.global_step}")
             self.controller.attach_optimizer(inner)
         self.controller.track_scaler(getattr(optimizer, "scaler", None))
-        if world_size() > 1:
+        if world_size() > 1 and trainer_sharding() != "fsdp2":
             self._follow_the_trainers_wrapper(model)
 
     def _follow_the_trainers_wrapper(self, model: nn.Module) -> None:
@@ -152,6 +176,21 @@ class BarterCallback(TrainerCallback):
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             torch.save(pack_state({"total_steps": self.total_steps, "controller": self.controller.state_dict(),
                                    "batch": self.example_batch}), os.path.join(folder, STATE_FILE))
+
+
+def trainer_sharding() -> str | None:
+    """How the Trainer's accelerator spreads the model over processes: "fsdp2", None (one process or DDP), or an
+    UnsupportedSharding error for FSDP1 and DeepSpeed, naming what is supported."""
+    state = AcceleratorState()
+    if getattr(state, "deepspeed_plugin", None) is not None:
+        raise UnsupportedSharding(f"DeepSpeed partitions the parameters BARTER resizes; supported: {SUPPORTED}")
+    plugin = getattr(state, "fsdp_plugin", None)
+    if plugin is None:
+        return None
+    if getattr(plugin, "fsdp_version", 1) != 2:
+        raise UnsupportedSharding(f"the Trainer's FSDP1 flattens the parameters BARTER resizes: set "
+                                  f"fsdp_config={{'version': 2}}; supported: {SUPPORTED}")
+    return "fsdp2"
 
 
 def read_state(path: str) -> dict[str, Any]:

@@ -12,8 +12,10 @@ step, gradient accumulation and skipped AMP steps included). On resume the contr
 verified here) is restored from the checkpoint in the module's `on_load_checkpoint` (which Lightning runs before it
 loads the weights), so the saved widths are back before the compact weights arrive. Under `strategy="ddp"` the
 strategy's DistributedDataParallel wrapper follows the transfers (`barter.ddp.follow_transfers`, as in
-`barter.DistributedModel`). `ddp_spawn` and `ddp_fork` are refused: they fit in child processes, and the launching
-process, whose model never became compact, then loads the compact weights of rank 0.
+`barter.DistributedModel`). Under `ModelParallelStrategy` (FSDP2) the module's `configure_model` shards the model
+the callback made compact in `setup`, and the transfers edit the sharded model (`barter.fsdp`); resuming from its
+distributed checkpoints is untested. `ddp_spawn` and `ddp_fork` are refused: they fit in child processes, and the
+launching process, whose model never became compact, then loads the compact weights of rank 0.
 
 Example call. fxsurgery analyses the model on a call made as training makes it. Unless `example_inputs` or
 `example_kwargs` is given, that is the module's `example_input_array` passed as Lightning passes it to

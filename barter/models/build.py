@@ -9,9 +9,10 @@ from torch import nn
 
 
 def build(model_cls: type[nn.Module], variant: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
-    if pretrained:
-        raise ValueError(f"{variant}: no pretrained weights are published for this project's models")
     overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
+    if pretrained and "file" not in overlay:
+        raise ValueError(f"{variant}: no pretrained weights are published for this project's models (local ones "
+                         "load with pretrained_cfg_overlay=dict(file=...))")
     overlay.setdefault("input_size", (kwargs.get("in_chans", 3), kwargs["img_size"], kwargs["img_size"]))
     if "num_classes" in kwargs:
         overlay.setdefault("num_classes", kwargs["num_classes"])

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..options import INITS, Options
+from ..options import ALLOCATIONS, INITS, Options
 from . import commands, compare
 from .config import (
     CHOICES,
@@ -40,7 +40,8 @@ OPTION_HELP = {
     "beta": "EMA decay of the scores", "window": "reallocation window START END, as fractions of training",
     "head_ratio": "head transfers per initial head", "channel_ratio": "channel transfers per initial channel",
     "noise_std": "split noise sigma", "noise_relative": "noise_std relative to the parent's output weights",
-    "init": "which units compact initialisation keeps",
+    "init": "which units compact initialisation keeps (score: largest D on --calibration batches)",
+    "allocation": "initial widths: uniform (rho per layer) or global (units ranked across layers, same parameters)",
 }
 RESUME_FIELDS = ("device", "workers", "progress")  # what a resumed run may change
 
@@ -84,7 +85,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     choices = {"preset": (*PRESETS, TrainConfig.preset), **CHOICES}
     add_field_flags(fields, field_types(), helps=FIELD_HELP, choices=choices)
     options = parser.add_argument_group("barter.wrap options (TrainConfig.barter_options)")
-    add_field_flags(options, field_types(Options), helps=OPTION_HELP, choices={"init": INITS}, prefix=OPTION_PREFIX)
+    add_field_flags(options, field_types(Options), helps=OPTION_HELP,
+                    choices={"init": INITS, "allocation": ALLOCATIONS}, prefix=OPTION_PREFIX)
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -6,7 +6,9 @@ method, density and seed change. `<out>/compare.csv` holds one row per run, `<ou
 mean +- std over seeds of the final test accuracy and macro-F1, the training FLOPs F_total, and the final
 per-layer widths (heads and FFN channels; BARTER's moved, Static's as initialised, the others full);
 `<out>/compare.png` plots test accuracy against cumulative training FLOPs, one curve per method and density
-(mean ± std over seeds at each epoch).
+(mean ± std over seeds at each epoch). Below the table, compare.md pairs the runs of one seed: every method against
+Static, and every wrapped method against each baseline, at the same density, with the per-seed differences, an
+exact sign test and a paired-t 95% interval (`barter.training.paired`).
 
 Matched compute: each BARTER run is then continued with its topology fixed (`TrainConfig.continue_from`) up to
 the F_total of the reference run with the same seed, `--matched-to dense` by default. The baselines (RigL, SET,
@@ -35,6 +37,7 @@ from ..baselines import METHODS as BASELINES
 from .config import METHODS, ConfigError, TrainConfig
 from .data import DatasetNotFoundError
 from .loop import RunResult, train
+from .paired import difference_cells, paired_difference
 from .presets import DEFAULT_PRESET, PRESETS, preset
 from .runlog import CheckpointError, RunDir
 
@@ -159,7 +162,43 @@ def markdown(rows: list[Row], base: TrainConfig, matched_to: str | None) -> str:
             f"{mean_std([r.result.acc for r in group], '.4f')} | "
             f"{mean_std([r.result.macro_f1 for r in group], '.4f')} | {flops:.3e} | {relative} | "
             f"{widths_cell([r.widths for r in group])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + paired_markdown(rows)) + "\n"
+
+
+def comparisons(methods: set[str]) -> list[tuple[str, str]]:
+    """(method, reference) pairs of the paired table: every method against Static, and Static, BARTER and the
+    other wrapped methods against each baseline (Dense has no density to pair at)."""
+    wrapped = [m for m in ROW_ORDER if m in methods and m not in ("dense", *BASELINES)]
+    pairs = [(m, "static") for m in ROW_ORDER if m in methods and m not in ("dense", "static")]
+    pairs += [(m, b) for b in BASELINES if b in methods for m in wrapped]
+    return pairs if "static" in methods else [p for p in pairs if p[1] != "static"]
+
+
+def paired_markdown(rows: list[Row]) -> list[str]:
+    """Lines of the paired table: per (method, reference, density), the seeds both ran and the per-seed
+    differences in test accuracy and macro-F1 (percentage points)."""
+    results: dict[tuple[str, float], dict[int, RunResult]] = {}
+    for r in rows:
+        results.setdefault((r.method, r.density), {})[r.seed] = r.result
+    lines = []
+    for method, reference in comparisons({m for m, _ in results}):
+        for density in sorted({d for m, d in results if m == method}):
+            ours, theirs = results[(method, density)], results.get((reference, density), {})
+            acc = paired_difference({s: r.acc for s, r in ours.items()}, {s: r.acc for s, r in theirs.items()})
+            if acc is None:
+                continue
+            f1 = paired_difference({s: r.macro_f1 for s, r in ours.items()},
+                                   {s: r.macro_f1 for s, r in theirs.items()})
+            lines.append(f"| {method} | {reference} | {density:g} | {len(acc.seeds)} | "
+                         + " | ".join(difference_cells(acc) + difference_cells(f1)) + " |")
+    if not lines:
+        return []
+    return ["", "Paired differences, method − reference over the seeds both ran, in percentage points of test "
+            "accuracy and macro-F1: per seed, mean [paired-t 95% interval], exact two-sided sign test p and paired "
+            "t-test p.", "",
+            "| method | reference | density | seeds | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | "
+            "Δ F1 per seed | Δ F1 mean [95% CI] | sign p | t p |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|", *lines]
 
 
 def write(out: Path, rows: list[Row], table: str) -> None:

@@ -39,11 +39,15 @@ class TrainConfig:
     test split selects it. An epoch is `passes` shuffled passes; `drop_last` drops the final incomplete batch
     (an odd one is always dropped when batches are mixed). Method: `barter_options` go to `barter.wrap`,
     `baseline_options` to the baseline's factory (`barter.baselines.baseline_options(method)` lists them).
+    `calibration`: the training batches (unmixed, in a fixed order) that `barter_options` init "score" measures
+    each unit's D on, after `init_from` is loaded.
     Optimisation: see `barter.training.recipe`; `decay` is "after" (CCT) or "before" (ViT). Compute:
     `flop_budget` stops at that cumulative F_total (a final partial epoch allowed); `continue_from` continues a
     finished run's endpoint up to `flop_budget` (matched compute). `amp`: "fp32" (the paper's), "bf16" autocast,
     or "fp16" autocast with loss scaling (`barter.training.precision`). `compile`: training steps run through
-    `torch.compile` (`barter.compiling.compile_model`; one process only). `model_ema`: the decay of a timm
+    `torch.compile` (`barter.compiling.compile_model`; one process only). `fsdp`: under torchrun the model is
+    sharded with FSDP2 after the wrap (`barter.fsdp`), and checkpoints are written by every process through
+    `torch.distributed.checkpoint` beside rank 0's export of the whole model. `model_ema`: the decay of a timm
     `ModelEmaV3` of the weights, updated after every optimizer step, evaluated beside the model, selecting the
     best checkpoint and exported in the checkpoints (timm train.py's `--model-ema`).
     """
@@ -74,11 +78,13 @@ class TrainConfig:
     method: str = "barter"
     density: float = 0.3
     barter_options: dict[str, Any] = field(default_factory=dict)
+    calibration: int | None = None
     baseline_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     device: str = "auto"
     amp: str = "fp32"
     compile: bool = False
+    fsdp: bool = False
     model_ema: float | None = None
     flop_budget: float | None = None
     continue_from: str | None = None
@@ -117,6 +123,10 @@ class TrainConfig:
             (self.workers is None or self.workers >= 0, f"workers must be >= 0, got {self.workers}"),
             (self.amp in AMP_MODES, f"amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}"),
             (self.model_ema is None or 0 < self.model_ema < 1, f"model_ema must be in (0, 1), got {self.model_ema}"),
+            (not self.fsdp or self.method not in BASELINE_METHODS,
+             f"fsdp shards BARTER's compact model or a dense one, not the masks of {self.method}"),
+            (not self.fsdp or not (self.compile or self.model_ema is not None or self.amp == "fp16"),
+             "fsdp runs without compile, model_ema and fp16 loss scaling"),
         ]
         for ok, message in checks:
             if not ok:
@@ -129,9 +139,22 @@ class TrainConfig:
         if self.model not in timm_with_models().list_models():
             raise ConfigError(f"unknown model {self.model!r} (not in timm's registry)")
         try:
-            Options.from_kwargs(**self.barter_options)
+            options = Options.from_kwargs(**self.barter_options)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"barter_options: {e}") from None
+        self._check_calibration(options.init)
+
+    def _check_calibration(self, init: str) -> None:
+        """`calibration` is given exactly when a wrapped method keeps units by score."""
+        scored = self.method in WRAP_METHODS and init == "score"
+        if self.calibration is not None and self.calibration < 1:
+            raise ConfigError(f"calibration must be >= 1 training batches, got {self.calibration}")
+        if scored and self.calibration is None:
+            raise ConfigError("barter_options init 'score' measures D on training batches: set calibration "
+                              "(--calibration N)")
+        if not scored and self.calibration is not None:
+            raise ConfigError(f"calibration is read by barter_options init 'score' only (method {self.method}, "
+                              f"init {init!r})")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-normal dictionary (tuples become lists), as config.json and checkpoints store it."""
@@ -153,7 +176,8 @@ FIELD_HELP: dict[str, str] = {
     "preset": "named setup the other fields start from (barter.training.presets); custom: TrainConfig's defaults",
     "model": "a timm model name (the project's models are registered)",
     "model_kwargs": "extra keyword arguments of timm.create_model, e.g. '{num_heads: 4}'",
-    "init_from": "dense run directory or checkpoint to fine-tune (new classifier)",
+    "init_from": "dense run directory, checkpoint, or timm weights file to fine-tune (a new classifier only when "
+                 "the class count differs)",
     "dataset": "cifar100, tiny-imagenet, mnist5k, fake, or folder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*)",
     "data_dir": "where the data set lives",
     "img_size": "train at this image size (default: the data's)",
@@ -176,8 +200,10 @@ FIELD_HELP: dict[str, str] = {
     "method": "dense, a barter.wrap method, or a baseline",
     "density": "rho in (0, 1]: fraction of heads and channels kept",
     "barter_options": "barter.wrap options as a mapping (or the flags below)",
+    "calibration": "training batches that measure D for --init score",
     "seed": "random seed of model, data order and method",
     "device": "auto (default), cpu, cuda, cuda:1, ...",
+    "fsdp": "shard the model with FSDP2 under torchrun (after the wrap); sharded checkpoints",
     "model_ema": "decay of an EMA of the weights that is evaluated, selects the best checkpoint and is exported",
     "flop_budget": "stop at this cumulative F_total (FLOPs), or at the final F_total of the run directory given",
     "continue_from": "finished run to continue with its topology fixed (matched compute)",

@@ -98,7 +98,7 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
             epochs_done = config.continue_from is None and session.epoch >= config.epochs
             session.finished = done < batches_per_epoch or out_of_budget or epochs_done
             session.wall_s = time.perf_counter() - started
-            if processes.is_main():
+            if processes.is_main() or config.fsdp:  # a sharded model evaluates and saves on every rank
                 _end_epoch(session, config, data, run, device, {"loss": loss, "train_acc": acc})
     result = None
     if processes.is_main():
@@ -219,7 +219,8 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
     """Evaluate (the EMA too, which then selects the best checkpoint), log the epoch (with the method's
     `metrics()`), keep the best and the last checkpoint, and write the method's events and topology. At the end
     of a run whose method exports a smaller model than it trains (S²ViTE), the selected model's compact export
-    goes to `run/compact` and its parameter count into the last record."""
+    goes to `run/compact` and its parameter count into the last record. Under `fsdp` every rank evaluates and
+    saves (collectives), and rank 0 alone writes the rest."""
     test = evaluate(session.model, data.test, data.num_classes, device, config.workers)
     val = evaluate(session.model, data.val, data.num_classes, device, config.workers) if data.val is not None else None
     record = {"epoch": session.epoch, "step": session.step, **train_stats,
@@ -242,6 +243,8 @@ def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, d
     if improved:
         session.best_acc, session.best_epoch = selected, session.epoch
     save_checkpoints(session, config, data, run, improved, record=record)
+    if not processes.is_main():
+        return
     compact_parameters = save_compact(session, config, data, run) if session.finished else None
     if compact_parameters is not None:
         record["compact_parameters"] = compact_parameters

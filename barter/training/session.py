@@ -13,16 +13,16 @@ from ..baselines import build_baseline
 from ..compiling import compile_model
 from ..controller import Controller
 from ..ddp import DistributedModel
+from ..fsdp import shard
 from ..method import Dense, TrainingMethod
-from ..rebuild import timm_with_models
 from ..wrapping import wrap
 from . import processes
 from .config import BASELINE_METHODS, WRAP_METHODS, ConfigError, TrainConfig
 from .data import build_datasets, build_mixup, resolve_spec
 from .flops import FlopMeter
 from .precision import Precision, build_precision
+from .pretrained import build_model, calibration_batches, reloads_on_resume
 from .recipe import WarmupCosine, build_optimizer
-from .runlog import CheckpointError, find_checkpoint, load_checkpoint
 
 
 @dataclass
@@ -88,14 +88,15 @@ def build_data(config: TrainConfig) -> Data:
 
 def build_session(config: TrainConfig, data: Data, device: torch.device, total_steps: int, *,
                   pretrained: bool) -> Session:
-    """Model (with `init_from` weights when `pretrained`), optimizer, and the training method; BARTER's controller
+    """Model (with `init_from` weights when `pretrained`, or when the wrap chooses units on them:
+    `barter.training.pretrained.reloads_on_resume`), optimizer, and the training method; BARTER's controller
     is also followed by the EMA, the DistributedDataParallel wrapper and the compiled model, as its transfers
     resize the model."""
-    model = timm_with_models().create_model(config.model, **model_arguments(config, data)).to(device)
-    if pretrained and config.init_from is not None:
-        load_pretrained(model, config.init_from)
-    optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
-                                decay=config.decay)
+    reload = pretrained or reloads_on_resume(config)
+    model = build_model(config.model, model_arguments(config, data), config.init_from if reload else None).to(device)
+    # under FSDP2 the optimizer is built on the parameters fully_shard makes, after the wrap
+    optimizer = None if config.fsdp else build_optimizer(model.parameters(), lr=config.lr,
+                                                         weight_decay=config.weight_decay, decay=config.decay)
     try:
         precision = build_precision(config.amp, device)
     except ValueError as e:
@@ -105,16 +106,22 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     if config.method in WRAP_METHODS:
         method = controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
                                    method=config.method, seed=config.seed, example_inputs=example_batch(data, device),
-                                   auto=False, scaler=precision.scaler, **config.barter_options)
+                                   auto=False, scaler=precision.scaler,
+                                   calibration=calibration_batches(config, data.train, device), **config.barter_options)
     elif config.method in BASELINE_METHODS:
         method = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
                                 seed=config.seed, example_inputs=example_batch(data, device),
                                 **config.baseline_options)
+    if config.fsdp:
+        shard(model)
+        optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                    decay=config.decay)
+        method.attach_optimizer(optimizer)
     ema = build_ema(model, controller, config.model_ema)
     warmup = round(config.warmup_epochs * total_steps / config.epochs)
     schedule = WarmupCosine(config.lr, config.min_lr, warmup, total_steps)
     ddp = None
-    if processes.world_size() > 1:
+    if processes.world_size() > 1 and not config.fsdp:
         device_ids = [device.index] if device.type == "cuda" else None
         ddp = DistributedModel(model, controller, device_ids=device_ids)
     if config.compile and ddp is not None:
@@ -133,24 +140,6 @@ def build_ema(model: nn.Module, controller: Controller | None, decay: float | No
     if controller is not None:
         controller.track(ema)
     return ema
-
-
-def load_pretrained(model: nn.Module, source: str) -> None:
-    """Load a dense run's weights (its best checkpoint, or a checkpoint directory) except the classifier, which
-    stays freshly initialised for the new classes. Sparse methods then keep a subset of these weights."""
-    path = find_checkpoint(source, "best")
-    state = load_checkpoint(path)
-    if state.get("controller") is not None or state.get("sparse") is not None:
-        raise CheckpointError(f"{path}: init_from needs a dense run's checkpoint (this one is compact or sparse)")
-    head = model.pretrained_cfg.get("classifier", "head") + "."
-    weights = {k: v for k, v in state["model"].items() if not k.startswith(head)}
-    try:
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not fit {type(model).__name__}: {e}") from e
-    wrong = unexpected + [k for k in missing if not k.startswith(head)]
-    if wrong:
-        raise CheckpointError(f"{path}: weights do not fit the model (mismatched keys: {wrong[:5]})")
 
 
 def model_arguments(config: TrainConfig, data: Data) -> dict[str, Any]:

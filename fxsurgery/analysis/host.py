@@ -48,7 +48,7 @@ class HostAnalysis:
             return by_name[id(node.graph)][node.name]
 
         groups = [HostGroup(hg.spec, [ConstantSpec(same(c.node), c.path, c.per_unit) for c in hg.constants],
-                            [TapSite(same(site.sink), same(site.input)) for site in hg.sites])
+                            [site._replace(sink=same(site.sink), input=same(site.input)) for site in hg.sites])
                   for hg in self.groups]
         return HostAnalysis({m: copies[id(g)] for m, g in self.graphs.items()}, groups, self.refusals, self.tensors,
                             self.front_end)

@@ -14,7 +14,7 @@ from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module
 from ..editing import Editor, bind_constants
 from ..errors import AnalysisError, TraceError
-from ..groups import GroupPlumbing, LeftOut, TapLayout, UnitGroup
+from ..groups import GroupPlumbing, LeftOut, UnitGroup
 from ..slicing import ParamSlice
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
@@ -171,7 +171,7 @@ class _Installer:
             else:
                 self.findings.groups.append(g)
                 served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
-                                          tuple(hg.spec.members), group_slots, point))
+                                          tuple(hg.spec.members), group_slots, point, hg.sites[0].layout))
         forward.server = HostServer(analysed_copy, host, inputs, served, self.shared.recaptured)
         if passes_objects:
             self.limit_to_own_forward(forward.server, key)
@@ -208,9 +208,10 @@ class _Installer:
 
 
 def add_tap_point(module: nn.Module, hg: HostGroup) -> str:
-    """Give ``module`` a tap point for the group and route every call of its output projection through it."""
+    """Give ``module`` a tap point for the group and route every call of its output projection (and of a map that
+    mixes its heads) through it."""
     attr = f"{POINT_PREFIX}{sum(k.startswith(POINT_PREFIX) for k in module.__dict__)}"
-    module.__dict__[attr] = TapPoint(TapLayout(hg.spec.tap_outer, hg.spec.tap_inner, hg.spec.tap_dim))
+    module.__dict__[attr] = TapPoint()
     for site in hg.sites:
-        insert_tap_point(attr, site.sink, site.input)
+        insert_tap_point(attr, site.sink, site.input, site.layout)
     return attr

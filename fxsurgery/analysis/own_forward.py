@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..capture.calls import materialize, training_mode
 from ..compat import tree_leaves
+from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
 from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
@@ -39,6 +40,7 @@ class GroupRecord(NamedTuple):
     slices: tuple[ParamSlice, ...]
     slots: list[ConstantSlot]  # the group's plumbing slots: a new graph's constants join them
     tap_point: str
+    tap_layout: TapLayout  # the units in the output projection's input
 
 
 class CountAttribute(NamedTuple):
@@ -64,7 +66,10 @@ class OwnForward:
         self.groups = groups
         self.counts = counts
         self.empty = empty  # what goes wrong with a group left with no units ("" if nothing)
-        self.sinks = [(r.sink.rpartition(".")[0], r.tap_point) for r in groups if _is_projection(template, r.sink)]
+        self.sinks = [(r.sink.rpartition(".")[0], r.tap_point, r.tap_layout) for r in groups
+                      if _is_projection(template, r.sink)]
+        # heads that enter the others through a mixing map: a hook on the projection sees only their output
+        self.unseen = [r for r in groups if any(sl.output and sl.name != r.sink for sl in r.slices)]
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         counts = [current_count(module, r) for r in self.groups]
@@ -74,9 +79,13 @@ class OwnForward:
                                f"read by {empty} are all removed, and with 0 units it {self.empty}")
         for c in self.counts:
             setattr(module.get_submodule(c.module), c.name, c.per_unit * counts[c.group])
-        points = [(path, module.__dict__[attr]) for path, attr in self.sinks]
-        handles = [module.get_submodule(path).register_forward_pre_hook(_through(point))
-                   for path, point in points if point.hooks]
+        tapped = [r.sink for r in self.unseen if module.__dict__[r.tap_point].hooks]
+        if tapped:
+            raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
+                               f"of the heads read by {tapped[0]} would not see them enter their mixing maps there")
+        points = [(path, module.__dict__[attr], layout) for path, attr, layout in self.sinks]
+        handles = [module.get_submodule(path).register_forward_pre_hook(_through(point, layout))
+                   for path, point, layout in points if point.hooks]
         try:
             return type(module).forward(module, *args, **kwargs)
         finally:
@@ -165,9 +174,9 @@ def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribu
     return out
 
 
-def _through(point: TapPoint) -> Callable[[nn.Module, tuple], tuple]:
+def _through(point: TapPoint, layout: TapLayout) -> Callable[[nn.Module, tuple], tuple]:
     def hook(projection: nn.Module, args: tuple) -> tuple:
-        return (point(args[0]), *args[1:])
+        return (point(args[0], layout), *args[1:])
     return hook
 
 

@@ -95,7 +95,7 @@ class HostServer:
             hg = by_sink[(r.sink, r.kind)]
             bind_constants(module, hg.constants, current_count(module, r), r.slots)
             for site in hg.sites:
-                insert_tap_point(r.tap_point, site.sink, site.input)
+                insert_tap_point(r.tap_point, site.sink, site.input, site.layout)
         graph = found.graphs[training]
         _adopt_code_constants(module, graph, found.tensors)
         return graph

@@ -16,8 +16,8 @@ from ..slicing import ParamSlice, by_tensor, clone_unit
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str | None:
     """Clone and remove unit 0 on the live host, compare its outputs, and restore everything. A removal must equal
     masking unit 0 at every output slice (where it enters the others: the projection's columns, a head-mixing map's
-    read rows); zeroing it at the group's tap point must equal masking the projection's columns (the tap sees what
-    the projection reads). Returns what went wrong, or None."""
+    read rows), and so must zeroing it at the group's tap point (which sees it at each). A group at its minimum
+    count (one FFN channel) is never removed from, so its removal is not tried. Returns what went wrong, or None."""
     module = editor.host(g)
     args, kwargs = materialize(inputs)
     saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
@@ -58,15 +58,15 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
                     return f"a clone changed the outputs by {err:.2e}"
             outputs = [sl for sl in g.slices if sl.output]
             y_mask = masked(outputs)  # every point where unit 0 enters the others: a removal equals this
-            at_sink = [sl for sl in outputs if sl.name == editor.plumbing[g].sink]
-            y_sink = y_mask if at_sink == outputs else masked(at_sink)  # heads mixed: the tap sees the sink's input
-            handle = editor.tap_point(g).add(_zero_first_unit)
+            handle = editor.tap_point(g).add(_zero_first_unit)  # it sees the unit at every point it enters others
             try:
                 y_tap = run()
             finally:
                 handle.remove()
-            if max_rel_diff(y_sink, y_tap) > tol:
-                return f"zeroing unit 0 at its tap point differs from masking it by {max_rel_diff(y_sink, y_tap):.2e}"
+            if max_rel_diff(y_mask, y_tap) > tol:
+                return f"zeroing unit 0 at its tap point differs from masking it by {max_rel_diff(y_mask, y_tap):.2e}"
+            if count - 1 < g.min_count:
+                return None
             rest = torch.arange(1, count)
             editor.edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
             y_rm = run()

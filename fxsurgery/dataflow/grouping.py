@@ -21,7 +21,7 @@ from .gates import silent_softmaxes
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
 from .paths import common_module, module_of
-from .records import Act, Member, Sink
+from .records import Act, Member, Sink, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
 from .unit_layout import describe_layout, layout
@@ -39,18 +39,17 @@ class GroupSpec:
     notes: list[str]
     modules: list[str]
     sink: str  # the output projection's weight
-    sites: list[TapSite]  # where the graph feeds the units to it (one per call of the projection)
-    tap_outer: int  # the sink input's feature layout is [tap_outer][unit][tap_inner]
-    tap_inner: int
-    tap_dim: int  # the sink input's feature dim: -1 for a Linear, 1 for a pointwise convolution
+    sites: list[TapSite]  # where the graph hands the units on: each call of the projection, each mixing map
     min_count: int
 
 
 class TapSite(NamedTuple):
-    """A call of a group's output projection (``sink``) and the node of the activations it reads (``input``)."""
+    """A call that reads a group's units (``sink``: its output projection, or a map that mixes its heads), the node
+    of the activations it reads (``input``) and where the units lie in them."""
 
     sink: Node
     input: Node
+    layout: TapLayout
 
 
 @dataclass
@@ -288,31 +287,35 @@ class _Builder:
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
-                         notes=about + mixed + notes_zero, modules=mods, sink=sink.weight, sites=self.sites(sinks),
-                         tap_outer=sink_member.outer, tap_inner=sink_member.inner, tap_dim=sink.dim,
+                         notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
+                         sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim)),
                          min_count=min_count)
 
-    def sites(self, sinks: list[Sink]) -> list[TapSite]:
-        """The calls of the output projection with their input nodes; none if one call is out of sight (an
-        opaque function's body), so no tap could see every use of the units."""
-        if any(sink.input is None for sink in sinks):
+    def sites(self, sinks: list[Sink], ut: torch.Tensor, layout: TapLayout) -> list[TapSite]:
+        """Every place the units leave for other units, with its input node: the calls of the output projection
+        (the units laid out as ``layout`` there) and the maps that mix them with other heads (a removal masks a
+        head at each). None if one is out of sight (an opaque function's body): no tap could see every use."""
+        reads = [r for r in self.rec.mix_reads if torch.isin(self.cls(r.heads), ut).any()]
+        if any(sink.input is None for sink in sinks) or any(r.input is None for r in reads):
             return []
         nodes = {n.name: n for n in self.lab.module.graph.nodes}
-        return [TapSite(nodes[sink.node], nodes[sink.input]) for sink in sinks]
+        return [TapSite(nodes[sink.node], nodes[sink.input], layout) for sink in sinks] + \
+            [TapSite(nodes[r.node], nodes[r.input], TapLayout(1, 1, r.dim)) for r in reads]
 
     def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
         """Why units ``ut`` are left out, at their home; units of several layers tied only through a parameter
-        they all use (a module every block calls) are told at each layer (the module of its output projection),
-        with that parameter."""
+        they all use (a module every block calls) are told at each layer that makes or reads them (the module of
+        its projection), with that parameter."""
         shared = self.shared_members(ut)
-        sink_modules = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.sinks_reading(ut)})
-        if not shared or len(sink_modules) < 2:
+        layers = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.sinks_reading(ut)}
+                        | {p.rpartition(".")[0] for p in self.producers(ut)})  # the layers that read or make them
+        if not shared or len(layers) < 2:
             return [Refusal(self.home_of(k, ut), reasons, _at_output(reasons))]
         names = ", ".join(shared)
-        return [Refusal([m], [f"units tied to those of {', '.join(o for o in sink_modules if o != m)} through "
+        return [Refusal([m], [f"units tied to those of {', '.join(o for o in layers if o != m)} through "
                               f"{names}, which all of them use: a parameter shared by layers cannot be sliced "
                               "for one of them"])
-                for m in sink_modules]
+                for m in layers]
 
     def shared_members(self, ut: torch.Tensor) -> list[str]:
         """Parameters listed by several calls whose elements belong to units ``ut``."""

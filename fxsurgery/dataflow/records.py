@@ -56,6 +56,25 @@ class Sink(NamedTuple):
     input: str | None = None  # None where the input is no node of the labelled graph (inside an opaque call)
 
 
+class TapLayout(NamedTuple):
+    """Where a tap sees a group's units: along ``dim`` of a value whose features are laid out
+    ``[outer][unit][inner]`` there."""
+
+    outer: int
+    inner: int
+    dim: int
+
+
+class MixRead(NamedTuple):
+    """A head-mixing map (graph node ``node``) reading heads ``heads`` along dim ``dim`` of its input (graph node
+    ``input``: where a tap sees the heads enter the map; None inside an opaque call)."""
+
+    node: str
+    input: str | None
+    dim: int
+    heads: torch.Tensor
+
+
 class NonEmpty(NamedTuple):
     """Coordinates an op cannot have zero of."""
 
@@ -108,6 +127,7 @@ class Records:
     spaces: list[Space] = field(default_factory=list)
     members: list[Member] = field(default_factory=list)
     sinks: list[Sink] = field(default_factory=list)
+    mix_reads: list[MixRead] = field(default_factory=list)
     nonempty: list[NonEmpty] = field(default_factory=list)
     acts: list[Act] = field(default_factory=list)
     size_reads: set[Node] = field(default_factory=set)

@@ -3,8 +3,8 @@
 
 For one model: analysis finds groups (or says what it leaves out and why); every exact group's clone
 leaves the outputs unchanged and its removal equals masking the unit's output slices, and equals zeroing the
-unit's activations through the public ``tap`` (a second oracle, float64; heads mixed before the projection also
-have their rows of the mixing maps zeroed, which the tap does not see); train() (same seed) and eval()
+unit's activations through the public ``tap`` (a second oracle, float64; the tap sees a unit at every point it
+enters the others: the output projection's input and any head-mixing map's); train() (same seed) and eval()
 behave like the original; and a short training run with transfers stays finite, its scores non-zero in every
 layer at its end (the taps ran).
 """
@@ -144,8 +144,6 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
         result.clone_ok = _close(model(x), y0, 1e-9)
         s2 = Surgeon(fresh, (x,))
         exact = [g for g in s2.groups if g.exact]
-        for g in exact:  # the tap sees the projection's input; heads mixed before it enter the others there
-            _zero_first_unit_at(dict(fresh.named_parameters()), g, _mixing_reads(g))
         taps = [s2.tap(g, _zero_first_unit) for g in exact]
         by_taps = fresh(x)
         for handle in taps:
@@ -161,13 +159,6 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
 
 def _zero_first_unit(a: torch.Tensor) -> None:
     a[..., 0, :] = 0
-
-
-def _mixing_reads(g) -> list:
-    """The output slices of the tensors a group slices along two dims (a head-mixing map's rows that read a head
-    into the others)."""
-    both = {sl.name for sl in g.slices if not sl.output}
-    return [sl for sl in g.slices if sl.output and sl.name in both]
 
 
 def _zero_first_unit_at(params: dict[str, torch.Tensor], g, slices: list) -> None:

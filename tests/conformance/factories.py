@@ -15,6 +15,11 @@ def hugging_face(model: str, config: str, **options: Any) -> nn.Module:
 
 
 def library(target: str, **options: Any) -> nn.Module:
-    """Any importable class or function ``package.module.Name`` called with ``options`` (vit-pytorch, open_clip)."""
+    """Any importable class or function ``package.module.Name`` called with ``options`` (vit-pytorch, open_clip);
+    JSON lists are passed as the tuples such libraries test for (PiT's ``depth``)."""
     module, _, name = target.rpartition(".")
-    return getattr(importlib.import_module(module), name)(**options)
+    return getattr(importlib.import_module(module), name)(**{k: _tuples(v) for k, v in options.items()})
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

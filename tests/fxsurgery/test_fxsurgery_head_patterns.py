@@ -336,6 +336,33 @@ class FeedForward(nn.Module):
         return x + self.fc2(self.activation(self.fc1(x)))
 
 
+class BatchNormedFeedForward(nn.Module):
+    """An FFN whose hidden channels are batch-normed (over the tokens); ``hidden`` of them."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(DIM, hidden), nn.BatchNorm1d(hidden), nn.Linear(hidden, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.norm(self.fc1(x).transpose(1, 2)).transpose(1, 2)))
+
+
+def test_a_batch_normed_ffn_of_one_channel_is_a_group_that_clones() -> None:
+    """One channel is a channel group's minimum: the self-check does not remove it (batch norm has no zero-channel
+    form), and the group is offered; a clone leaves the outputs unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(BatchNormedFeedForward(1), nn.Linear(DIM, 3)).double().eval()
+    x = torch.randn(2, 5, DIM, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = s.groups
+    assert (g.kind, g.count, g.min_count) == ("channel", 1, 1)
+    s.clone(g, 0, noise_std=0.5)
+    with torch.no_grad():
+        assert (model(x) - original(x)).abs().max() < 1e-9
+    assert model[0].norm.running_mean.shape == (2,)
+
+
 class SumNormalised(FeedForward):
     """``h / h.sum(-1, keepdim=True).expand_as(h)``: the sum spans the units, so it carries no ids, and neither does
     its expansion to the shape of ``h``, which does."""

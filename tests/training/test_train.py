@@ -202,7 +202,7 @@ def test_checkpoint_errors(tmp_path):
         train(cfg)
 
 
-def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
+def test_fine_tuning_starts_from_dense_weights_and_keeps_a_classifier_of_the_same_classes(tmp_path):
     source = train(config(tmp_path, "vit", method="dense", name="src", epochs=1))
     dense = load_checkpoint(source.run_dir / "best")["model"]
     tuned = config(tmp_path, "vit", method="dense", name="ft", epochs=1, lr=1e-12, min_lr=0, weight_decay=0,
@@ -211,7 +211,7 @@ def test_fine_tuning_starts_from_dense_weights_with_a_new_classifier(tmp_path):
     session = build_session(tuned, data, torch.device("cpu"), 4, pretrained=True)
     state = session.model.state_dict()
     assert torch.equal(state["blocks.0.attn.qkv.weight"], dense["blocks.0.attn.qkv.weight"])
-    assert not torch.equal(state["head.weight"], dense["head.weight"])
+    assert torch.equal(state["head.weight"], dense["head.weight"])  # same classes (a new head: test_score_init.py)
     sparse = replace(tuned, method="barter", barter_options={"init": "magnitude"})
     session = build_session(sparse, data, torch.device("cpu"), 4, pretrained=True)
     kept = session.model.state_dict()["blocks.0.mlp.fc1.weight"]

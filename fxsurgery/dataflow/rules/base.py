@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+from torch.fx.node import Node
 
 from ..ids import NO_ID, align, broadcast, merge, pairs, unique_pairs, varies
 from ..labeller import Label, Step
-from ..records import Note
+from ..records import MixRead, Note
 from ..rule_table import RuleTable
 
 RULES = RuleTable()
@@ -95,10 +96,14 @@ def head_axis(s: Step, ids: torch.Tensor, dim: int) -> torch.Tensor | None:
     return None if applied and torch.isin(present, torch.cat(applied)).any() else heads
 
 
-def mixing_map(s: Step, name: str, heads: torch.Tensor, read: int, made: int) -> None:
+def mixing_map(s: Step, name: str, heads: torch.Tensor, *, read: int, made: int, source: Node | None,
+               dim: int) -> None:
     """The heads×heads parameter ``name`` mixes heads ``heads`` (talking heads): head g of its output is unit g, and
     the map is a member along both dims, ``read`` (the side that reads a head: split on a clone and masked for a
-    removal, like output weights) and ``made`` (the side that makes it: copied)."""
+    removal, like output weights) and ``made`` (the side that makes it: copied). The heads enter the map along
+    dim ``dim`` of ``source``: a tap point of the group sees them there too."""
+    input_name = None if s.lab.nested or source is None else source.name
+    s.rec.mix_reads.append(MixRead(s.name, input_name, dim, heads))
     for d, output in ((read, True), (made, False)):
         shape = [1, 1]
         shape[d] = heads.numel()

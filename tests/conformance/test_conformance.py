@@ -24,6 +24,8 @@ SLOW = {"eva_giant_patch14_224", "twins_svt_small", "twins_pcpvt_small", "naflex
 HEADS_REQUIRED = {"vit_pytorch_cait", "vit_pytorch_deepvit"}
 # and those whose heads meet a diagonal masked_fill, batch norm over their channels, or cosine attention
 HEADS_REQUIRED |= {"vit_pytorch_small_dataset", "vit_pytorch_levit", "hf_swinv2"}
+# and shifted windows: a cyclic-shift mask added to a relative-position bias table
+HEADS_REQUIRED |= {"hf_swin"}
 # and one with convolutions between its stages (a depthwise convolution with a channel multiplier)
 HEADS_REQUIRED |= {"vit_pytorch_pit"}
 

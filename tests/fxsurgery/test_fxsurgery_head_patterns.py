@@ -173,6 +173,33 @@ class CosineAttention(Attention):
         return self.out(out.view(out.size()[:-2] + (INNER,)))
 
 
+class ShiftedWindowAttention(Attention):
+    """Swin's shifted-window attention as Hugging Face writes it: a relative-position bias table gathered per head
+    plus the cyclic-shift mask (plain: built from sizes, -100 between regions), expanded over the batch and added to
+    the bias before the product (``sdpa``: one attention mask; else logits, softmax, product)."""
+
+    def __init__(self, sdpa: bool = True, captured: bool = False):
+        super().__init__(captured)
+        self.sdpa = sdpa
+        self.qkv, self.out = nn.Linear(DIM, 3 * INNER), nn.Linear(INNER, DIM)
+        self.table = nn.Parameter(torch.randn(2 * TOKENS - 1, HEADS))
+        pos = torch.arange(TOKENS)
+        self.register_buffer("index", (pos[:, None] - pos[None, :] + TOKENS - 1).flatten(), persistent=False)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.table[self.index].view(n, n, HEADS).permute(2, 0, 1).unsqueeze(0)
+        region = torch.arange(n, device=x.device) >= n // 2
+        mask = (region[:, None] != region[None, :]).to(x.dtype) * -100.0
+        mask = bias + mask.unsqueeze(0).unsqueeze(0).expand(b, -1, -1, -1)
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = ((q @ k.transpose(-2, -1)) * HEAD_DIM ** -0.5 + mask).softmax(-1) @ v
+        return self.out(out.transpose(1, 2).reshape(b, n, INNER))
+
+
 def _tokens() -> torch.Tensor:
     return torch.randn(2, TOKENS, 5, dtype=torch.double)
 
@@ -195,6 +222,10 @@ PATTERNS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], s
     "batch_norm_tokens": (lambda: Residual(TokenBatchNormedAttention()), _tokens, "attn.out.weight", False),
     "cosine": (lambda: Residual(CosineAttention()), _tokens, "attn.out.weight", False),
     "cosine_captured": (lambda: Residual(CosineAttention(captured=True)), _tokens, "attn.out.weight", True),
+    "shifted_window_sdpa": (lambda: Residual(ShiftedWindowAttention()), _tokens, "attn.out.weight", False),
+    "shifted_window_eager": (lambda: Residual(ShiftedWindowAttention(sdpa=False)), _tokens, "attn.out.weight", False),
+    "shifted_window_captured": (lambda: Residual(ShiftedWindowAttention(captured=True)), _tokens, "attn.out.weight",
+                                True),
 }
 
 
@@ -249,6 +280,8 @@ OWNED = {  # the per-head tensors each head owns besides q/k/v rows and output c
     "batch_norm_tokens": {f"attn.norm.{t}": 0 for t in _NORM},
     "cosine": {"attn.logit_scale": 0, "attn.position_mlp.2.weight": 0},
     "cosine_captured": {"attn.logit_scale": 0, "attn.position_mlp.2.weight": 0},
+    "shifted_window_sdpa": {"attn.table": 1},
+    "shifted_window_captured": {"attn.table": 1},
 }
 
 

@@ -52,15 +52,13 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
     acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
     params = [align(lab.ids, ndim) for _, lab in operands if lab is not None and lab.param]
     plain = [tuple(v.shape) for v, lab in operands if lab is None and torch.is_tensor(v)]
-    if not acts:
-        if plain and any(any(n > 1 for n in sh) for sh in plain):
-            for p in params:  # a parameter combined with an unsliceable activation
-                s.rec.pin(p, f"{s.name}: parameter combined with a plain activation", True)
-            return None
+    if not acts:  # parameters, perhaps with plain tensors (a relative-position bias plus a window mask)
         ids = params[0]
         for p in params[1:]:
             ids, tie = merge(ids, p)
             s.rec.tie(tie)
+        for sh in plain:
+            defer_pins(s, ids, sh, "a plain tensor")
         return Label(ids, True)
     ids = acts[0]
     for a in acts[1:]:

@@ -33,9 +33,14 @@ def save_rank(out_dir, rank, controller, model, steps):
                 "initial": controller.initial, "steps": steps}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+def load_ranks(out_dir):
+    """What each rank saved as ``rank<r>.pt`` in ``out_dir``."""
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+
+
 def assert_ranks_agree(out_dir, steps):
     """Every rank made the same executed transfers, conserved the budgets, and ends with identical weights."""
-    ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
+    ranks = load_ranks(out_dir)
     executed = [e for e in ranks[0]["events"] if e["skipped"] is None]
     assert executed and ranks[0]["steps"] == steps
     assert ranks[0]["events"] == ranks[1]["events"] and ranks[0]["counts"] == ranks[1]["counts"]
@@ -44,3 +49,18 @@ def assert_ranks_agree(out_dir, steps):
     assert ranks[0]["params"].keys() == ranks[1]["params"].keys()
     for name, p in ranks[0]["params"].items():  # the gradients were all-reduced through every rebuild
         torch.testing.assert_close(ranks[1]["params"][name], p, rtol=0, atol=0, msg=name)
+
+
+def assert_sharded_ranks_agree(ranks):
+    """Transfers of both kinds ran, each chosen on non-zero scores (``scores``: per step, each kind's score mass
+    before its transfers), and every rank logged the same events and ends with identical gathered parameters."""
+    first = ranks[0]
+    executed = [e for e in first["events"] if e["skipped"] is None]
+    assert {e["kind"] for e in executed} == {"head", "channel"}
+    for e in executed:
+        assert first["scores"][e["step"] - 1][e["kind"]] > 0, e
+    for other in ranks[1:]:
+        assert other["events"] == first["events"]
+        assert other["params"].keys() == first["params"].keys()
+        for name, p in first["params"].items():
+            torch.testing.assert_close(other["params"][name], p, rtol=0, atol=0, msg=name)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from forked import WORLD, fork_processes, free_ports
+from interrupted import cut_at_second_epoch_and_resume
 
 import barter
-import barter.training.loop as loop_module
 from barter.training import TrainConfig, train
 from barter.training.runlog import RunDir, load_checkpoint
 
@@ -36,20 +36,7 @@ def worker(rank, ports, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(ports[0]))
     train(fsdp_config(out_dir, "whole"))
-    real_epoch = loop_module.train_epoch
-
-    def cut_at_second_epoch(session, *args):
-        if session.epoch >= 1:
-            raise KeyboardInterrupt
-        return real_epoch(session, *args)
-
-    loop_module.train_epoch = cut_at_second_epoch
-    os.environ["MASTER_PORT"] = str(ports[1])
-    with pytest.raises(KeyboardInterrupt):
-        train(fsdp_config(out_dir, "cut"))
-    loop_module.train_epoch = real_epoch
-    os.environ["MASTER_PORT"] = str(ports[2])
-    train(fsdp_config(out_dir, "cut"), resume=True)
+    cut_at_second_epoch_and_resume(fsdp_config(out_dir, "cut"), ports[1:])
 
 
 def test_fsdp_pipeline_checkpoints_resume_and_export(tmp_path):

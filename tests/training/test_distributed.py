@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pytest
 import torch
 from forked import WORLD, fork_processes, free_ports
+from interrupted import cut_at_second_epoch_and_resume
 
-import barter.training.loop as loop_module
 from barter.training import TrainConfig, processes, train
 from barter.training.processes import shard
 from barter.training.runlog import RunDir, load_checkpoint
@@ -46,20 +46,7 @@ def pipeline_worker(rank, ports, out_dir):
         def refuse(*args, **kwargs):
             raise AssertionError("only rank 0 writes the run directory")
         RunDir.save_checkpoint = RunDir.append_metrics = RunDir.write_json = refuse
-    real_epoch = loop_module.train_epoch
-
-    def cut_at_second_epoch(session, *args):
-        if session.epoch >= 1:
-            raise KeyboardInterrupt
-        return real_epoch(session, *args)
-
-    loop_module.train_epoch = cut_at_second_epoch
-    os.environ["MASTER_PORT"] = str(ports[0])
-    with pytest.raises(KeyboardInterrupt):
-        train(pipeline_config(out_dir, "cut"))
-    loop_module.train_epoch = real_epoch
-    os.environ["MASTER_PORT"] = str(ports[1])
-    result = train(pipeline_config(out_dir, "cut"), resume=True)
+    result = cut_at_second_epoch_and_resume(pipeline_config(out_dir, "cut"), ports)
     (out_dir / f"result{rank}.json").write_text(json.dumps(asdict(result), default=str))
 
 

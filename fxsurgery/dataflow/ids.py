@@ -93,10 +93,29 @@ def unique_pairs(p: torch.Tensor) -> torch.Tensor:
 
 
 def pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distinct (a, b) id pairs at positions where both carry an id, as an (k, 2) tensor."""
+    """Distinct (a, b) id pairs at positions where both carry an id, as an (k, 2) tensor. A slice along a dim that
+    repeats the one before it in both operands (or in the one that does not broadcast there) adds no pair: such
+    slices go before the broadcast (a stream's ids repeat over its tokens, and every layer reads them)."""
+    a, b = (align(t, max(a.dim(), b.dim())) for t in (a, b))
+    for d in range(a.dim()):
+        a, b = _without_repeats([a, b], d)
     a, b = broadcast(a, b)
     keep = (a != NO_ID) & (b != NO_ID)
     return unique_pairs(torch.stack([a[keep], b[keep]], dim=1))
+
+
+def _without_repeats(tensors: list[torch.Tensor], d: int) -> list[torch.Tensor]:
+    """The ``tensors`` (broadcastable to each other) without the slices along ``d`` that repeat the slice before
+    them in every tensor that varies along ``d``."""
+    n = max(t.shape[d] for t in tensors)
+    if n < 2:
+        return tensors
+    repeated = torch.ones(n - 1, dtype=torch.bool)
+    for t in tensors:
+        if t.shape[d] > 1:
+            repeated &= (t.narrow(d, 1, n - 1) == t.narrow(d, 0, n - 1)).movedim(d, 0).reshape(n - 1, -1).all(1)
+    kept = torch.cat([repeated.new_zeros(1), repeated]).logical_not().nonzero().flatten()
+    return [t.index_select(d, kept) if t.shape[d] > 1 else t for t in tensors]
 
 
 def fold(ids: torch.Tensor, dims: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

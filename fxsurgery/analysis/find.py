@@ -1,13 +1,10 @@
 """Finding the groups of one traced graph: label it, inline the helpers it can look into, group."""
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 import torch.fx
 
-from ..capture.calls import forked_rng, materialize
+from ..capture.calls import buffers_kept, forked_rng, materialize
 from ..capture.inline import inline_helpers
 from ..dataflow.grouping import GraphGroups, analyse
 from ..dataflow.labeller import Labeller
@@ -23,25 +20,13 @@ def node_kind(lab: Labeller, node: torch.fx.Node) -> str:
     return "none" if node in lab.values and lab.values[node] is None else "other"
 
 
-@contextlib.contextmanager
-def _buffers_kept(gm: torch.fx.GraphModule) -> Iterator[None]:
-    """Labelling runs for real what reads parameters and buffers alone, in-place updates too (a train-mode batch
-    norm's count of batches, its statistics where real values are labelled): the buffers are put back after it."""
-    saved = [(b, b.clone()) for b in gm.buffers()]
-    try:
-        yield
-    finally:
-        for buffer, value in saved:
-            buffer.copy_(value)
-
-
 def find_groups(gm: torch.fx.GraphModule, values: list, where: str, locate: bool = False) -> GraphGroups:
     """Label the graph on the meta device (shapes only); data-dependent code runs for real. With
     ``locate``, only where the candidate groups are."""
-    for meta in (True, False):
+    for meta in (True, False):  # labelling runs for real what reads buffers alone: they are put back after it
         lab = Labeller(gm, RULES, meta=meta)
         try:
-            with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]), _buffers_kept(gm):
+            with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]), buffers_kept(gm):
                 lab.run(*(values if meta else materialize(values)))
             break
         except Exception as e:

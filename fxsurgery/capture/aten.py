@@ -120,6 +120,15 @@ def _add(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_function", op, args[:2], {}
 
 
+@lowers(aten.rsub)
+def _rsub(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """``other - x`` (``1. - torch.sigmoid(gate)``), what export records as ``rsub(x, other)``."""
+    alpha = args[2] if len(args) > 2 else kwargs.get("alpha", 1)
+    if alpha != 1:
+        return "call_function", torch.rsub, args, kwargs
+    return "call_function", operator.sub, (args[1], args[0]), {}
+
+
 @lowers(aten.mul)
 def _mul(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_function", operator.mul, args, {}

@@ -26,6 +26,23 @@ def training_mode(module: nn.Module, mode: bool) -> Iterator[None]:
 
 
 @contextmanager
+def buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Run code on ``module`` and put every buffer back after it: values updated in place (a batch norm's
+    statistics) and buffers the code replaced (a table cached at the first call), so later captures see the
+    module as the caller gave it."""
+    saved = [(owner, name, buffer, buffer.clone()) for owner in module.modules()
+             for name, buffer in owner.named_buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, buffer, value in saved:
+                if getattr(owner, name) is not buffer:
+                    setattr(owner, name, buffer)
+                buffer.copy_(value)
+
+
+@contextmanager
 def forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
     """Analysis runs forwards; the user's random streams must not notice."""
     devices = sorted({t.device.index or 0 for t in tensors if torch.is_tensor(t) and t.is_cuda})
@@ -63,7 +80,8 @@ def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[st
                     torch.func.functional_call(model, state, meta_args, meta_kwargs)
             except Exception:
                 seen.clear()
-                model(*example[0], **example[1])
+                with buffers_kept(model):
+                    model(*example[0], **example[1])
     finally:
         for h in handles:
             h.remove()

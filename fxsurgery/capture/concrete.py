@@ -22,7 +22,7 @@ from torch.export import Dim
 from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from .aten import lower
-from .calls import forked_rng, materialize, training_mode
+from .calls import buffers_kept, forked_rng, materialize, training_mode
 from .grad_regions import inline_grad_regions
 from .tracer import CODE_CONSTANT
 
@@ -71,6 +71,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     except TraceError as e:
         raise TraceError(f"cannot capture {name or 'the model'} ({type(module).__name__}): {e}") from e
     lower(graph)
+    _drop_reassignments(exported, graph, label=name or "the model")
     for node in graph.nodes:  # the analysis reads module paths; export's fake values are neither needed nor picklable
         node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
     _keep_constants(module, exported, graph)
@@ -99,27 +100,50 @@ def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwar
     """The captured graph must compute what the module computes on the example inputs (same random draws):
     code that caches state between calls, or reads something the capture froze, is refused here."""
     leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
-    buffers = [(b, b.clone()) for b in module.buffers()]  # batch norm's statistics move in training mode
-    try:
+    try:  # each run on the buffers as given: batch norm's statistics move in training mode, caches get filled
         with training_mode(module, training), forked_rng(leaves), torch.no_grad():
-            torch.manual_seed(0)
-            expected = [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-            torch.manual_seed(0)
-            got = [t for t in tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
+            with buffers_kept(module):
+                torch.manual_seed(0)
+                expected = [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
+            with buffers_kept(module):
+                torch.manual_seed(0)
+                got = [t for t in tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
     except Exception as e:  # the graph does not even run where the module does
         raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not run: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
     shapes_agree = [t.shape for t in got] == [t.shape for t in expected]
     if not shapes_agree or any(not torch.allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)
                                for a, b in zip(got, expected) if a.is_floating_point()):
         raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not reproduce its "
                          f"outputs on the example inputs")
+
+
+def _drop_reassignments(exported: torch.fx.GraphModule, graph: torch.fx.Graph, *, label: str) -> None:
+    """Code that assigns a new tensor of another shape to a buffer (a table of positions cached at the first call,
+    ``self.table = make_table(n)``) is recorded as a ``copy_`` of the new value into the old buffer, which cannot
+    run. Where nothing else reads the old buffer the new value is computed from the call alone: the graph
+    computes it at every call and the write is dropped. A new value made from the old one (state that grows
+    from call to call) cannot be kept by a graph: refused, naming the node."""
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "copy_" or node.users:
+            continue
+        target, value = node.args[:2]
+        if not isinstance(target, torch.fx.Node) or target.op != "get_attr" or not isinstance(value, torch.fx.Node):
+            continue
+        old, new = _lookup(exported, target.target), value.meta.get("val")
+        if not torch.is_tensor(new) or _same_sizes(old.shape, new.shape):
+            continue
+        if len(target.users) > 1:
+            raise TraceError(f"cannot capture {label}: {node.name} replaces {target.target} "
+                             f"{tuple(old.shape)} with a tensor of shape {tuple(new.shape)} made from its old value; "
+                             "a graph cannot keep state that changes shape between calls")
+        graph.erase_node(node)
+        graph.erase_node(target)
+
+
+def _same_sizes(fixed: torch.Size, recorded: torch.Size) -> bool:
+    """Whether a recorded shape (symbolic sizes stand for any size) is a tensor's fixed shape."""
+    return len(fixed) == len(recorded) and all(type(b) is int and a == b for a, b in zip(fixed, recorded))
 
 
 def _keep_constants(module: nn.Module, exported: torch.fx.GraphModule, graph: torch.fx.Graph) -> None:

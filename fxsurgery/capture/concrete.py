@@ -131,7 +131,7 @@ def _drop_reassignments(exported: torch.fx.GraphModule, graph: torch.fx.Graph, *
         if not isinstance(target, torch.fx.Node) or target.op != "get_attr" or not isinstance(value, torch.fx.Node):
             continue
         old, new = _lookup(exported, target.target), value.meta.get("val")
-        if not torch.is_tensor(new) or _same_sizes(old.shape, new.shape):
+        if not torch.is_tensor(new) or _may_fit(old.shape, new.shape):
             continue
         if len(target.users) > 1:
             raise TraceError(f"cannot capture {label}: {node.name} replaces {target.target} "
@@ -141,9 +141,10 @@ def _drop_reassignments(exported: torch.fx.GraphModule, graph: torch.fx.Graph, *
         graph.erase_node(target)
 
 
-def _same_sizes(fixed: torch.Size, recorded: torch.Size) -> bool:
-    """Whether a recorded shape (symbolic sizes stand for any size) is a tensor's fixed shape."""
-    return len(fixed) == len(recorded) and all(type(b) is int and a == b for a, b in zip(fixed, recorded))
+def _may_fit(fixed: torch.Size, recorded: torch.Size) -> bool:
+    """Whether a recorded shape may be a tensor's fixed shape at some call (a symbolic size may be any size): then
+    the write is an update in place, kept."""
+    return len(fixed) == len(recorded) and all(type(b) is not int or a == b for a, b in zip(fixed, recorded))
 
 
 def _keep_constants(module: nn.Module, exported: torch.fx.GraphModule, graph: torch.fx.Graph) -> None:

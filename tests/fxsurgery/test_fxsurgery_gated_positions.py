@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from zoo import masked_copy, train_steps
+from test_fxsurgery_head_patterns import assert_head_oracles
+from zoo import train_steps
 
 import fxsurgery
 from fxsurgery import AnalysisError, Surgeon
@@ -60,10 +61,6 @@ class Model(nn.Module):
         return self.head((x + self.attn(x)).mean(1))
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    return bool((a - b).abs().max() <= tol * max(1.0, float(b.abs().max())))
-
-
 def _built(mode: str, warm: bool) -> tuple[nn.Module, torch.Tensor]:
     """The model in ``mode``; ``warm``: called once before, so its table is cached."""
     torch.manual_seed(0)
@@ -81,12 +78,6 @@ def _head(s: Surgeon) -> fxsurgery.UnitGroup:
     return heads[0]
 
 
-def _zeroing(unit: int):
-    def zero(a: torch.Tensor) -> None:
-        a[..., unit, :] = 0
-    return zero
-
-
 @pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_gated_heads_clone_unchanged_and_removal_equals_masking_and_tap(mode: str, warm: bool) -> None:
@@ -99,25 +90,7 @@ def test_gated_heads_clone_unchanged_and_removal_equals_masking_and_tap(mode: st
     owned = {"attn.qk.weight": 0, "attn.v.weight": 0, "attn.pos_proj.weight": 0, "attn.pos_proj.bias": 0,
              "attn.gating_param": 0, OUT: 1}
     assert {k: sliced.get(k) for k in owned} == owned, s.explain()
-    with torch.no_grad():
-        for mode_now in ("train", "eval"):  # the installed graph computes what the model does, in both modes
-            getattr(model, mode_now)()
-            getattr(original, mode_now)()
-            assert _close(model(x), original(x), 1e-12)
-        getattr(model, mode)()
-        y0 = model(x)
-        s.clone(head, 1, noise_std=0.1, generator=torch.Generator().manual_seed(0), relative=True)
-        assert _close(model(x), y0, 1e-9)
-
-        removed = copy.deepcopy(original)
-        s2 = Surgeon(removed, (x,))
-        tap = s2.tap(_head(s2), _zeroing(1))
-        by_tap = removed(x)
-        tap.remove()
-        s2.remove(_head(s2), 1)
-        assert _close(removed(x), by_tap, 1e-9)
-        masked = masked_copy(original, {OUT: {1}}, {OUT: HEAD_DIM})
-        assert _close(removed(x), masked(x), 1e-9)
+    assert_head_oracles(original, model, s, x, out_weight=OUT, head_dim=HEAD_DIM, mode=mode)
 
 
 def test_adam_state_follows_a_gated_head() -> None:

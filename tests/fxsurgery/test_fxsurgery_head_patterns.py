@@ -252,6 +252,14 @@ def test_heads_clone_unchanged_and_removal_equals_masking_and_tap(name: str, mod
     head = _head(s)
     assert head.exact and head.count == HEADS
     assert ("torch.export" in s.explain()) == PATTERNS[name][3]
+    assert_head_oracles(original, model, s, x, out_weight=out_weight, head_dim=HEAD_DIM, mode=mode)
+
+
+def assert_head_oracles(original: nn.Module, model: nn.Module, s: Surgeon, x: torch.Tensor, *, out_weight: str,
+                        head_dim: int, mode: str) -> None:
+    """``model``, installed by ``s``, computes what ``original`` does in both modes; in ``mode``, a clone of head 1
+    leaves the outputs unchanged, and its removal (on a fresh copy) equals zeroing it through ``tap`` and zeroing
+    its ``head_dim`` columns of ``out_weight`` on a copy of the original."""
     with torch.no_grad():
         for mode_now in ("train", "eval"):  # the installed graphs compute what the model does, in both modes
             getattr(model, mode_now)()
@@ -259,7 +267,7 @@ def test_heads_clone_unchanged_and_removal_equals_masking_and_tap(name: str, mod
             assert _close(model(x), original(x), 1e-12)
         getattr(model, mode)()
         y0 = model(x)
-        s.clone(head, 1, noise_std=0.1, generator=torch.Generator().manual_seed(0), relative=True)
+        s.clone(_head(s), 1, noise_std=0.1, generator=torch.Generator().manual_seed(0), relative=True)
         assert _close(model(x), y0, 1e-9)
 
         removed = copy.deepcopy(original)
@@ -269,7 +277,7 @@ def test_heads_clone_unchanged_and_removal_equals_masking_and_tap(name: str, mod
         tap.remove()
         s2.remove(_head(s2), 1)
         assert _close(removed(x), by_tap, 1e-9)
-        masked = masked_copy(original, {out_weight: {1}}, {out_weight: HEAD_DIM})
+        masked = masked_copy(original, {out_weight: {1}}, {out_weight: head_dim})
         assert _close(removed(x), masked(x), 1e-9)
 
 

@@ -2,9 +2,10 @@
 `benchmarks/conformance.py`.
 
 For one model: analysis finds groups (or says what it leaves out and why); every exact group's clone
-leaves the outputs unchanged and its removal equals masking the unit's output slices, and equals zeroing the
-unit's activations through the public ``tap`` (a second oracle, float64; the tap sees a unit at every point it
-enters the others: the output projection's input and any head-mixing map's); train() (same seed) and eval()
+leaves the outputs unchanged and its removal (above its minimum count) equals masking the unit's output slices,
+and equals zeroing the unit's activations through the public ``tap`` (a second oracle, float64; the tap sees a
+unit at every point it enters the others: the output projection's input and any head-mixing map's); train()
+(same seed) and eval()
 behave like the original; and a short training run with transfers stays finite, its scores non-zero in every
 layer at its end (the taps ran).
 """
@@ -143,7 +144,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
                 s.clone(g, 0, noise_std=0.1, generator=gen, relative=True)
         result.clone_ok = _close(model(x), y0, 1e-9)
         s2 = Surgeon(fresh, (x,))
-        exact = [g for g in s2.groups if g.exact]
+        exact = [g for g in s2.groups if g.exact and g.count > g.min_count]  # a group at its minimum keeps its units
         taps = [s2.tap(g, _zero_first_unit) for g in exact]
         by_taps = fresh(x)
         for handle in taps:

@@ -31,12 +31,13 @@ def _uniform(n: int, generator: torch.Generator) -> int:
 
 
 def receiver_scores(S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int]) -> Tensor:
-    """R_l = (n_l,0 / n_l) * mean S over layer l for eligible layers (0 < n_l < n_l^max), -inf elsewhere."""
+    """R_l = (n_l,0 / n_l) * mean S over layer l for eligible layers (0 < n_l < n_l^max), -inf elsewhere; computed as
+    n_l,0 * sum S / n_l² with one rounding, so layers that tie exactly stay tied (and the lower index wins)."""
     out = torch.full((len(counts),), float("-inf"), dtype=torch.float64)
     for layer, seg in enumerate(S.split(list(counts))):
         n = counts[layer]
         if 0 < n < maximum[layer]:
-            out[layer] = initial[layer] / n * seg.double().mean()
+            out[layer] = initial[layer] * seg.double().sum() / (n * n)
     return out
 
 

@@ -132,8 +132,8 @@ def test_selection_matches_brute_force(t):
     p = propose(D, S, counts, initial, maximum, blocked, [min_width] * len(counts), "barter", torch.Generator())
     units = [(layer, i) for layer, n in enumerate(counts) for i in range(n)]
     flat = {u: k for k, u in enumerate(units)}
-    R = {layer: initial[layer] / counts[layer] * sum(float(S[flat[(layer, i)]]) for i in range(counts[layer]))
-         / counts[layer] for layer in range(len(counts)) if 0 < counts[layer] < maximum[layer]}
+    R = {layer: initial[layer] * sum(float(S[flat[(layer, i)]]) for i in range(counts[layer])) / counts[layer] ** 2
+         for layer in range(len(counts)) if 0 < counts[layer] < maximum[layer]}  # ties (coarse values) stay exact
     if not R:
         assert p.skipped == "no eligible receiver"
         return

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ids import NO_ID, align, compact, expand_dims, fold
+from ..ids import NO_ID, align, compact, expand_dims, fold, pairs
 from ..labeller import Label, Step
 from .base import defer_pins, first_tensor, register_rule, wrap_dim
 
@@ -49,6 +49,9 @@ def cat(s: Step) -> Label | None:
         for p in labelled:
             s.rec.pin(p.ids, f"{s.name}: parameter concatenated with a plain activation", True)
         return None
+    joined = _parameters_joined(s, labelled, d)
+    if joined is not None:  # a class token beside the patches: the stream keeps one id per feature
+        labelled, pieces = [joined], [p if p.ids is None or not p.param else p._replace(ids=joined.ids) for p in pieces]
     others = [max([p.ids.shape[k] for p in labelled] + [1]) if k != d else None for k in range(nd)]
     parts = []
     for p in pieces:
@@ -61,6 +64,23 @@ def cat(s: Step) -> Label | None:
     for shape in plain_shapes:
         defer_pins(s, out, [1 if k == d else shape[k] for k in range(nd)], "a concatenated plain tensor")
     return Label(out, all(p.param for p in labelled))
+
+
+def _parameters_joined(s: Step, labelled: list[Piece], d: int) -> Piece | None:
+    """Parameters concatenated to activations whose ids are the same at every position along ``d`` (a class
+    token before the patch tokens): each parameter element joins the activations' coordinate at its place, as a
+    parameter added to them would, and the result keeps the activations' ids at every position, so the stream's
+    ids stay one per feature. None when the activations' ids differ along ``d`` or between pieces."""
+    acts = [p for p in labelled if not p.param]
+    params = [p for p in labelled if p.param]
+    if not acts or not params or any(p.ids.shape[d] != 1 for p in acts):
+        return None
+    ids = acts[0].ids
+    if any(not torch.equal(*torch.broadcast_tensors(ids, p.ids)) for p in acts[1:]):
+        return None
+    for p in params:
+        s.rec.tentative.append(pairs(p.ids, ids))
+    return acts[0]
 
 
 @register_rule(F.pad)

@@ -27,8 +27,9 @@ HEADS_REQUIRED = {"vit_pytorch_cait", "vit_pytorch_deepvit"}
 HEADS_REQUIRED |= {"vit_pytorch_small_dataset", "vit_pytorch_levit", "hf_swinv2"}
 # and shifted windows: a cyclic-shift mask added to a relative-position bias table
 HEADS_REQUIRED |= {"hf_swin"}
-# and one with convolutions between its stages (a depthwise convolution with a channel multiplier)
-HEADS_REQUIRED |= {"vit_pytorch_pit"}
+# and convolutions between stages (a depthwise convolution with a channel multiplier) or inside the attention's
+# projections (a depthwise convolution, batch norm and a 1x1 convolution making q, k and v)
+HEADS_REQUIRED |= {"vit_pytorch_pit", "vit_pytorch_cvt"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

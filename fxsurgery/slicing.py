@@ -12,24 +12,40 @@ from .errors import OptimizerStateError
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """A parameter or buffer of a group: unit i owns positions ``o·count·inner + i·inner + r`` along
+    """A parameter or buffer of a group: unit i owns positions ``start + o·count·inner + i·inner + r`` along
     ``dim`` (o < outer, r < inner). ``output`` marks where the unit enters the others (the output projection's
-    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit."""
+    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit. ``start``:
+    the group's units fill a segment of the dim (a fused projection's rows hold the units of several groups, one
+    segment each); an edit of a group whose segment lies before it shifts it (``shifted``)."""
 
     name: str
     dim: int
     outer: int
     inner: int
     output: bool
+    start: int = 0
+
+    def segment(self, t: torch.Tensor, count: int) -> torch.Tensor:
+        """View of the group's segment of ``t`` along ``dim``."""
+        size = self.outer * count * self.inner
+        if self.start + size > t.shape[self.dim]:
+            raise ValueError(f"{self.name}: dim {self.dim} of size {t.shape[self.dim]} holds no segment of {count} "
+                             f"units at {self.start}")
+        return t.narrow(self.dim, self.start, size) if self.start or size != t.shape[self.dim] else t
 
     def units(self, t: torch.Tensor, count: int) -> torch.Tensor:
-        """View of ``t`` with the unit index as its own axis at ``dim + 1``."""
-        s = t.shape
-        return t.reshape(s[: self.dim] + (self.outer, count, self.inner) + s[self.dim + 1:])
+        """View of the group's segment of ``t`` with the unit index as its own axis at ``dim + 1``."""
+        return self.segment(t, count).unflatten(self.dim, (self.outer, count, self.inner))
 
-    def flat(self, v: torch.Tensor) -> torch.Tensor:
-        s = v.shape
-        return v.reshape(s[: self.dim] + (s[self.dim] * s[self.dim + 1] * s[self.dim + 2],) + s[self.dim + 3:])
+    def flat(self, v: torch.Tensor, t: torch.Tensor, count: int) -> torch.Tensor:
+        """The units view ``v`` (a new segment) back in place of the group's segment of ``t``."""
+        seg = v.flatten(self.dim, self.dim + 2)
+        size = self.outer * count * self.inner
+        after = t.shape[self.dim] - self.start - size
+        if not self.start and not after:
+            return seg
+        parts = [t.narrow(self.dim, 0, self.start), seg, t.narrow(self.dim, self.start + size, after)]
+        return torch.cat(parts, self.dim)
 
     def keep(self, t: torch.Tensor, count: int, index: torch.Tensor) -> torch.Tensor:
         """Only the units in ``index``, in that order (no zero slots). An index of a few runs of consecutive units
@@ -37,15 +53,23 @@ class ParamSlice:
         v = self.units(t, count)
         runs = _runs(index)
         if runs is None:
-            return self.flat(v.index_select(self.dim + 1, index.to(t.device)))
-        return self.flat(torch.cat([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1))
+            return self.flat(v.index_select(self.dim + 1, index.to(t.device)), t, count)
+        return self.flat(torch.cat([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1),
+                         t, count)
 
     def append(self, t: torch.Tensor, count: int, new: torch.Tensor) -> torch.Tensor:
         """``t`` with one more unit whose slice is ``new`` (shaped like one unit's slice)."""
-        return self.flat(torch.cat([self.units(t, count), new.unsqueeze(self.dim + 1)], self.dim + 1))
+        return self.flat(torch.cat([self.units(t, count), new.unsqueeze(self.dim + 1)], self.dim + 1), t, count)
 
     def unit(self, t: torch.Tensor, count: int, i: int) -> torch.Tensor:
         return self.units(t, count).select(self.dim + 1, i)
+
+    def shifted(self, edited: ParamSlice, delta: int) -> ParamSlice:
+        """This slice once the group of ``edited`` (another group's slice) grew by ``delta`` elements: a segment
+        after its segment on the same dim moves by ``delta``."""
+        if (edited.name, edited.dim) != (self.name, self.dim) or self.start <= edited.start or not delta:
+            return self
+        return replace(self, start=self.start + delta)
 
 
 def by_tensor(slices: tuple[ParamSlice, ...] | list[ParamSlice]) -> list[tuple[str, list[ParamSlice]]]:

@@ -3,7 +3,7 @@ and offer every group that passes the self-check."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
@@ -15,7 +15,6 @@ from ..dataflow.paths import common_module
 from ..editing import Editor, bind_constants
 from ..errors import AnalysisError, TraceError
 from ..groups import GroupPlumbing, LeftOut, UnitGroup
-from ..slicing import ParamSlice
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .own_forward import GroupRecord
@@ -162,7 +161,7 @@ class _Installer:
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
                                                     constants=hg.constants, slots=group_slots)
             # identical code, layout and inputs give identical self-check outcomes
-            check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
+            check = (key, tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices))
             if check not in self.shared.checked:
                 self.shared.checked[check] = self_check(self.editor, g, inputs)
             if self.shared.checked[check]:
@@ -202,7 +201,7 @@ class _Installer:
             if all(g.name != name for g in self.findings.groups):
                 break
             name = f"{base}{k}"
-        slices = tuple(ParamSlice(join_path(host, m.name), m.dim, m.outer, m.inner, m.output) for m in spec.members)
+        slices = tuple(replace(m, name=join_path(host, m.name)) for m in spec.members)
         return UnitGroup(name=name, kind=spec.kind, module=module, count=spec.count, max_count=spec.count,
                          exact=spec.exact, slices=slices, notes=tuple(spec.notes), min_count=spec.min_count)
 

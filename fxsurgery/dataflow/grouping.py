@@ -309,11 +309,25 @@ class _Builder:
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
+        about += self.fused_note(kind, members, n)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
                          notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
                          sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim),
                                           axes, segments),
                          min_count=min_count)
+
+    def fused_note(self, kind: str, members: list[ParamSlice], n: int) -> list[str]:
+        """What a unit is where the group holds a segment of tensors it shares with other groups (a parallel block's
+        fused projections): its parts in each, said once."""
+        shared = [m for m in members if m.start or m.outer * n * m.inner != self.shape_of(m.name)[m.dim]]
+        if not shared:
+            return []
+        unit = "attention head" if kind == "head" else "FFN channel"
+        parts = [f"{m.inner} entr{'y' if m.inner == 1 else 'ies'}"
+                 f"{f' in each of {m.outer} sections' if m.outer > 1 else ''} of {m.name}'s dim {m.dim}"
+                 for m in shared]
+        return [f"a unit is one {unit} of a projection fused with other layers: {', '.join(parts)}, in a segment "
+                "beside the other layers' (an edit moves the segments after it)"]
 
     def sites(self, sinks: list[Sink], ut: torch.Tensor, layout: TapLayout, axes: dict[tuple, int],
               segments: dict[tuple, tuple[int, int]]) -> list[TapSite]:

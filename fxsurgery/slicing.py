@@ -3,7 +3,7 @@ must follow them. Every edit is vectorised and touches only the group's own tens
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -70,6 +70,26 @@ class ParamSlice:
         if (edited.name, edited.dim) != (self.name, self.dim) or self.start <= edited.start or not delta:
             return self
         return replace(self, start=self.start + delta)
+
+
+def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:
+    """Each group's count (``groups``: the slices of each) from the sizes of the dims they slice (``size(name,
+    dim)``): a dim's size is the sum, over the groups with a segment there, of width per unit × count (the segments
+    of the groups offered tile every dim they slice). None unless the sizes tell one whole count per group."""
+    widths: dict[tuple[str, int], dict[int, int]] = {}
+    for i, slices in enumerate(groups):
+        for sl in slices:
+            widths.setdefault((sl.name, sl.dim), {})[i] = sl.outer * sl.inner
+    if not groups or not widths:
+        return [] if not groups else None
+    keys = list(widths)
+    matrix = torch.tensor([[widths[key].get(i, 0) for i in range(len(groups))] for key in keys], dtype=torch.float64)
+    sizes = torch.tensor([[float(size(*key))] for key in keys], dtype=torch.float64)
+    counts = torch.linalg.lstsq(matrix, sizes).solution.round()
+    if int(torch.linalg.matrix_rank(matrix)) < len(groups) or not torch.equal(matrix @ counts, sizes) \
+            or (counts < 0).any():
+        return None
+    return [int(c) for c in counts.flatten()]
 
 
 def by_tensor(slices: tuple[ParamSlice, ...] | list[ParamSlice]) -> list[tuple[str, list[ParamSlice]]]:

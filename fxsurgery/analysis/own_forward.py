@@ -23,7 +23,7 @@ from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
 from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
-from ..slicing import ParamSlice
+from ..slicing import ParamSlice, solve_counts
 from ..taps import TapPoint
 from .verify import max_rel_diff
 
@@ -52,25 +52,14 @@ class CountAttribute(NamedTuple):
     per_unit: int
 
 
-def current_counts(module: nn.Module, records: list[GroupRecord], template: nn.Module) -> list[int]:
-    """Each group's count now, read off its tensors' sizes. This is the one place that tells the groups sharing a
-    dim apart (segments of a fused projection): a dim's size is its size in ``template`` (the host at its analysed
-    widths) plus, for every group with a segment there, its width per unit times its change of count."""
-    widths: dict[tuple[str, int], dict[int, int]] = {}
-    for i, r in enumerate(records):
-        for sl in r.slices:
-            widths.setdefault((sl.name, sl.dim), {})[i] = sl.outer * sl.inner
-    rows, sizes = [], []
-    for (name, dim), per_unit in widths.items():
-        rows.append([per_unit.get(i, 0) for i in range(len(records))])
-        sizes.append(_tensor(module, name).shape[dim] - _tensor(template, name).shape[dim]
-                     + sum(w * records[i].max_count for i, w in per_unit.items()))
-    matrix, size = torch.tensor(rows, dtype=torch.float64), torch.tensor(sizes, dtype=torch.float64)
-    counts = torch.linalg.lstsq(matrix, size.unsqueeze(1)).solution.flatten().round()
-    if int(torch.linalg.matrix_rank(matrix)) < len(records) or not torch.equal(matrix @ counts, size):
+def current_counts(module: nn.Module, records: list[GroupRecord]) -> list[int]:
+    """Each group's count now, read off its tensors' sizes (groups that share a dim, in segments of a fused
+    projection, are told apart by ``slicing.solve_counts``)."""
+    counts = solve_counts([r.slices for r in records], lambda name, dim: _tensor(module, name).shape[dim])
+    if counts is None:
         raise UnservedCall(f"the counts of the groups read by {', '.join(r.sink for r in records)} cannot be told "
-                           f"apart from their tensors' sizes")
-    return [int(c) for c in counts]
+                           "apart from their tensors' sizes")
+    return counts
 
 
 def _tensor(module: nn.Module, name: str) -> torch.Tensor:
@@ -87,7 +76,6 @@ class OwnForward:
                  empty: str):
         self.groups = groups
         self.counts = counts
-        self.template = template
         self.empty = empty  # what goes wrong with a group left with no units ("" if nothing)
         shared = _shared_dims(groups)
         # units read in a segment of the projection's input (a fused output projection): the layout a hook on it
@@ -100,7 +88,7 @@ class OwnForward:
         self.unseen = [r for r in groups if any(sl.output and sl.name != r.sink for sl in r.slices)]
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        counts = current_counts(module, self.groups, self.template)
+        counts = current_counts(module, self.groups)
         if self.empty and 0 in counts:
             empty = self.groups[counts.index(0)].sink
             raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the units "
@@ -177,7 +165,7 @@ class _Trial:
     def run(self, counts: tuple[CountAttribute, ...], args: tuple, kwargs: dict) -> str:
         """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked ones)."""
         saved = [(c, getattr(self.removed.get_submodule(c.module), c.name)) for c in counts]
-        now = current_counts(self.removed, self.groups, self.masked)
+        now = current_counts(self.removed, self.groups)
         for c in counts:
             setattr(self.removed.get_submodule(c.module), c.name, c.per_unit * now[c.group])
         forward = type(self.masked).forward

@@ -91,7 +91,7 @@ class HostServer:
         if lost:
             why = "; ".join(reason for refusal in found.refusals for reason in refusal.reasons) or "not found"
             raise UnservedCall(f"the units read by {', '.join(lost)} are no group in this call's graph ({why})")
-        counts = current_counts(module, self.groups, self.template)
+        counts = current_counts(module, self.groups)
         for r, count in zip(self.groups, counts):
             hg = by_sink[(r.sink, r.kind)]
             bind_constants(module, hg.constants, count, r.slots)

@@ -150,8 +150,8 @@ class _Trial:
                 continue
             with torch.no_grad():  # every point where the units enter the others
                 for out in (sl for sl in r.slices if sl.output):
-                    for i in range(n):
-                        out.unit(self.masked.get_parameter(out.name).data, r.max_count, i).zero_()
+                    for unit in range(n):
+                        out.unit(self.masked.get_parameter(out.name).data, r.max_count, unit).zero_()
             rest = torch.arange(n, r.max_count)
             for sl in slices[i]:
                 owner, _, name = sl.name.rpartition(".")

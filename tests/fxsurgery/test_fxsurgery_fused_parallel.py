@@ -1,0 +1,207 @@
+"""timm's parallel block (`ParallelScalingBlock`): one Linear makes the MLP hidden and q, k, v side by side, and
+the attention and MLP outputs are read by two output projections or by one over their concatenation. A head owns
+its rows in the q, k and v sections and its output columns; an FFN channel its row in the MLP section and its
+output column. The references here are built from the block's own layout, never from fxsurgery's slices: a removal
+equals masking the unit through `tap`, and equals the original model with the unit's true output columns zeroed."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from timm.models.vision_transformer import ParallelScalingBlock, VisionTransformer
+
+from fxsurgery import Surgeon, UnservedCall
+
+DIM, HEADS, HIDDEN = 12, 3, 24
+HEAD_DIM = DIM // HEADS
+VARIANTS = {"separate": dict(fuse_out_proj=False, qkv_bias=False, qk_norm=False),
+            "fused_out": dict(fuse_out_proj=True, qkv_bias=True, qk_norm=True)}
+
+
+def build(variant: str) -> VisionTransformer:
+    torch.manual_seed(0)
+    options = VARIANTS[variant]
+    block = functools.partial(ParallelScalingBlock, fuse_out_proj=options["fuse_out_proj"])
+    model = VisionTransformer(img_size=16, patch_size=8, embed_dim=DIM, depth=2, num_heads=HEADS,
+                              mlp_ratio=HIDDEN / DIM, num_classes=5, block_fn=block, class_token=False,
+                              no_embed_class=True, reg_tokens=1, global_pool="avg", qkv_bias=options["qkv_bias"],
+                              qk_norm=options["qk_norm"]).double()
+    with torch.no_grad():  # weights of unit scale, so a wrong slice shows far above the tolerance
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+def images() -> torch.Tensor:
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def output_columns(block: ParallelScalingBlock, kind: str, unit: int, heads: int = HEADS
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output projection's weight and the columns that read ``unit`` of the block (of ``heads`` heads now), from
+    the block's layout: heads first and channels after them in a fused projection's input."""
+    if block.out_proj is not None:
+        heads = heads * block.head_dim
+        start = unit * block.head_dim if kind == "head" else heads + unit
+        return block.out_proj.weight, torch.arange(start, start + (block.head_dim if kind == "head" else 1))
+    weight = block.attn_out_proj.weight if kind == "head" else block.mlp_out_proj.weight
+    size = block.head_dim if kind == "head" else 1
+    return weight, torch.arange(unit * size, (unit + 1) * size)
+
+
+def zeroed(model: VisionTransformer, removed: list[tuple[int, str, int]]) -> VisionTransformer:
+    """A copy of the original model with the output columns of each (block, kind, unit) zeroed."""
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for index, kind, unit in removed:
+            weight, columns = output_columns(reference.blocks[index], kind, unit)
+            weight[:, columns] = 0
+    return reference
+
+
+def group(surgeon: Surgeon, index: int, kind: str):
+    return surgeon.group(f"blocks.{index}:{kind}")
+
+
+def masked(surgeon: Surgeon, model: VisionTransformer, x: torch.Tensor, kind: str, index: int, unit: int
+           ) -> torch.Tensor:
+    """The outputs with ``unit`` zeroed at its group's tap point."""
+    def zero(a: torch.Tensor) -> None:
+        a.select(-2, unit).zero_()
+    handle = surgeon.tap(group(surgeon, index, kind), zero)
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_heads_and_channels_are_separate_exact_groups(variant: str) -> None:
+    model = build(variant)
+    s = Surgeon(model, (images(),))
+    assert sorted((g.name, g.kind, g.count, g.exact) for g in s.groups) == [
+        (f"blocks.{i}:{kind}", kind, count, True) for i in range(2) for kind, count in (("channel", HIDDEN),
+                                                                                         ("head", HEADS))]
+    heads = group(s, 0, "head")
+    rows = next(sl for sl in heads.slices if sl.name == "blocks.0.in_proj.weight")
+    assert (rows.dim, rows.outer, rows.inner, rows.start) == (0, 3, HEAD_DIM, HIDDEN)  # after the MLP section
+    text = s.explain()
+    assert "a unit is one attention head of a projection fused with other layers" in text
+    assert "a unit is one FFN channel of a projection fused with other layers" in text
+    assert "fused projection of parallel layers" not in text
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_removals_equal_masking_and_the_zeroed_reference_and_clones_preserve(variant: str) -> None:
+    """Removals in both segments of the fused tensors, in turn (each moves the segments after it), then clones;
+    in eval and train mode (no dropout: the modes agree)."""
+    model = build(variant)
+    original = copy.deepcopy(model)
+    x = images()
+    s = Surgeon(model, (x,))
+    left = {(index, kind): list(range(HEADS if kind == "head" else HIDDEN)) for index in range(2)
+            for kind in ("head", "channel")}  # the original index of each unit left, in order
+    removed = []
+    for index, kind, unit in ((0, "head", 1), (0, "channel", 5), (1, "channel", 0), (1, "head", 2),
+                              (0, "head", 0), (0, "channel", 20)):
+        y_mask = {mode: masked(s, model.train(mode), x, kind, index, unit) for mode in (False, True)}
+        s.remove(group(s, index, kind), unit)
+        removed.append((index, kind, left[(index, kind)].pop(unit)))
+        reference = zeroed(original, removed)
+        for mode in (False, True):
+            model.train(mode), reference.train(mode)
+            with torch.no_grad():
+                y = model(x)
+                assert (y - y_mask[mode]).abs().max() <= 1e-9
+                assert (y - reference(x)).abs().max() <= 1e-9
+    wider = torch.randn(3, 3, 16, 16, dtype=torch.float64)  # a new call signature: captured at the current counts
+    with torch.no_grad():
+        assert (model(wider) - reference(wider)).abs().max() <= 1e-9
+    for index, kind, parent in ((0, "channel", 3), (0, "head", 0), (1, "head", 1), (1, "channel", 9)):
+        g = group(s, index, kind)
+        with torch.no_grad():
+            before = model(x)
+            s.clone(g, parent, noise_std=0.3)
+            assert (model(x) - before).abs().max() <= 1e-9
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_adam_state_follows_the_segments(variant: str) -> None:
+    """After steps of Adam: a removal drops the unit's rows and columns of every state tensor (the rest bit-identical,
+    by the block's own layout), a clone starts the parent's and the new unit's state at zero."""
+    model = build(variant)
+    x = images()
+    s = Surgeon(model, (x,))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    block = model.blocks[0]
+    weight = block.in_proj.weight
+    old = {k: v.clone() for k, v in opt.state[weight].items() if v.dim()}
+    head = 1
+    s.remove(group(s, 0, "head"), head)
+    sections = [HIDDEN + k * DIM + head * HEAD_DIM for k in range(3)]
+    gone = torch.cat([torch.arange(start, start + HEAD_DIM) for start in sections])
+    kept = torch.tensor([r for r in range(HIDDEN + 3 * DIM) if r not in set(gone.tolist())])
+    for key, value in old.items():
+        assert opt.state[weight][key].shape == weight.shape
+        assert torch.equal(opt.state[weight][key], value[kept])
+    old = {k: v.clone() for k, v in opt.state[weight].items() if v.dim()}
+    parent = 3
+    s.clone(group(s, 0, "channel"), parent, noise_std=0.1)
+    assert weight.shape[0] == HIDDEN + 1 + 3 * (DIM - HEAD_DIM)
+    for key, value in old.items():
+        state = opt.state[weight][key]
+        assert state.shape == weight.shape
+        assert torch.equal(state[HIDDEN + 1:], value[HIDDEN:])  # the head sections moved by one row
+        assert torch.equal(state[[r for r in range(HIDDEN) if r != parent]], value[[r for r in range(HIDDEN)
+                                                                                     if r != parent]])
+        assert not state[parent].any() and not state[HIDDEN].any()
+    out, columns = output_columns(block, "channel", HIDDEN, heads=HEADS - 1)
+    assert opt.state[out]["exp_avg"].shape == out.shape and not opt.state[out]["exp_avg"][:, columns].any()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_layer_down_to_one_head_and_one_channel_still_trains(variant: str) -> None:
+    model = build(variant)
+    x = images()
+    s = Surgeon(model, (x,))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    s.keep(group(s, 0, "head"), [2])
+    s.keep(group(s, 0, "channel"), [7])
+    s.keep(group(s, 1, "head"), [0])
+    block = model.blocks[0]
+    assert block.in_proj.weight.shape[0] == 1 + 3 * HEAD_DIM
+    before = copy.deepcopy(model.state_dict())
+    losses = []
+    for mode in (True, False, True):
+        model.train(mode)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(x).logsumexp(1).mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    changed = [k for k, v in model.state_dict().items() if k.startswith("blocks.0.") and not torch.equal(v, before[k])]
+    assert "blocks.0.in_proj.weight" in changed
+
+
+def test_a_call_its_graphs_cannot_take_is_refused_naming_the_block() -> None:
+    """A hook inside the block leaves the call to the block's own forward, which keeps its split sizes in a list
+    attribute that does not follow the counts: refused, naming the block and why."""
+    model = build("fused_out")
+    x = images()
+    s = Surgeon(model, (x,))
+    s.remove(group(s, 0, "channel"), 3)
+    model.blocks[0].in_norm.register_forward_hook(lambda module, args, out: None)
+    with pytest.raises(UnservedCall, match=r"blocks\.0 \(ParallelScalingBlock\) cannot serve .* hooks on in_norm"):
+        model(x)

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import Style, TinyTransformer, train_steps
 
-from fxsurgery import AnalysisError, Surgeon
+from fxsurgery import Surgeon
 
 
 class MinusOneAttention(nn.Module):

@@ -29,6 +29,8 @@ HEADS_REQUIRED |= {"vit_pytorch_small_dataset", "vit_pytorch_levit", "hf_swinv2"
 HEADS_REQUIRED |= {"hf_swin"}
 # and one with convolutions between its stages (a depthwise convolution with a channel multiplier)
 HEADS_REQUIRED |= {"vit_pytorch_pit"}
+# and the parallel block, whose q, k, v and MLP hidden come from one projection in segments
+HEADS_REQUIRED |= {"vit_pwee_patch16_reg1_gap_256"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

@@ -415,6 +415,10 @@ def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path
         except KeyError as e:
             raise ExportError(f"{path / TOPOLOGY}: {type(model).__name__} has no unit group {g['name']!r} "
                               f"(its groups: {[x.name for x in surgeon.groups]})") from e
+        if group.max_count != g["max_count"]:  # a constructor argument the export could not tell (same shapes)
+            raise ExportError(f"{path / TOPOLOGY}: {g['name']} has {g['max_count']} units at most in the export, "
+                              f"{group.max_count} in the {type(model).__name__} rebuilt; pass the model built with "
+                              "its own arguments: load(path, model=...)")
         if not group.min_count <= g["count"] <= group.count:
             raise ExportError(f"{path / TOPOLOGY}: {g['name']} keeps {g['count']} units; {type(model).__name__} has "
                               f"{group.count} (at least {group.min_count} must stay)")

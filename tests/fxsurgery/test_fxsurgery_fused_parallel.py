@@ -12,7 +12,7 @@ import pytest
 import torch
 from timm.models.vision_transformer import ParallelScalingBlock, VisionTransformer
 
-from fxsurgery import Surgeon, UnservedCall
+from fxsurgery import AnalysisError, Surgeon, UnservedCall
 
 DIM, HEADS, HIDDEN = 12, 3, 24
 HEAD_DIM = DIM // HEADS
@@ -67,10 +67,15 @@ def group(surgeon: Surgeon, index: int, kind: str):
 
 def masked(surgeon: Surgeon, model: VisionTransformer, x: torch.Tensor, kind: str, index: int, unit: int
            ) -> torch.Tensor:
-    """The outputs with ``unit`` zeroed at its group's tap point."""
+    """The outputs with ``unit`` of a block's group zeroed at its tap point."""
+    return masked_by(surgeon, model, x, group(surgeon, index, kind), unit)
+
+
+def masked_by(surgeon: Surgeon, model: torch.nn.Module, x: torch.Tensor, g, unit: int) -> torch.Tensor:
+    """The outputs with ``unit`` of group ``g`` zeroed at its tap point."""
     def zero(a: torch.Tensor) -> None:
         a.select(-2, unit).zero_()
-    handle = surgeon.tap(group(surgeon, index, kind), zero)
+    handle = surgeon.tap(g, zero)
     try:
         with torch.no_grad():
             return model(x)
@@ -88,6 +93,13 @@ def test_heads_and_channels_are_separate_exact_groups(variant: str) -> None:
     heads = group(s, 0, "head")
     rows = next(sl for sl in heads.slices if sl.name == "blocks.0.in_proj.weight")
     assert (rows.dim, rows.outer, rows.inner, rows.start) == (0, 3, HEAD_DIM, HIDDEN)  # after the MLP section
+    block = model.blocks[0]  # unit norms from the block's own layout: q, k, v rows and output columns
+    rows = block.in_proj.weight.detach()[HIDDEN:].reshape(3, HEADS, HEAD_DIM, DIM).square().sum((0, 2, 3))
+    if block.in_proj.bias is not None:
+        rows = rows + block.in_proj.bias.detach()[HIDDEN:].reshape(3, HEADS, HEAD_DIM).square().sum((0, 2))
+    out = [output_columns(block, "head", h) for h in range(HEADS)]
+    expected = (rows + torch.stack([w.detach()[:, c].square().sum() for w, c in out])).sqrt()
+    assert torch.allclose(s.unit_norms(heads).double(), expected, rtol=1e-6)
     text = s.explain()
     assert "a unit is one attention head of a projection fused with other layers" in text
     assert "a unit is one FFN channel of a projection fused with other layers" in text
@@ -205,3 +217,55 @@ def test_a_call_its_graphs_cannot_take_is_refused_naming_the_block() -> None:
     model.blocks[0].in_norm.register_forward_hook(lambda module, args, out: None)
     with pytest.raises(UnservedCall, match=r"blocks\.0 \(ParallelScalingBlock\) cannot serve .* hooks on in_norm"):
         model(x)
+
+
+class SlicedParallel(torch.nn.Module):
+    """A parallel block that picks the MLP hidden and q, k, v out of its fused projection by slicing: an offset
+    there follows the other part's width, which no count of one group rewrites."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj, self.out = torch.nn.Linear(DIM, HIDDEN + 3 * DIM), torch.nn.Linear(DIM + HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        y = self.in_proj(x)
+        hidden, qkv = y[..., :HIDDEN], y[..., HIDDEN:]
+        q, k, v = qkv.reshape(b, n, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, DIM)
+        return x + self.out(torch.cat([o, torch.nn.functional.gelu(hidden)], -1))
+
+
+def test_offsets_into_a_fused_projection_are_refused_naming_the_node() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, DIM), SlicedParallel(), torch.nn.Linear(DIM, 3))
+    with pytest.raises(AnalysisError, match=r"getitem\w*: a size on the unit axis of a value that holds other "
+                                            r"coordinates beside the units"):
+        Surgeon(model, (torch.randn(2, 4, 5),))
+
+
+class EllipsisSliced(torch.nn.Module):
+    """q, k and v picked out of one projection by ``y[..., a:b]``: the bounds follow the heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(DIM, 3 * DIM), torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        y = self.qkv(x)
+        q, k, v = (y[..., i * DIM:(i + 1) * DIM].reshape(b, n, HEADS, HEAD_DIM).transpose(1, 2) for i in range(3))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, DIM)
+        return x + self.proj(o)
+
+
+def test_slice_bounds_after_an_ellipsis_follow_the_heads() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, DIM), EllipsisSliced(), torch.nn.Linear(DIM, 3)).double()
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    s = Surgeon(model, (x,))
+    g = s.group("1:head")
+    with torch.no_grad():
+        y_mask = masked_by(s, model, x, g, 1)
+        s.remove(g, 1)
+        assert (model(x) - y_mask).abs().max() <= 1e-9

@@ -156,6 +156,7 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
         return []
     idx = site.node.args[1]
     entries = index_dims(idx, len(site.in_shape))
+    places = [k for k, e in enumerate(idx) if e is not Ellipsis] if isinstance(idx, tuple) else [None]
     out = []
     for k, (d, e) in enumerate(entries):
         if d != site.in_dim:
@@ -163,7 +164,7 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
         if isinstance(e, slice):
             if e.step not in (None, 1):
                 raise Unsupported(f"{site.node.name}: strided slice on the unit axis")
-            base = ("args", 1, k) if isinstance(idx, tuple) else ("args", 1)
+            base = ("args", 1, places[k]) if isinstance(idx, tuple) else ("args", 1)  # its place in the index
             for part in ("start", "stop"):
                 v = getattr(e, part)
                 if v is None or v == 0:

@@ -177,7 +177,8 @@ class _Builder:
             for act, k in zip(carriers, group_of[torch.cat([act.units[:1] for act in carriers])].tolist()):
                 self.acts_of.setdefault(k, []).append(act)
             for act in carriers:  # a value that holds several groups' units side by side (a fused projection's)
-                if act.units.numel() > 1 and not bool((group_of[act.units] == group_of[act.units[0]]).all()):
+                if not act.param and act.units.numel() > 1 \
+                        and not bool((group_of[act.units] == group_of[act.units[0]]).all()):
                     for k in torch.unique(group_of[act.units[1:]]).tolist():
                         if act not in self.acts_of.setdefault(k, []):
                             self.acts_of[k].append(act)

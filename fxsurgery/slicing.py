@@ -14,9 +14,10 @@ from .errors import OptimizerStateError
 class ParamSlice:
     """A parameter or buffer of a group: unit i owns positions ``start + o·count·inner + i·inner + r`` along
     ``dim`` (o < outer, r < inner). ``output`` marks where the unit enters the others (the output projection's
-    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit. ``start``:
-    the group's units fill a segment of the dim (a fused projection's rows hold the units of several groups, one
-    segment each); an edit of a group whose segment lies before it shifts it (``shifted``)."""
+    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit. ``start``
+    and ``after``: the group's units fill a segment of the dim, after ``start`` and before ``after`` elements of
+    other groups (a fused projection's rows hold the units of several groups, one segment each); an edit of
+    another group's segment moves them (``shifted``)."""
 
     name: str
     dim: int
@@ -24,14 +25,15 @@ class ParamSlice:
     inner: int
     output: bool
     start: int = 0
+    after: int = 0
 
     def segment(self, t: torch.Tensor, count: int) -> torch.Tensor:
         """View of the group's segment of ``t`` along ``dim``."""
         size = self.outer * count * self.inner
-        if self.start + size > t.shape[self.dim]:
+        if self.start + size + self.after != t.shape[self.dim]:
             raise ValueError(f"{self.name}: dim {self.dim} of size {t.shape[self.dim]} holds no segment of {count} "
-                             f"units at {self.start}")
-        return t.narrow(self.dim, self.start, size) if self.start or size != t.shape[self.dim] else t
+                             f"units between {self.start} and {self.after} other elements")
+        return t.narrow(self.dim, self.start, size) if self.start or self.after else t
 
     def units(self, t: torch.Tensor, count: int) -> torch.Tensor:
         """View of the group's segment of ``t`` with the unit index as its own axis at ``dim + 1``."""
@@ -40,12 +42,10 @@ class ParamSlice:
     def flat(self, v: torch.Tensor, t: torch.Tensor, count: int) -> torch.Tensor:
         """The units view ``v`` (a new segment) back in place of the group's segment of ``t``."""
         seg = v.flatten(self.dim, self.dim + 2)
-        size = self.outer * count * self.inner
-        after = t.shape[self.dim] - self.start - size
-        if not self.start and not after:
+        if not self.start and not self.after:
             return seg
-        parts = [t.narrow(self.dim, 0, self.start), seg, t.narrow(self.dim, self.start + size, after)]
-        return torch.cat(parts, self.dim)
+        end = t.shape[self.dim] - self.after
+        return torch.cat([t.narrow(self.dim, 0, self.start), seg, t.narrow(self.dim, end, self.after)], self.dim)
 
     def keep(self, t: torch.Tensor, count: int, index: torch.Tensor) -> torch.Tensor:
         """Only the units in ``index``, in that order (no zero slots). An index of a few runs of consecutive units
@@ -66,10 +66,12 @@ class ParamSlice:
 
     def shifted(self, edited: ParamSlice, delta: int) -> ParamSlice:
         """This slice once the group of ``edited`` (another group's slice) grew by ``delta`` elements: a segment
-        after its segment on the same dim moves by ``delta``."""
-        if (edited.name, edited.dim) != (self.name, self.dim) or self.start <= edited.start or not delta:
+        after its segment on the same dim moves by ``delta``, one before it has ``delta`` more elements after it."""
+        if (edited.name, edited.dim) != (self.name, self.dim) or self.start == edited.start or not delta:
             return self
-        return replace(self, start=self.start + delta)
+        if self.start > edited.start:
+            return replace(self, start=self.start + delta)
+        return replace(self, after=self.after + delta)
 
 
 def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:

@@ -330,17 +330,18 @@ class _Builder:
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
-        about += self.fused_note(kind, members, n)
+        about += self.fused_note(kind, members)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
                          notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
                          sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim),
                                           axes, segments),
                          min_count=min_count)
 
-    def fused_note(self, kind: str, members: list[ParamSlice], n: int) -> list[str]:
+    @staticmethod
+    def fused_note(kind: str, members: list[ParamSlice]) -> list[str]:
         """What a unit is where the group holds a segment of tensors it shares with other groups (a parallel block's
         fused projections): its parts in each, said once."""
-        shared = [m for m in members if m.start or m.outer * n * m.inner != self.shape_of(m.name)[m.dim]]
+        shared = [m for m in members if m.start or m.after]
         if not shared:
             return []
         unit = "attention head" if kind == "head" else "FFN channel"
@@ -463,7 +464,8 @@ class _Builder:
         lay = layout(u1[start:stop], n)
         if lay is None:
             raise Unsupported(f"{name}: {describe_layout(u1, n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim), start)
+        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim), start,
+                          u1.numel() - stop)
 
     def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
         """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie

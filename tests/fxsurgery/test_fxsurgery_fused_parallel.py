@@ -269,3 +269,19 @@ def test_slice_bounds_after_an_ellipsis_follow_the_heads() -> None:
         y_mask = masked_by(s, model, x, g, 1)
         s.remove(g, 1)
         assert (model(x) - y_mask).abs().max() <= 1e-9
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_head_removed_leaves_the_mlp_segment_working(variant: str) -> None:
+    """A block's q, k, v sections emptied (its attention adds nothing), then a channel removed from the segment
+    before them: both equal the zeroed reference."""
+    model = build(variant)
+    original = copy.deepcopy(model)
+    x = images()
+    s = Surgeon(model, (x,))
+    s.keep(group(s, 0, "head"), [])
+    s.remove(group(s, 0, "channel"), 2)
+    reference = zeroed(original, [(0, "head", h) for h in range(HEADS)] + [(0, "channel", 2)])
+    assert model.blocks[0].in_proj.weight.shape[0] == HIDDEN - 1
+    with torch.no_grad():
+        assert (model(x) - reference(x)).abs().max() <= 1e-9

@@ -66,12 +66,15 @@ class ParamSlice:
 
     def shifted(self, edited: ParamSlice, delta: int) -> ParamSlice:
         """This slice once the group of ``edited`` (another group's slice) grew by ``delta`` elements: a segment
-        after its segment on the same dim moves by ``delta``, one before it has ``delta`` more elements after it."""
-        if (edited.name, edited.dim) != (self.name, self.dim) or self.start == edited.start or not delta:
+        after its segment on the same dim moves by ``delta``, one before it has ``delta`` more elements after it (an
+        empty segment where another starts lies before it)."""
+        if (edited.name, edited.dim) != (self.name, self.dim) or not delta:
             return self
-        if self.start > edited.start:
+        if (self.start, -self.after) > (edited.start, -edited.after):
             return replace(self, start=self.start + delta)
-        return replace(self, after=self.after + delta)
+        if (self.start, -self.after) < (edited.start, -edited.after):
+            return replace(self, after=self.after + delta)
+        return self
 
 
 def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:

@@ -10,12 +10,16 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from timm.models.vision_transformer import ParallelScalingBlock, VisionTransformer
 
-from fxsurgery import AnalysisError, Surgeon, UnservedCall
+from fxsurgery import AnalysisError, ParamSlice, Surgeon, UnservedCall
+from fxsurgery.slicing import clone_unit
 
 DIM, HEADS, HIDDEN = 12, 3, 24
 HEAD_DIM = DIM // HEADS
+EXAMPLES = settings.default.max_examples  # per property test, from the loaded profile
 VARIANTS = {"separate": dict(fuse_out_proj=False, qkv_bias=False, qk_norm=False),
             "fused_out": dict(fuse_out_proj=True, qkv_bias=True, qk_norm=True)}
 
@@ -285,3 +289,50 @@ def test_every_head_removed_leaves_the_mlp_segment_working(variant: str) -> None
     assert model.blocks[0].in_proj.weight.shape[0] == HIDDEN - 1
     with torch.no_grad():
         assert (model(x) - reference(x)).abs().max() <= 1e-9
+
+
+layouts = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(0, 4)), min_size=1, max_size=4)
+edits = st.lists(st.tuples(st.integers(0, 3), st.booleans(), st.integers(0, 8), st.integers(0, 255)), max_size=10)
+
+
+@settings(max_examples=EXAMPLES)
+@given(layout=layouts, steps=edits)
+def test_segments_of_one_dim_follow_any_edits_of_their_groups(layout: list, steps: list) -> None:
+    """Groups of (outer, inner, count) side by side along one dim, kept and cloned in any order (down to none and
+    back) through their `ParamSlice`s, each edit moving the others' segments as the engine does: every element is
+    where a list of labelled positions says, and every segment lies where the groups before it end."""
+    units = [[(g, i) for i in range(count)] for g, (_, _, count) in enumerate(layout)]
+
+    def labels() -> list:
+        return [(g, o, u, r) for g, (outer, inner, _) in enumerate(layout) for o in range(outer) for u in units[g]
+                for r in range(inner)]
+
+    values = {label: float(k) for k, label in enumerate(labels())}
+    t = torch.tensor(list(values.values()), dtype=torch.float64)
+    slices, at = [], 0
+    for outer, inner, count in layout:
+        slices.append(ParamSlice("w", 0, outer, inner, False, at, len(values) - at - outer * count * inner))
+        at += outer * count * inner
+    fresh = len(values)
+    for g, clone, unit, pick in steps:
+        g %= len(layout)
+        sl, n = slices[g], len(units[g])
+        if clone and n:
+            parent = units[g][unit % n]
+            t = clone_unit(t, sl, n, unit % n, None)
+            units[g].append((g, fresh))
+            values.update({(g, o, (g, fresh), r): values[(g, o, parent, r)] for o in range(sl.outer)
+                           for r in range(sl.inner)})
+            fresh += 1
+        else:
+            index = [i for i in range(n) if pick >> i & 1]
+            t = sl.keep(t, n, torch.tensor(index, dtype=torch.long))
+            units[g] = [units[g][i] for i in index]
+        delta = (len(units[g]) - n) * sl.outer * sl.inner
+        slices = [other.shifted(sl, delta) if k != g else other for k, other in enumerate(slices)]
+        assert torch.equal(t, torch.tensor([values[label] for label in labels()], dtype=torch.float64))
+        at = 0
+        for other, (outer, inner, _), group_units in zip(slices, layout, units):
+            size = outer * len(group_units) * inner
+            assert (other.start, other.after) == (at, t.numel() - at - size)
+            at += size

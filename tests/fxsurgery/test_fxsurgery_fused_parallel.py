@@ -283,8 +283,11 @@ def test_every_head_removed_leaves_the_mlp_segment_working(variant: str) -> None
     original = copy.deepcopy(model)
     x = images()
     s = Surgeon(model, (x,))
-    s.keep(group(s, 0, "head"), [])
+    heads = group(s, 0, "head")
+    s.keep(heads, [])
     s.remove(group(s, 0, "channel"), 2)
+    assert s.unit_norms(heads).shape == (0,)  # its empty segments moved with the channels' (fused_out: before them)
+    s.keep(heads, [])
     reference = zeroed(original, [(0, "head", h) for h in range(HEADS)] + [(0, "channel", 2)])
     assert model.blocks[0].in_proj.weight.shape[0] == HIDDEN - 1
     with torch.no_grad():

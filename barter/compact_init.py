@@ -42,19 +42,17 @@ def kept_units(count: int, keep: int, how: str, generator: torch.Generator,
 
 
 def unit_cost(group, shapes: Mapping[str, Sequence[int]]) -> int:
-    """Parameters one unit of `group` holds: what its tensors (those in `shapes`, the model's parameters) lose
-    when the group, at its maximum count, loses one unit (an element on two sliced dims counted once)."""
-    dims: dict[str, dict[int, tuple[int, int]]] = {}
+    """Parameters one unit of `group` holds: what its tensors (those in `shapes`, the model's parameters, every
+    group at its maximum count) lose when the group loses one unit (an element on two sliced dims counted once; a
+    dim that holds other groups' segments too keeps theirs)."""
+    dims: dict[str, dict[int, int]] = {}
     for sl in group.slices:
-        dims.setdefault(sl.name, {})[sl.dim] = (sl.outer, sl.inner)
+        dims.setdefault(sl.name, {})[sl.dim] = sl.outer * sl.inner
     cost = 0
     for name, sliced in dims.items():
         if name in shapes:
-            full = [sliced[d][0] * group.max_count * sliced[d][1] if d in sliced else n
-                    for d, n in enumerate(shapes[name])]
-            less = [sliced[d][0] * (group.max_count - 1) * sliced[d][1] if d in sliced else n
-                    for d, n in enumerate(shapes[name])]
-            cost += math.prod(full) - math.prod(less)
+            less = [n - sliced.get(d, 0) for d, n in enumerate(shapes[name])]
+            cost += math.prod(shapes[name]) - math.prod(less)
     return cost
 
 

@@ -90,10 +90,13 @@ def check_rebuilds(model: nn.Module, architecture: str, kwargs: dict[str, Any], 
 def dense_shapes(model: nn.Module, groups: list[UnitGroup]) -> dict[str, list[int]]:
     """`model`'s state_dict shapes with every unit group at its maximum count."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    dense: dict[tuple[str, int], int] = {}  # the groups' segments tile each dim they slice
     for group in groups:
         for sl in group.slices:
             if sl.name in shapes:
-                shapes[sl.name][sl.dim] = sl.outer * group.max_count * sl.inner
+                dense[(sl.name, sl.dim)] = dense.get((sl.name, sl.dim), 0) + sl.outer * group.max_count * sl.inner
+    for (name, dim), size in dense.items():
+        shapes[name][dim] = size
     return shapes
 
 
@@ -196,11 +199,12 @@ def _embed_dim(model: nn.Module, groups: list[UnitGroup] | None) -> int | None:
 
 
 def _num_heads(model: nn.Module, groups: list[UnitGroup] | None) -> int | list[int] | None:
-    """The heads of the first block's attention, or of each stage's first block in a hierarchical model
-    (fxsurgery keeps the module attribute as built)."""
+    """The heads of the first block's attention (of the block itself where it has no attention module: a parallel
+    block), or of each stage's first block in a hierarchical model (fxsurgery keeps the module attribute as
+    built)."""
     stages = _stages(model)
     firsts = [_first_block(model)] if stages is None else [_first_block(stage) for stage in stages]
-    heads = [getattr(getattr(block, "attn", None), "num_heads", None) for block in firsts]
+    heads = [getattr(getattr(block, "attn", block), "num_heads", None) for block in firsts]
     if not all(isinstance(h, int) for h in heads):
         return None
     return heads[0] if stages is None else heads

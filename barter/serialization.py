@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse
+from fxsurgery.slicing import solve_counts
 
 from .analysis import ModelBase, default_example_inputs, keep_base, model_base
 from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base
@@ -335,23 +336,23 @@ def _group_records(model: nn.Module, groups: list[UnitGroup], architecture: str 
     (whichever analysis resized them since)."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
-    return [{"name": g.name, "kind": g.kind, "module": g.module, "count": _kept_count(g, tensors, architecture),
-             "max_count": g.max_count} for g in groups]
+    return [{"name": g.name, "kind": g.kind, "module": g.module, "count": count, "max_count": g.max_count}
+            for g, count in zip(groups, _kept_counts(groups, tensors, architecture))]
 
 
-def _kept_count(group: UnitGroup, tensors: dict[str, Tensor], architecture: str | None) -> int:
-    """The units of `group` (found in the base) that the compact model's tensors hold."""
-    counts = set()
-    for sl in group.slices:
-        if sl.name not in tensors:
-            raise ExportError(f"the model has no tensor {sl.name}, which {architecture} has; "
-                              "pass the model's own architecture= and model_kwargs=")
-        size, per_unit = tensors[sl.name].shape[sl.dim], sl.outer * sl.inner
-        counts.add(size // per_unit if size % per_unit == 0 else -1)
-    if len(counts) != 1 or -1 in counts:
-        raise ExportError(f"{group.name}: the model's tensors {[sl.name for sl in group.slices]} do not hold a "
-                          f"whole number of its units; pass the model's own architecture= and model_kwargs=")
-    return counts.pop()
+def _kept_counts(groups: list[UnitGroup], tensors: dict[str, Tensor], architecture: str | None) -> list[int]:
+    """The units of each group (found in the base) that the compact model's tensors hold (groups in segments of one
+    fused projection's dim are told apart together)."""
+    missing = next((sl.name for g in groups for sl in g.slices if sl.name not in tensors), None)
+    if missing is not None:
+        raise ExportError(f"the model has no tensor {missing}, which {architecture} has; "
+                          "pass the model's own architecture= and model_kwargs=")
+    counts = solve_counts([g.slices for g in groups], lambda name, dim: tensors[name].shape[dim])
+    if counts is None:
+        names = sorted({sl.name for g in groups for sl in g.slices})
+        raise ExportError(f"the model's tensors {names[:5]}{' ...' if len(names) > 5 else ''} do not hold a whole "
+                          "number of its groups' units; pass the model's own architecture= and model_kwargs=")
+    return counts
 
 
 def _call_record(inputs: tuple, input_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -414,6 +415,10 @@ def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path
         except KeyError as e:
             raise ExportError(f"{path / TOPOLOGY}: {type(model).__name__} has no unit group {g['name']!r} "
                               f"(its groups: {[x.name for x in surgeon.groups]})") from e
+        if group.max_count != g["max_count"]:  # a constructor argument the export could not tell (same shapes)
+            raise ExportError(f"{path / TOPOLOGY}: {g['name']} has {g['max_count']} units at most in the export, "
+                              f"{group.max_count} in the {type(model).__name__} rebuilt; pass the model built with "
+                              "its own arguments: load(path, model=...)")
         if not group.min_count <= g["count"] <= group.count:
             raise ExportError(f"{path / TOPOLOGY}: {g['name']} keeps {g['count']} units; {type(model).__name__} has "
                               f"{group.count} (at least {group.min_count} must stay)")
@@ -425,10 +430,10 @@ def _check_fits(model: nn.Module, weights: dict[str, Tensor], plan: list[tuple[U
                 weights_file: Path) -> None:
     """Raise ExportError unless `weights` has exactly the keys and shapes of `model` resized by `plan`."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    for group, count in plan:
+    for group, count in plan:  # a dim may hold several groups' segments: each changes it by its own units
         for sl in group.slices:
             if sl.name in shapes:
-                shapes[sl.name][sl.dim] = sl.outer * count * sl.inner
+                shapes[sl.name][sl.dim] -= sl.outer * (group.count - count) * sl.inner
     missing = [k for k in shapes if k not in weights]
     unexpected = [k for k in weights if k not in shapes]
     wrong = [f"{k} is {list(weights[k].shape)} in the file, {shape} in the model" for k, shape in shapes.items()

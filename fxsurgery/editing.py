@@ -122,7 +122,13 @@ class Editor:
         self.settle(g, new_count)
 
     def settle(self, g: UnitGroup, count: int) -> None:
-        """Set the count, and the host constants and module sizes that follow it."""
+        """Set the count, and the host constants, module sizes and segments of other groups that follow it (a
+        group whose segment of a fused projection lies after this group's moves with it)."""
+        for sl in g.slices:
+            delta = (count - g.count) * sl.outer * sl.inner
+            for other in self.plumbing:
+                if other is not g:
+                    other.slices = tuple(o.shifted(sl, delta) for o in other.slices)
         set_count(g, count)
         host = self.host(g)
         for slot in self.plumbing[g].slots:

@@ -58,7 +58,7 @@ def _served(ways: list[str]) -> str:
 
 def _describe(sl: ParamSlice) -> str:
     lay = "·".join(([str(sl.outer)] if sl.outer > 1 else []) + ["n"] + ([str(sl.inner)] if sl.inner > 1 else []))
-    return f"{sl.name}[dim {sl.dim}: {lay}{' out' if sl.output else ''}]"
+    return f"{sl.name}[dim {sl.dim}: {lay}{f' from {sl.start}' if sl.start else ''}{' out' if sl.output else ''}]"
 
 
 def _unique_constants(consts: list[ConstantSpec]) -> list[ConstantSpec]:

@@ -3,7 +3,7 @@ must follow them. Every edit is vectorised and touches only the group's own tens
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -12,24 +12,40 @@ from .errors import OptimizerStateError
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """A parameter or buffer of a group: unit i owns positions ``o·count·inner + i·inner + r`` along
+    """A parameter or buffer of a group: unit i owns positions ``start + o·count·inner + i·inner + r`` along
     ``dim`` (o < outer, r < inner). ``output`` marks where the unit enters the others (the output projection's
-    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit."""
+    columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit. ``start``
+    and ``after``: the group's units fill a segment of the dim, after ``start`` and before ``after`` elements of
+    other groups (a fused projection's rows hold the units of several groups, one segment each); an edit of
+    another group's segment moves them (``shifted``)."""
 
     name: str
     dim: int
     outer: int
     inner: int
     output: bool
+    start: int = 0
+    after: int = 0
+
+    def segment(self, t: torch.Tensor, count: int) -> torch.Tensor:
+        """View of the group's segment of ``t`` along ``dim``."""
+        size = self.outer * count * self.inner
+        if self.start + size + self.after != t.shape[self.dim]:
+            raise ValueError(f"{self.name}: dim {self.dim} of size {t.shape[self.dim]} holds no segment of {count} "
+                             f"units between {self.start} and {self.after} other elements")
+        return t.narrow(self.dim, self.start, size) if self.start or self.after else t
 
     def units(self, t: torch.Tensor, count: int) -> torch.Tensor:
-        """View of ``t`` with the unit index as its own axis at ``dim + 1``."""
-        s = t.shape
-        return t.reshape(s[: self.dim] + (self.outer, count, self.inner) + s[self.dim + 1:])
+        """View of the group's segment of ``t`` with the unit index as its own axis at ``dim + 1``."""
+        return self.segment(t, count).unflatten(self.dim, (self.outer, count, self.inner))
 
-    def flat(self, v: torch.Tensor) -> torch.Tensor:
-        s = v.shape
-        return v.reshape(s[: self.dim] + (s[self.dim] * s[self.dim + 1] * s[self.dim + 2],) + s[self.dim + 3:])
+    def flat(self, v: torch.Tensor, t: torch.Tensor, count: int) -> torch.Tensor:
+        """The units view ``v`` (a new segment) back in place of the group's segment of ``t``."""
+        seg = v.flatten(self.dim, self.dim + 2)
+        if not self.start and not self.after:
+            return seg
+        end = t.shape[self.dim] - self.after
+        return torch.cat([t.narrow(self.dim, 0, self.start), seg, t.narrow(self.dim, end, self.after)], self.dim)
 
     def keep(self, t: torch.Tensor, count: int, index: torch.Tensor) -> torch.Tensor:
         """Only the units in ``index``, in that order (no zero slots). An index of a few runs of consecutive units
@@ -37,15 +53,48 @@ class ParamSlice:
         v = self.units(t, count)
         runs = _runs(index)
         if runs is None:
-            return self.flat(v.index_select(self.dim + 1, index.to(t.device)))
-        return self.flat(torch.cat([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1))
+            return self.flat(v.index_select(self.dim + 1, index.to(t.device)), t, count)
+        return self.flat(torch.cat([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1),
+                         t, count)
 
     def append(self, t: torch.Tensor, count: int, new: torch.Tensor) -> torch.Tensor:
         """``t`` with one more unit whose slice is ``new`` (shaped like one unit's slice)."""
-        return self.flat(torch.cat([self.units(t, count), new.unsqueeze(self.dim + 1)], self.dim + 1))
+        return self.flat(torch.cat([self.units(t, count), new.unsqueeze(self.dim + 1)], self.dim + 1), t, count)
 
     def unit(self, t: torch.Tensor, count: int, i: int) -> torch.Tensor:
         return self.units(t, count).select(self.dim + 1, i)
+
+    def shifted(self, edited: ParamSlice, delta: int) -> ParamSlice:
+        """This slice once the group of ``edited`` (another group's slice) grew by ``delta`` elements: a segment
+        after its segment on the same dim moves by ``delta``, one before it has ``delta`` more elements after it (an
+        empty segment where another starts lies before it)."""
+        if (edited.name, edited.dim) != (self.name, self.dim) or not delta:
+            return self
+        if (self.start, -self.after) > (edited.start, -edited.after):
+            return replace(self, start=self.start + delta)
+        if (self.start, -self.after) < (edited.start, -edited.after):
+            return replace(self, after=self.after + delta)
+        return self
+
+
+def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:
+    """Each group's count (``groups``: the slices of each) from the sizes of the dims they slice (``size(name,
+    dim)``): a dim's size is the sum, over the groups with a segment there, of width per unit × count (the segments
+    of the groups offered tile every dim they slice). None unless the sizes tell one whole count per group."""
+    widths: dict[tuple[str, int], dict[int, int]] = {}
+    for i, slices in enumerate(groups):
+        for sl in slices:
+            widths.setdefault((sl.name, sl.dim), {})[i] = sl.outer * sl.inner
+    if not groups or not widths:
+        return [] if not groups else None
+    keys = list(widths)
+    matrix = torch.tensor([[widths[key].get(i, 0) for i in range(len(groups))] for key in keys], dtype=torch.float64)
+    sizes = torch.tensor([[float(size(*key))] for key in keys], dtype=torch.float64)
+    counts = torch.linalg.lstsq(matrix, sizes).solution.round()
+    if int(torch.linalg.matrix_rank(matrix)) < len(groups) or not torch.equal(matrix @ counts, sizes) \
+            or (counts < 0).any():
+        return None
+    return [int(c) for c in counts.flatten()]
 
 
 def by_tensor(slices: tuple[ParamSlice, ...] | list[ParamSlice]) -> list[tuple[str, list[ParamSlice]]]:

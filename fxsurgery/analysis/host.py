@@ -100,10 +100,10 @@ def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: 
         with training_mode(module, mode):
             results[mode] = find_groups(gm, values, host)
     first, last = results[modes[0]], results[modes[-1]]
-    eval_specs = {s.sink: s for s in last.groups}
+    eval_specs = {(s.sink, s.kind): s for s in last.groups}  # a fused output projection reads heads and channels
     groups, refusals = [], list(first.refusals)
     for spec in first.groups:
-        other = eval_specs.get(spec.sink)
+        other = eval_specs.get((spec.sink, spec.kind))
         if other is None or other.count != spec.count:
             refusals.append(Refusal(spec.modules, ["train and eval graphs disagree about this group"]))
             continue

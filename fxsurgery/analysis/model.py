@@ -3,7 +3,7 @@ and offer every group that passes the self-check."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
@@ -15,7 +15,6 @@ from ..dataflow.paths import common_module
 from ..editing import Editor, bind_constants
 from ..errors import AnalysisError, TraceError
 from ..groups import GroupPlumbing, LeftOut, UnitGroup
-from ..slicing import ParamSlice
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .own_forward import GroupRecord
@@ -156,25 +155,44 @@ class _Installer:
         points = [add_tap_point(module, hg) for hg in found.groups]
         forward = GraphForward(module, found.graphs, inputs)
         forward.install()
-        served = []
+        served, failed = [], []
         for hg, group_slots, point in zip(found.groups, slots, points):
             g = self.make_group(host, hg.spec)
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
                                                     constants=hg.constants, slots=group_slots)
             # identical code, layout and inputs give identical self-check outcomes
-            check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
+            check = (key, tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices))
             if check not in self.shared.checked:
                 self.shared.checked[check] = self_check(self.editor, g, inputs)
             if self.shared.checked[check]:
                 self.findings.leave_out(g.module, [f"self-check failed: {self.shared.checked[check]}"])
                 del self.editor.plumbing[g]
+                failed.append(g)
             else:
                 self.findings.groups.append(g)
-                served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
-                                          tuple(hg.spec.members), group_slots, point, hg.sites[0].layout))
+                served.append((g, GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
+                                              tuple(hg.spec.members), group_slots, point, hg.sites[0].layout)))
+        served = self.without_partners_left_out(failed, served)
         forward.server = HostServer(analysed_copy, host, inputs, served, self.shared.recaptured)
         if passes_objects:
             self.limit_to_own_forward(forward.server, key)
+
+    def without_partners_left_out(self, failed: list[UnitGroup], served: list[tuple[UnitGroup, GroupRecord]]
+                                  ) -> list[GroupRecord]:
+        """The records of the host's groups offered, once those sharing a dim with a group left out (segments of
+        one fused projection) are left out too: the segments of a dim tile it, so its size tells their counts."""
+        lost = {(sl.name, sl.dim) for g in failed for sl in g.slices}
+        while True:
+            partners = [(g, r) for g, r in served if any((sl.name, sl.dim) in lost for sl in g.slices)]
+            if not partners:
+                return [r for _, r in served]
+            for g, r in partners:
+                shared = next(sl.name for sl in g.slices if (sl.name, sl.dim) in lost)
+                self.findings.leave_out(g.module, [f"{shared}: shares a dim with a group left out, in segments"])
+                self.findings.groups.remove(g)
+                del self.editor.plumbing[g]
+                served.remove((g, r))
+                lost |= {(sl.name, sl.dim) for sl in g.slices}
 
     def limit_to_own_forward(self, server: HostServer, key: tuple) -> None:
         """The groups of a host whose own forward serves its calls: a note where it cannot serve them at all, and
@@ -202,7 +220,7 @@ class _Installer:
             if all(g.name != name for g in self.findings.groups):
                 break
             name = f"{base}{k}"
-        slices = tuple(ParamSlice(join_path(host, m.name), m.dim, m.outer, m.inner, m.output) for m in spec.members)
+        slices = tuple(replace(m, name=join_path(host, m.name)) for m in spec.members)
         return UnitGroup(name=name, kind=spec.kind, module=module, count=spec.count, max_count=spec.count,
                          exact=spec.exact, slices=slices, notes=tuple(spec.notes), min_count=spec.min_count)
 

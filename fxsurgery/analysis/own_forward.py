@@ -23,7 +23,7 @@ from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
 from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
-from ..slicing import ParamSlice
+from ..slicing import ParamSlice, solve_counts
 from ..taps import TapPoint
 from .verify import max_rel_diff
 
@@ -52,10 +52,21 @@ class CountAttribute(NamedTuple):
     per_unit: int
 
 
-def current_count(module: nn.Module, record: GroupRecord) -> int:
-    """The group's count now, read off its output projection's weight."""
-    out = next(sl for sl in record.slices if sl.output)
-    return module.get_parameter(out.name).shape[out.dim] // (out.outer * out.inner)
+def current_counts(module: nn.Module, records: list[GroupRecord]) -> list[int]:
+    """Each group's count now, read off its tensors' sizes (groups that share a dim, in segments of a fused
+    projection, are told apart by ``slicing.solve_counts``)."""
+    counts = solve_counts([r.slices for r in records], lambda name, dim: _tensor(module, name).shape[dim])
+    if counts is None:
+        raise UnservedCall(f"the counts of the groups read by {', '.join(r.sink for r in records)} cannot be told "
+                           "apart from their tensors' sizes")
+    return counts
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
 
 
 class OwnForward:
@@ -66,13 +77,18 @@ class OwnForward:
         self.groups = groups
         self.counts = counts
         self.empty = empty  # what goes wrong with a group left with no units ("" if nothing)
+        shared = _shared_dims(groups)
+        # units read in a segment of the projection's input (a fused output projection): the layout a hook on it
+        # would see moves with the other groups' counts
+        self.segmented = [r for r in groups if any(sl.output and sl.name == r.sink and (sl.name, sl.dim) in shared
+                                                   for sl in r.slices)]
         self.sinks = [(r.sink.rpartition(".")[0], r.tap_point, r.tap_layout) for r in groups
-                      if _is_projection(template, r.sink)]
+                      if _is_projection(template, r.sink) and r not in self.segmented]
         # heads that enter the others through a mixing map: a hook on the projection sees only their output
         self.unseen = [r for r in groups if any(sl.output and sl.name != r.sink for sl in r.slices)]
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        counts = [current_count(module, r) for r in self.groups]
+        counts = current_counts(module, self.groups)
         if self.empty and 0 in counts:
             empty = self.groups[counts.index(0)].sink
             raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the units "
@@ -83,6 +99,10 @@ class OwnForward:
         if tapped:
             raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
                                f"of the heads read by {tapped[0]} would not see them enter their mixing maps there")
+        tapped = [r.sink for r in self.segmented if module.__dict__[r.tap_point].hooks]
+        if tapped:
+            raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
+                               f"of the units {tapped[0]} reads in a segment of its input would not see them there")
         points = [(path, module.__dict__[attr], layout) for path, attr, layout in self.sinks]
         handles = [module.get_submodule(path).register_forward_pre_hook(_through(point, layout))
                    for path, point, layout in points if point.hooks]
@@ -123,28 +143,31 @@ class _Trial:
 
     def __init__(self, real: Callable[[], nn.Module], groups: list[GroupRecord], k: int | None):
         self.masked, self.removed, self.groups = real(), real(), groups
-        for r in groups:
+        slices = {i: r.slices for i, r in enumerate(groups)}  # segments move as the groups before them shrink
+        for i, r in enumerate(groups):
             n = (r.max_count if r.min_count == 0 else 0) if k is None else (k if r.max_count > k else 0)
             if not n:
                 continue
             with torch.no_grad():  # every point where the units enter the others
                 for out in (sl for sl in r.slices if sl.output):
-                    for i in range(n):
-                        out.unit(self.masked.get_parameter(out.name).data, r.max_count, i).zero_()
+                    for unit in range(n):
+                        out.unit(self.masked.get_parameter(out.name).data, r.max_count, unit).zero_()
             rest = torch.arange(n, r.max_count)
-            for sl in r.slices:
+            for sl in slices[i]:
                 owner, _, name = sl.name.rpartition(".")
                 holder = self.removed.get_submodule(owner)
                 tensor = getattr(holder, name)
                 tensor.data = sl.keep(tensor.data, r.max_count, rest)
                 sync_sizes(holder, name)
+                slices = {j: tuple(o.shifted(sl, -n * sl.outer * sl.inner) for o in group) if j != i else group
+                          for j, group in slices.items()}
 
     def run(self, counts: tuple[CountAttribute, ...], args: tuple, kwargs: dict) -> str:
         """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked ones)."""
         saved = [(c, getattr(self.removed.get_submodule(c.module), c.name)) for c in counts]
+        now = current_counts(self.removed, self.groups)
         for c in counts:
-            setattr(self.removed.get_submodule(c.module), c.name,
-                    c.per_unit * current_count(self.removed, self.groups[c.group]))
+            setattr(self.removed.get_submodule(c.module), c.name, c.per_unit * now[c.group])
         forward = type(self.masked).forward
         try:
             with training_mode(self.masked, False), training_mode(self.removed, False), torch.no_grad():
@@ -172,6 +195,15 @@ def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribu
             out += [CountAttribute(path, name, i, value // r.max_count) for i, r in enumerate(groups)
                     if r.max_count > 1 and value % r.max_count == 0]
     return out
+
+
+def _shared_dims(groups: list[GroupRecord]) -> set[tuple[str, int]]:
+    """The (tensor, dim) pairs that hold segments of several groups."""
+    seen: dict[tuple[str, int], int] = {}
+    for r in groups:
+        for key in {(sl.name, sl.dim) for sl in r.slices}:
+            seen[key] = seen.get(key, 0) + 1
+    return {key for key, n in seen.items() if n > 1}
 
 
 def _through(point: TapPoint, layout: TapLayout) -> Callable[[nn.Module, tuple], tuple]:

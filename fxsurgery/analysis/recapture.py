@@ -32,7 +32,7 @@ from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
 from ..taps import insert_tap_point
 from .host import HostAnalysis, analyse_host, fingerprint
-from .own_forward import CountAttribute, GroupRecord, OwnForward, current_count, fit_count_attributes
+from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
 Analyses = dict[tuple, "HostAnalysis | str"]  # (template fingerprint, call signature) -> analysis or why not
 
@@ -91,9 +91,10 @@ class HostServer:
         if lost:
             why = "; ".join(reason for refusal in found.refusals for reason in refusal.reasons) or "not found"
             raise UnservedCall(f"the units read by {', '.join(lost)} are no group in this call's graph ({why})")
-        for r in self.groups:
+        counts = current_counts(module, self.groups)
+        for r, count in zip(self.groups, counts):
             hg = by_sink[(r.sink, r.kind)]
-            bind_constants(module, hg.constants, current_count(module, r), r.slots)
+            bind_constants(module, hg.constants, count, r.slots)
             for site in hg.sites:
                 insert_tap_point(r.tap_point, site.sink, site.input, site.layout)
         graph = found.graphs[training]

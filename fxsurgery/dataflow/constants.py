@@ -77,6 +77,14 @@ class Site:
     axes: dict  # (node, output index) -> unit axis, for every value that carries the units
     notes: list[str] = field(default_factory=list)  # why the group needs at least one unit
     in_ids: torch.Tensor | None = None  # the first input's ids (where it carries coordinates)
+    # (start, stop) of the first input's unit axis that the units fill, where other coordinates lie beside them
+    in_segment: tuple[int, int] | None = None
+    segment_read: bool = False  # the hook placed its constants by ``in_segment``
+
+    def input_segment(self) -> tuple[int, int] | None:
+        """``in_segment``, read by a hook that places its constants by it."""
+        self.segment_read = True
+        return self.in_segment
 
     def follows_units(self, shape: Node) -> bool:
         """``shape`` is the full size of a tensor whose unit axis sits where the output's does, so

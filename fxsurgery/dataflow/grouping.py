@@ -24,7 +24,7 @@ from .paths import common_module, module_of
 from .records import Act, Member, Sink, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
-from .unit_layout import describe_layout, layout
+from .unit_layout import describe_layout, layout, segment
 
 
 @dataclass(kw_only=True)
@@ -166,6 +166,7 @@ class _Builder:
         # unit axis (the residual stream) are dropped anyway
         axes = list({id(act.units): act.units for act in self.acts  # values that share their units: once
                      if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())
+        axes = [a for a in axes if not self.fused(a, axes)]
         units, edges = _first_appearance(axes)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
         group_of = torch.full((self.rec.next_id,), NO_ID)
@@ -175,7 +176,25 @@ class _Builder:
         if carriers:
             for act, k in zip(carriers, group_of[torch.cat([act.units[:1] for act in carriers])].tolist()):
                 self.acts_of.setdefault(k, []).append(act)
+            for act in carriers:  # a value that holds several groups' units side by side (a fused projection's)
+                if not act.param and act.units.numel() > 1 \
+                        and not bool((group_of[act.units] == group_of[act.units[0]]).all()):
+                    for k in torch.unique(group_of[act.units[1:]]).tolist():
+                        if act not in self.acts_of.setdefault(k, []):
+                            self.acts_of[k].append(act)
         return [comp.tolist() for comp in comps]
+
+    def fused(self, units: torch.Tensor, axes: list[torch.Tensor]) -> bool:
+        """A value that holds attention heads and FFN channels side by side (the output of a projection fused for
+        a parallel block, the concatenation its output projection reads), each part carried alone by other values
+        (the parts it is split into): it does not join them into one group."""
+        heads = self.head[units]
+        if heads.all() or not heads.any():
+            return False
+        parts = [a for a in axes if a.numel() < units.numel() and bool(torch.isin(a, units).all())]
+        head_parts = torch.cat([a for a in parts if self.head[a].all()] + [units[:0]])
+        channel_parts = torch.cat([a for a in parts if not self.head[a].any()] + [units[:0]])
+        return bool(torch.isin(units[heads], head_parts).all() and torch.isin(units[~heads], channel_parts).all())
 
     def build(self, locate: bool) -> GraphGroups:
         out = GraphGroups()
@@ -198,6 +217,7 @@ class _Builder:
             else:
                 out.groups.append(spec)
         self.refuse_overlaps(out)
+        self.refuse_untiled(out)
         if locate:  # each region is located once; its hosts' analyses would tell it again
             told = silent_softmaxes(self, torch.tensor(offered, dtype=torch.long))
             out.refusals += [Refusal([module_of(t.node)], [t.reason]) for t in told]
@@ -210,19 +230,41 @@ class _Builder:
 
     @staticmethod
     def refuse_overlaps(out: GraphGroups) -> None:
-        """Two groups slicing one tensor along one dim (a module called more than once whose listings could
-        not be told apart) would corrupt each other: both are refused."""
-        owners: dict[tuple, list[GroupSpec]] = {}
+        """Two groups slicing overlapping parts of one tensor along one dim (a module called more than once whose
+        listings could not be told apart) would corrupt each other: both are refused. Groups in disjoint segments
+        of the dim (a fused projection's rows) share the tensor."""
+        owners: dict[tuple, list[tuple[GroupSpec, int, int]]] = {}
         for spec in out.groups:
             for m in spec.members:
-                owners.setdefault((m.name, m.dim), []).append(spec)
-        clashes = {(name, id(g)) for (name, _), specs in owners.items() if len(specs) > 1 for g in specs}
+                owners.setdefault((m.name, m.dim), []).append((spec, m.start, m.start + m.outer * spec.count * m.inner))
+        clashes = {(name, id(g)) for (name, _), spans in owners.items() for g, start, stop in spans
+                   if any(other is not g and start < other_stop and other_start < stop
+                          for other, other_start, other_stop in spans)}
         for spec in list(out.groups):
             names = sorted({name for name, gid in clashes if gid == id(spec)})
             if names:
                 out.groups.remove(spec)
                 out.refusals.append(Refusal(spec.modules, [f"{', '.join(names)}: sliced by another group too "
                                                            "(a module called more than once)"]))
+
+    def refuse_untiled(self, out: GraphGroups) -> None:
+        """A group in a segment of a dim that the groups found do not fill (the rest holds no unit) is refused: the
+        segments of a dim always tile it, so its size tells the counts of the groups on it."""
+        while True:
+            spans: dict[tuple, list[tuple[GroupSpec, int]]] = {}
+            for spec in out.groups:
+                for m in spec.members:
+                    spans.setdefault((m.name, m.dim), []).append((spec, m.outer * spec.count * m.inner))
+            gaps = {(name, dim): [spec for spec, _ in held] for (name, dim), held in spans.items()
+                    if sum(size for _, size in held) != self.shape_of(name)[dim]}
+            if not gaps:
+                return
+            for (name, dim), specs in gaps.items():
+                for spec in specs:
+                    if spec in out.groups:
+                        out.groups.remove(spec)
+                        out.refusals.append(Refusal(spec.modules, [f"{name}: the units fill a segment of dim {dim}, "
+                                                                   "beside coordinates no other group holds"]))
 
     def locate(self, k: int, units: list[int], out: GraphGroups) -> bool:
         """Only where a candidate group lives (to pick the modules to trace on their own); True if located."""
@@ -265,7 +307,8 @@ class _Builder:
         if isinstance(sinks, str):
             return self.refusals_of(k, ut, [sinks])
         sink = sinks[0]
-        order = list(dict.fromkeys(c for c in sink.columns.tolist() if c >= 0))
+        own = set(units)  # a fused output projection reads other groups' units beside these
+        order = list(dict.fromkeys(c for c in sink.columns.tolist() if c in own))
         n = len(units)
         if sorted(order) != units:
             return Refusal(self.home_of(k, ut), [f"{sink.weight} reads only some of the units"])
@@ -274,11 +317,12 @@ class _Builder:
         index[torch.tensor(order)] = torch.arange(n)
         if n < 2 and not self.one_coordinate(ut):
             members, axes = self.single_head(k, index, sink)
+            segments = {}
         else:
             members = [self.member(m, index, n, sink) for m in self.rec.members]
             members = list(dict.fromkeys(m for m in members if m is not None))
-            axes = self.unit_axes(k, index, n)
-        consts, notes_zero = self.constants(axes, n)
+            axes, segments = self.unit_axes(k, index, n)
+        consts, notes_zero = self.constants(axes, segments, n)
         sink_member = next(m for m in members if m.output and m.name == sink.weight)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
@@ -286,12 +330,29 @@ class _Builder:
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
+        about += self.fused_note(kind, members)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
                          notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
-                         sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim)),
+                         sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim),
+                                          axes, segments),
                          min_count=min_count)
 
-    def sites(self, sinks: list[Sink], ut: torch.Tensor, layout: TapLayout) -> list[TapSite]:
+    @staticmethod
+    def fused_note(kind: str, members: list[ParamSlice]) -> list[str]:
+        """What a unit is where the group holds a segment of tensors it shares with other groups (a parallel block's
+        fused projections): its parts in each, said once."""
+        shared = [m for m in members if m.start or m.after]
+        if not shared:
+            return []
+        unit = "attention head" if kind == "head" else "FFN channel"
+        parts = [f"{m.inner} entr{'y' if m.inner == 1 else 'ies'}"
+                 f"{f' in each of {m.outer} sections' if m.outer > 1 else ''} of {m.name}'s dim {m.dim}"
+                 for m in shared]
+        return [f"a unit is one {unit} of a projection fused with other layers: {', '.join(parts)}, in a segment "
+                "beside the other layers' (an edit moves the segments after it)"]
+
+    def sites(self, sinks: list[Sink], ut: torch.Tensor, layout: TapLayout, axes: dict[tuple, int],
+              segments: dict[tuple, tuple[int, int]]) -> list[TapSite]:
         """Every place the units leave for other units, with its input node: the calls of the output projection
         (the units laid out as ``layout`` there) and the maps that mix them with other heads (a removal masks a
         head at each). None if one is out of sight (an opaque function's body): no tap could see every use."""
@@ -299,8 +360,24 @@ class _Builder:
         if any(sink.input is None for sink in sinks) or any(r.input is None for r in reads):
             return []
         nodes = {n.name: n for n in self.lab.module.graph.nodes}
-        return [TapSite(nodes[sink.node], nodes[sink.input], layout) for sink in sinks] + \
+        return [self.piece_site(TapSite(nodes[sink.node], nodes[sink.input], layout), axes, segments)
+                for sink in sinks] + \
             [TapSite(nodes[r.node], nodes[r.input], TapLayout(1, 1, r.dim)) for r in reads]
+
+    @staticmethod
+    def piece_site(site: TapSite, axes: dict[tuple, int], segments: dict[tuple, tuple[int, int]]) -> TapSite:
+        """A projection that reads the units in a segment of its input (a fused output projection reading the
+        concatenation of attention and MLP outputs) is tapped on the concatenation's piece that holds them alone:
+        the piece's width follows the count, the segment's offset may follow other groups'."""
+        if (site.input, None) not in segments:
+            return site
+        src = site.input
+        pieces = src.args[0] if src.op == "call_function" and src.target in (torch.cat, torch.concat) else ()
+        held = [p for p in pieces if isinstance(p, Node) and (p, None) in axes and (p, None) not in segments]
+        if len(held) != 1:
+            raise Unsupported(f"{site.sink.name}: reads the units in a segment of {src.name}, whose part holding "
+                              "them alone no tap point can see")
+        return TapSite(src, held[0], site.layout._replace(dim=axes[(held[0], None)]))
 
     def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
         """Why units ``ut`` are left out, at their home; units of several layers tied only through a parameter
@@ -382,10 +459,13 @@ class _Builder:
         u1 = u.amax(dim=other, keepdim=True) if other else u
         if not ((u == u1) | (u == NO_ID)).all():
             raise Unsupported(f"{name}: elements of one slice belong to different units")
-        lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
+        u1 = u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten()
+        start, stop = segment(u1) or (0, u1.numel())
+        lay = layout(u1[start:stop], n)
         if lay is None:
-            raise Unsupported(f"{name}: {describe_layout(u1.flatten(), n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim))
+            raise Unsupported(f"{name}: {describe_layout(u1, n)} along dim {d}")
+        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim), start,
+                          u1.numel() - stop)
 
     def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
         """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie
@@ -415,10 +495,11 @@ class _Builder:
         except AttributeError:
             return tuple(root.get_buffer(name).shape)
 
-    def unit_axes(self, k: int, index: torch.Tensor, n: int) -> dict[tuple, int]:
+    def unit_axes(self, k: int, index: torch.Tensor, n: int) -> tuple[dict[tuple, int], dict[tuple, tuple[int, int]]]:
         """The unit axis of every value that carries the group's units (parameter-derived values too:
-        a per-head scale reshaped to (1, H, 1, 1) holds a constant)."""
-        axes = {}
+        a per-head scale reshaped to (1, H, 1, 1) holds a constant), and the segment (start, stop) of that axis
+        the units fill in the values that hold other coordinates beside them (a fused projection's output)."""
+        axes, segments = {}, {}
         for act in self.acts_of.get(k, []):
             c = act.classes
             u = torch.where(c >= 0, index[c.clamp(min=0)], c)
@@ -434,9 +515,13 @@ class _Builder:
             if len(dims) != 1:
                 raise Unsupported(f"{act.node.name}: carries the units along {len(dims)} axes")
             if (u < 0).any() and not act.param:
-                raise Unsupported(f"{act.node.name}: mixes units with other coordinates on the unit axis")
+                line = u.movedim(dims[0], -1).reshape(-1, u.shape[dims[0]])[0]
+                span = segment(line)
+                if span is None or layout(line[span[0]:span[1]], n) is None:
+                    raise Unsupported(f"{act.node.name}: mixes units with other coordinates on the unit axis")
+                segments[(act.node, act.index)] = span
             axes[(act.node, act.index)] = dims[0]
-        return axes
+        return axes, segments
 
     def one_coordinate(self, ut: torch.Tensor) -> bool:
         """Every space that gives the unit its coordinates gives it exactly one."""
@@ -449,9 +534,12 @@ class _Builder:
             shape = shape[act.index]
         return [d for d, size in enumerate(shape or ()) if size == 1]
 
-    def constants(self, axes: dict[tuple, int], n: int) -> tuple[list[ConstantSpec], list[str]]:
+    def constants(self, axes: dict[tuple, int], segments: dict[tuple, tuple[int, int]], n: int
+                  ) -> tuple[list[ConstantSpec], list[str]]:
         """The count-dependent arguments of every node the units pass through, and the notes of why
-        the group needs at least one unit that the op hooks made on the way."""
+        the group needs at least one unit that the op hooks made on the way. A node whose input or output holds
+        the units in a segment of the axis is refused if its hook finds constants without reading the segment
+        (an offset there would also follow the other coordinates' widths)."""
         consts, notes = [], []
         lab = self.lab
         for node in lab.module.graph.nodes:
@@ -462,8 +550,13 @@ class _Builder:
                 continue
             site = Site(node=node, in_dim=in_dim, out_dim=out_dim, in_shape=lab.shapes.get(src),
                         out_shape=lab.shapes.get(node), count=n, size_reads=lab.rec.size_reads,
-                        values=lab.values, axes=axes, in_ids=getattr(lab.labels.get(src), "ids", None))
-            consts += RULES.constants_of(site)
+                        values=lab.values, axes=axes, in_ids=getattr(lab.labels.get(src), "ids", None),
+                        in_segment=segments.get((src, None)))
+            found = RULES.constants_of(site)
+            if found and not site.segment_read and (site.in_segment or (node, None) in segments):
+                raise Unsupported(f"{node.name}: a size on the unit axis of a value that holds other coordinates "
+                                  "beside the units (a fused projection's output); cannot rewrite it")
+            consts += found
             notes += site.notes
         return consts, notes
 

@@ -19,6 +19,16 @@ def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
     return (size // (n * inner), inner) if torch.equal(u, expected) else None
 
 
+def segment(u: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) of the one run of positions that hold units among unit indices ``u`` along a dim (the others
+    hold other coordinates: another group's, in a fused projection), or None if they hold units in several runs."""
+    held = (u >= 0).nonzero().flatten()
+    if not held.numel():
+        return None
+    start, stop = int(held[0]), int(held[-1]) + 1
+    return (start, stop) if held.numel() == stop - start else None
+
+
 def describe_layout(u: torch.Tensor, n: int) -> str:
     """Why unit indices ``u`` along a dim are no ``[outer][unit][inner]`` layout, for humans."""
     present = torch.unique(u[u >= 0]).tolist()

@@ -150,8 +150,9 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
         for handle in taps:
             handle.remove()
         params = dict(masked.named_parameters())
-        for g in exact:
+        for g in exact:  # all before any removal: a removal moves the segments of groups sharing its tensors
             _zero_first_unit_at(params, g, [sl for sl in g.slices if sl.output])
+        for g in exact:
             s2.remove(g, 0)
         removed = fresh(x)
         result.remove_ok = _close(removed, masked(x), 1e-9)

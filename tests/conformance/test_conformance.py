@@ -30,6 +30,8 @@ HEADS_REQUIRED |= {"hf_swin"}
 # and convolutions between stages (a depthwise convolution with a channel multiplier) or inside the attention's
 # projections (a depthwise convolution, batch norm and a 1x1 convolution making q, k and v)
 HEADS_REQUIRED |= {"vit_pytorch_pit", "vit_pytorch_cvt"}
+# and the parallel block, whose q, k, v and MLP hidden come from one projection in segments
+HEADS_REQUIRED |= {"vit_pwee_patch16_reg1_gap_256"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

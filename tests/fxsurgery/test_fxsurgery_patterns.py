@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import Style, TinyTransformer, train_steps
 
-from fxsurgery import AnalysisError, Surgeon
+from fxsurgery import Surgeon
 
 
 class MinusOneAttention(nn.Module):
@@ -182,16 +182,15 @@ def test_shared_relative_position_mlp_is_one_group_and_heads_are_told_at_each_bl
         assert (model(x) - y0).abs().max() <= 1e-6
 
 
-def test_fused_parallel_blocks_are_told_at_the_block() -> None:
+@pytest.mark.parametrize("fused_out", [False, True])
+def test_fused_parallel_blocks_give_heads_and_channels_apart(fused_out: bool) -> None:
+    """One projection makes q, k, v and the MLP hidden: its heads and channels are two groups in segments of its
+    rows (tests/fxsurgery/test_fxsurgery_fused_parallel.py checks their edits against the block's own layout)."""
     torch.manual_seed(0)
     x = torch.randn(2, 6, 5)
-    with pytest.raises(AnalysisError) as err:
-        Surgeon(ParallelModel(fused_out=False), (x,))
-    for i in range(2):
-        assert (f"blocks.{i}: blocks.{i}.in_proj produces the units of several layers in one tensor, read apart by "
-                f"blocks.{i}.attn_out.weight, blocks.{i}.mlp_out.weight") in str(err.value)
-    with pytest.raises(AnalysisError, match=r"blocks.0: in_proj.weight: holds all 11 units, but not in an"):
-        Surgeon(ParallelModel(fused_out=True), (x,))
+    s = Surgeon(ParallelModel(fused_out=fused_out), (x,))
+    assert sorted((g.name, g.count, g.exact) for g in s.groups) == [
+        (f"blocks.{i}:{kind}", count, True) for i in range(2) for kind, count in (("channel", 8), ("head", 3))]
 
 
 class ResampledBias(nn.Module):

@@ -46,9 +46,29 @@ def split_constants(site: Site) -> list[ConstantSpec]:
         site.constant(("args", 1), sizes)  # units each section is empty instead of one section holding all
         set_path(n, ("args", 1), [sizes] * (site.in_shape[dim] // sizes))
         sizes = n.args[1]
+    segment = site.input_segment()
     if isinstance(sizes, int) or isinstance(sizes, Node):
+        if segment is not None:
+            raise Unsupported(f"{n.name}: equal sections of an axis that holds other coordinates beside the units")
         return [site.constant(("args", 1), _literal_size(site, sizes))]
-    return [site.constant(("args", 1, k), _literal_size(site, v)) for k, v in enumerate(sizes)]
+    if segment is None:
+        return [site.constant(("args", 1, k), _literal_size(site, v)) for k, v in enumerate(sizes)]
+    return _sections_in(site, segment, [_literal_size(site, v) for v in sizes])
+
+
+def _sections_in(site: Site, segment: tuple[int, int], sizes: list[int]) -> list[ConstantSpec]:
+    """The sections of a split that fall in the units' segment of the axis follow the count; the others hold other
+    coordinates (another group's, in a fused projection) and are left to them. A section across the segment's edge
+    cannot follow either."""
+    found, at = [], 0
+    for k, size in enumerate(sizes):
+        end = at + size
+        if segment[0] <= at and end <= segment[1] and size:
+            found.append(site.constant(("args", 1, k), size))
+        elif at < segment[1] and segment[0] < end:
+            raise Unsupported(f"{site.node.name}: section {k} holds units and other coordinates")
+        at = end
+    return found
 
 
 def _literal_size(site: Site, v: Any) -> int:
@@ -136,6 +156,7 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
         return []
     idx = site.node.args[1]
     entries = index_dims(idx, len(site.in_shape))
+    places = [k for k, e in enumerate(idx) if e is not Ellipsis] if isinstance(idx, tuple) else [None]
     out = []
     for k, (d, e) in enumerate(entries):
         if d != site.in_dim:
@@ -143,7 +164,7 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
         if isinstance(e, slice):
             if e.step not in (None, 1):
                 raise Unsupported(f"{site.node.name}: strided slice on the unit axis")
-            base = ("args", 1, k) if isinstance(idx, tuple) else ("args", 1)
+            base = ("args", 1, places[k]) if isinstance(idx, tuple) else ("args", 1)  # its place in the index
             for part in ("start", "stop"):
                 v = getattr(e, part)
                 if v is None or v == 0:

@@ -1,6 +1,7 @@
 """Attention with rotary position embeddings on q and k: the rotation acts within each head's dims, alike for
 every head, so heads stay separable units. The tokens that skip the rotation (prefix tokens, none or a class
-token) are concatenated back, an empty slice included."""
+token) are concatenated back, an empty slice included. A partial rotation written in place (``q[..., :r] = ...``)
+keeps the heads apart too."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_fxsurgery_head_patterns import assert_head_oracles
 
 from fxsurgery import Surgeon
 
@@ -78,3 +80,39 @@ def test_rotary_heads_are_one_exact_group(prefix: int, half: bool) -> None:
     sc.clone(sc.group(heads.name), 2, noise_std=0.1)
     with torch.no_grad():
         assert cloned.attn.qkv.weight.shape[0] == 48 and (cloned(x) - y0).abs().max() <= 1e-9
+
+
+class PartialRopeModel(nn.Module):
+    """Rotary on the first ``rotated`` dims of each head, written in place after an Ellipsis (``q[..., :r] = ...``):
+    the written region spans every head, at dims the Ellipsis skips."""
+
+    def __init__(self, heads: int = 3, head_dim: int = 4, rotated: int = 2, tokens: int = 5):
+        super().__init__()
+        self.heads, self.head_dim, self.rotated = heads, head_dim, rotated
+        self.embed, self.head = nn.Linear(3, 8), nn.Linear(8, 2)
+        self.qkv, self.proj = nn.Linear(8, 3 * heads * head_dim), nn.Linear(heads * head_dim, 8)
+        self.register_buffer("angle", torch.linspace(0, 1, tokens)[:, None].repeat(1, rotated))
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        r = self.rotated
+        x[..., :r] = x[..., :r] * self.angle.cos() + x[..., :r].flip(-1) * self.angle.sin()
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        b, n, _ = h.shape
+        q, k, v = self.qkv(h).reshape(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v)
+        return self.head(h + self.proj(out.transpose(1, 2).reshape(b, n, -1)))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_partial_rotary_written_in_place_keeps_exact_heads(mode: str) -> None:
+    torch.manual_seed(0)
+    original, x = PartialRopeModel().double(), torch.randn(2, 5, 3, dtype=torch.double)
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (x,))
+    (heads,) = [g for g in s.groups if g.kind == "head"]
+    assert (heads.count, heads.exact) == (3, True)
+    assert_head_oracles(original, model, s, x, out_weight="proj.weight", head_dim=4, mode=mode)

@@ -126,6 +126,17 @@ def index_dims(index: Any, ndim: int) -> list[IndexEntry]:
     return out
 
 
+def _written_out(entries: list[IndexEntry]) -> list[IndexEntry]:
+    """The index with the dims an Ellipsis spanned written out as full slices, so it applies to the ids as given."""
+    out, next_dim = [], 0
+    for d, e in entries:
+        if d is not None:
+            out += [IndexEntry(k, slice(None)) for k in range(next_dim, d)]
+            next_dim = d + (e.dim() if _is_mask(e) else 1)
+        out.append(IndexEntry(d, e))
+    return out
+
+
 @register_rule(operator.getitem, always=True)
 def getitem(s: Step) -> Any:
     src, idx = s.args[0], s.args[1]
@@ -194,7 +205,7 @@ def setitem(s: Step) -> None:
     touched = [d for d, e in entries if d is not None and ids.shape[d] == 1 and not isinstance(e, slice)]
     ids = expand_dims(ids, target.shape, touched)
     compact_index = tuple(slice(None) if d is not None and isinstance(e, slice) and ids.shape[d] == 1 else e
-                          for d, e in entries)
+                          for d, e in _written_out(entries))
     region = ids[compact_index]
     s.rec.tie(pairs(region, align(vl.ids, region.dim())))
     return None

@@ -41,10 +41,11 @@ class Findings:
 @dataclass
 class SharedAnalyses:
     """What hosts built alike share, keyed by their fingerprint: one analysis, one self-check outcome per group
-    layout, one fit of the own forward, and the captures for other calls. Installing the same plan on another
-    model built alike (the analysed copy's original) reuses all of it."""
+    layout, one fit of the own forward, one meta copy to capture other calls from, and those captures. Installing
+    the same plan on another model built alike (the analysed copy's original) reuses all of it."""
 
     templates: dict[tuple, HostAnalysis | str] = field(default_factory=dict)  # an analysis, or why it failed
+    meta_copies: dict[tuple, nn.Module] = field(default_factory=dict)  # the host as analysed, parameters on meta
     checked: dict[tuple, str | None] = field(default_factory=dict)
     own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
     recaptured: Analyses = field(default_factory=dict)
@@ -118,11 +119,12 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
     return hosts
 
 
-def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], shared: SharedAnalyses
-                  ) -> HostAnalysis | str:
-    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
+def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], shared: SharedAnalyses,
+                  key: tuple | None = None) -> HostAnalysis | str:
+    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed;
+    ``key``: the host's fingerprint, where the caller has it."""
     module = model.get_submodule(host) if host else model
-    key = fingerprint(module, *inputs)
+    key = fingerprint(module, *inputs) if key is None else key
     if key not in shared.templates:
         try:
             shared.templates[key] = analyse_host(module, host, *inputs)
@@ -142,7 +144,7 @@ class _Installer:
         object is served by its own forward: where that cannot run a group with no units, the group keeps one."""
         module = self.model.get_submodule(host) if host else self.model
         key = fingerprint(module, *inputs)
-        template = host_analysis(self.model, host, inputs, self.shared)
+        template = host_analysis(self.model, host, inputs, self.shared, key)
         if isinstance(template, str):
             self.findings.leave_out(host, [template])
             return
@@ -150,7 +152,8 @@ class _Installer:
         self.findings.front_ends[host] = found.front_end
         for r in found.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        analysed_copy = meta_template(module)  # before the host changes: other calls are captured from it
+        if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
+            self.shared.meta_copies[key] = meta_template(module)
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
         points = [add_tap_point(module, hg) for hg in found.groups]
@@ -172,7 +175,7 @@ class _Installer:
                 self.findings.groups.append(g)
                 served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                           tuple(hg.spec.members), group_slots, point, hg.sites[0].layout))
-        forward.server = HostServer(analysed_copy, host, inputs, served, self.shared.recaptured)
+        forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served, self.shared.recaptured)
         if passes_objects:
             self.limit_to_own_forward(forward.server, key)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .ids import pairs, unique_pairs
+from .ids import NO_ID, pairs, unique_pairs
 from .records import Member
 
 
@@ -66,3 +66,21 @@ def shared_uses(members: list[Member]) -> list[torch.Tensor]:
         else:
             first[key] = m.ids
     return ties
+
+
+class ClassIndex:
+    """Which of a list of class tensors hold any of a given set of classes: the classes of every tensor are found
+    once, so that each question is one lookup instead of a pass over every tensor."""
+
+    def __init__(self, tensors: list[torch.Tensor], bound: int):
+        present = [torch.unique(t[t != NO_ID]) for t in tensors]
+        self.bound = bound
+        self.classes = torch.cat(present) if present else torch.empty(0, dtype=torch.long)
+        self.items = torch.repeat_interleave(torch.arange(len(present)),
+                                             torch.tensor([len(p) for p in present], dtype=torch.long))
+
+    def holding(self, wanted: torch.Tensor) -> list[int]:
+        """Positions, ascending, of the tensors that hold any of the classes ``wanted`` (all below the bound)."""
+        mask = torch.zeros(self.bound, dtype=torch.bool)
+        mask[wanted] = True
+        return torch.unique(self.items[mask[self.classes]]).tolist()

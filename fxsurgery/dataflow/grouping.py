@@ -7,6 +7,7 @@ Linear reads it (the output projection), and every count-dependent constant can 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,13 +16,13 @@ import torch.fx
 from torch.fx.node import Node
 
 from ..slicing import ParamSlice
-from .classes import classes, join_parameters, shared_uses
+from .classes import ClassIndex, classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
 from .ids import NO_ID, align, varies
 from .labeller import Labeller
 from .paths import common_module, module_of
-from .records import Act, Member, Sink, TapLayout
+from .records import Act, Member, Sink, Space, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
 from .unit_layout import describe_layout, layout
@@ -124,21 +125,37 @@ class _Builder:
                 self.benign[c] = True
             elif c.numel():
                 self.hard.append((c, pin.reason))
-        self.mixed: dict[int, list[str]] = {}
-        for mixed in rec.mixes:
-            c = self.cls(mixed.pairs)
-            diff = c[:, 0] != c[:, 1]
-            k = torch.unique(c[diff].flatten())
-            k = k[k >= 0]
-            for unit in k[self.unit_class[k]].tolist():
-                self.mixed.setdefault(unit, []).append(mixed.reason)
         self.acts = self.unit_acts(rec.acts)
         self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
-        self.sinks_of_class: dict[int, list[int]] = {}  # unit class -> indices of the sinks that read it
-        for i, sink in enumerate(self.sinks):
-            for c in torch.unique(sink.columns[sink.columns >= 0]).tolist():
-                self.sinks_of_class.setdefault(c, []).append(i)
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units
+
+    @functools.cached_property
+    def sink_index(self) -> ClassIndex:
+        """The classes each sink reads."""
+        return ClassIndex([sink.columns for sink in self.sinks], self.rec.next_id)
+
+    @functools.cached_property
+    def mix_index(self) -> ClassIndex:
+        """The classes each mix joins to other classes (a map that mixes heads)."""
+        mixed = []
+        for mix in self.rec.mixes:
+            c = self.cls(mix.pairs)
+            mixed.append(c[c[:, 0] != c[:, 1]].flatten())
+        return ClassIndex(mixed, self.rec.next_id)
+
+    @functools.cached_property
+    def member_index(self) -> ClassIndex:
+        """The classes of each member listing's elements."""
+        return ClassIndex([self.cls(m.ids) for m in self.rec.members], self.rec.next_id)
+
+    @functools.cached_property
+    def space_index(self) -> ClassIndex:
+        """The classes of each space's coordinates."""
+        return ClassIndex([self.rep[sp.start:sp.stop] for sp in self.rec.spaces], self.rec.next_id)
+
+    def spaces_of(self, ut: torch.Tensor) -> list[Space]:
+        """The spaces that give units ``ut`` coordinates, in recording order."""
+        return [self.rec.spaces[i] for i in self.space_index.holding(ut)]
 
     def unit_acts(self, acts: list[Act]) -> list[UnitAct]:
         """Each labelled value with its ids as classes and the unit classes it carries, in ascending order. Values
@@ -249,7 +266,7 @@ class _Builder:
     def home_of(self, k: int, ut: torch.Tensor) -> list[str]:
         """Where a refused group lives, for the report: the modules of the linear maps that produce and read its
         units (its dataflow may pass through a module shared by several blocks); all its modules if none."""
-        names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
+        names = {sp.node for sp in self.spaces_of(ut)}
         names |= {sink.node for sink in self.sinks_reading(ut)}
         nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
         return [module_of(n) for n in nodes] or self.modules_of(k)
@@ -281,7 +298,7 @@ class _Builder:
         consts, notes_zero = self.constants(axes, n)
         sink_member = next(m for m in members if m.output and m.name == sink.weight)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
-        mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
+        mixed = sorted({self.rec.mixes[i].reason for i in self.mix_index.holding(ut)})
         kind = "head" if self.head[ut].any() else "channel"
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
@@ -320,10 +337,9 @@ class _Builder:
     def shared_members(self, ut: torch.Tensor) -> list[str]:
         """Parameters listed by several calls whose elements belong to units ``ut``."""
         seen: dict[tuple, int] = {}
-        for m in self.rec.members:
-            if torch.isin(self.cls(m.ids), ut).any():
-                key = (m.name, tuple(m.ids.shape))
-                seen[key] = seen.get(key, 0) + 1
+        for m in (self.rec.members[i] for i in self.member_index.holding(ut)):
+            key = (m.name, tuple(m.ids.shape))
+            seen[key] = seen.get(key, 0) + 1
         return sorted({name for (name, _), uses in seen.items() if uses > 1})
 
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
@@ -347,12 +363,11 @@ class _Builder:
 
     def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
         """The sinks that read any of units ``ut`` (columns as classes), in recording order."""
-        found = {i for u in ut.tolist() for i in self.sinks_of_class.get(u, ())}
-        return [self.sinks[i] for i in sorted(found)]
+        return [self.sinks[i] for i in self.sink_index.holding(ut)]
 
     def producers(self, ut: torch.Tensor) -> list[str]:
         """Modules of the linear maps whose spaces give units ``ut`` their coordinates."""
-        names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
+        names = {sp.node for sp in self.spaces_of(ut)}
         return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
     def member(self, m: Member, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
@@ -440,7 +455,7 @@ class _Builder:
 
     def one_coordinate(self, ut: torch.Tensor) -> bool:
         """Every space that gives the unit its coordinates gives it exactly one."""
-        spaces = [sp for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()]
+        spaces = self.spaces_of(ut)
         return bool(spaces) and all(sp.stop - sp.start == 1 for sp in spaces)
 
     def size_one_dims(self, act: UnitAct) -> list[int]:

@@ -19,7 +19,7 @@ from ..slicing import ParamSlice
 from .classes import ClassIndex, classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
-from .ids import NO_ID, align, varies
+from .ids import NO_ID, align, compact, varies
 from .labeller import Labeller
 from .paths import common_module, module_of
 from .records import Act, Member, Sink, Space, TapLayout
@@ -64,6 +64,7 @@ class Refusal:
 
 
 HEADS_AT_OUTPUT = "per-head values reach the module's outputs"
+_LARGE = 4096  # ids of a value above this size are compacted before their classes are sorted
 
 
 @dataclass
@@ -144,11 +145,6 @@ class _Builder:
         return ClassIndex(mixed, self.rec.next_id)
 
     @functools.cached_property
-    def member_index(self) -> ClassIndex:
-        """The classes of each member listing's elements."""
-        return ClassIndex([self.cls(m.ids) for m in self.rec.members], self.rec.next_id)
-
-    @functools.cached_property
     def space_index(self) -> ClassIndex:
         """The classes of each space's coordinates."""
         return ClassIndex([self.rep[sp.start:sp.stop] for sp in self.rec.spaces], self.rec.next_id)
@@ -160,19 +156,29 @@ class _Builder:
     def unit_acts(self, acts: list[Act]) -> list[UnitAct]:
         """Each labelled value with its ids as classes and the unit classes it carries, in ascending order. Values
         that share their ids (a norm or a dropout passes its input's on, a reshape views them) are worked out once
-        and share the result."""
-        known: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        found = []
+        and share the result; the others are worked out together, in one pass over all their ids."""
+        position: dict[tuple, int] = {}
+        distinct: list[torch.Tensor] = []
         for act in acts:
             key = _layout(act.ids)
-            if key not in known:
-                c = self.cls(act.ids)
-                present = torch.unique(c)
-                present = present[present >= 0]
-                known[key] = c, present[self.unit_class[present]]
-            c, units = known[key]
-            found.append(UnitAct(act.node, act.index, c, units, act.param, act.ids))
-        return found
+            if key not in position:
+                position[key] = len(distinct)
+                distinct.append(act.ids)
+        if not distinct:
+            return []
+        sizes = [t.numel() for t in distinct]
+        flat = self.cls(torch.cat([t.reshape(-1) for t in distinct]))
+        classes_of = [c.view(t.shape) for c, t in zip(torch.split(flat, sizes), distinct)]
+        # a large value's classes often repeat along some dims (a position table's, over its tokens)
+        reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
+        flat = torch.cat([c.reshape(-1) for c in reduced])
+        value = torch.repeat_interleave(torch.arange(len(distinct)), torch.tensor([c.numel() for c in reduced]))
+        is_unit = (flat >= 0) & self.unit_class[flat.clamp(min=0)]
+        n = self.rec.next_id
+        found = torch.unique(value[is_unit] * n + flat[is_unit])  # by value, then class
+        units = torch.split(found % n, torch.bincount(found // n, minlength=len(distinct)).tolist())
+        return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids)
+                for act, k in ((act, position[_layout(act.ids)]) for act in acts)]
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
@@ -336,11 +342,11 @@ class _Builder:
 
     def shared_members(self, ut: torch.Tensor) -> list[str]:
         """Parameters listed by several calls whose elements belong to units ``ut``."""
-        seen: dict[tuple, int] = {}
-        for m in (self.rec.members[i] for i in self.member_index.holding(ut)):
-            key = (m.name, tuple(m.ids.shape))
-            seen[key] = seen.get(key, 0) + 1
-        return sorted({name for (name, _), uses in seen.items() if uses > 1})
+        listings: dict[tuple, list[Member]] = {}
+        for m in self.rec.members:
+            listings.setdefault((m.name, tuple(m.ids.shape)), []).append(m)
+        return sorted({name for (name, _), found in listings.items()
+                       if len(found) > 1 and sum(bool(torch.isin(self.cls(m.ids), ut).any()) for m in found) > 1})
 
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that

@@ -103,7 +103,7 @@ def pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     repeats the one before it in both operands (or in the one that does not broadcast there) adds no pair: such
     slices go before the broadcast (a stream's ids repeat over its tokens, and every layer reads them)."""
     a, b = (align(t, max(a.dim(), b.dim())) for t in (a, b))
-    if math.prod(torch.broadcast_shapes(a.shape, b.shape)) > _FEW:
+    if math.prod(max(m, n) for m, n in zip(a.shape, b.shape)) > _FEW:  # the broadcast size
         for d in range(a.dim()):
             a, b = _without_repeats([a, b], d)
     a, b = broadcast(a, b)

@@ -81,11 +81,13 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     return plan
 
 
-def install_model(model: nn.Module, plan: ModelPlan, editor: Editor) -> Findings:
+def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_alike: bool = False) -> Findings:
     """Install the plan's hosts on ``model`` (the model planned, or one built alike) and offer every group that
-    passes the self-check; their plumbing goes to ``editor``."""
+    passes the self-check; their plumbing goes to ``editor``. With ``describe_alike``, a host built alike as one
+    installed before is not installed, only its groups offered by that host's outcomes (what an analysis needs of
+    its working copy, whose hosts run only for the self-check)."""
     findings = Findings(left_out=list(plan.left_out))
-    installer = _Installer(model, editor, findings, plan.shared)
+    installer = _Installer(model, editor, findings, plan.shared, describe_alike)
     for host in plan.hosts:
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
@@ -136,8 +138,11 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], share
 class _Installer:
     """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
 
-    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses):
+    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses,
+                 describe_alike: bool = False):
         self.model, self.editor, self.findings, self.shared = model, editor, findings, shared
+        self.describe_alike = describe_alike
+        self.installed: set[tuple] = set()  # fingerprints of the hosts installed so far
 
     def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
         """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
@@ -148,10 +153,20 @@ class _Installer:
         if isinstance(template, str):
             self.findings.leave_out(host, [template])
             return
-        found = template.copy()
-        self.findings.front_ends[host] = found.front_end
-        for r in found.refusals:
+        self.findings.front_ends[host] = template.front_end
+        for r in template.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
+        if self.describe_alike and key in self.installed and (not passes_objects or key in self.shared.own_forwards):
+            offered = []
+            for hg in template.groups:  # named in turn: a name taken by the group before is not given again
+                g = self.make_group(host, hg.spec)
+                if self.offer(g, self.shared.checked[self.check_key(key, host, g)]):
+                    offered.append(g)
+            if passes_objects:
+                self.limit_to_own_forward(offered, self.shared.own_forwards[key])
+            return
+        self.installed.add(key)
+        found = template.copy()
         if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
             self.shared.meta_copies[key] = meta_template(module)
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
@@ -159,43 +174,54 @@ class _Installer:
         points = [add_tap_point(module, hg) for hg in found.groups]
         forward = GraphForward(module, found.graphs, inputs)
         forward.install()
-        served = []
+        served, offered = [], []
         for hg, group_slots, point in zip(found.groups, slots, points):
             g = self.make_group(host, hg.spec)
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
                                                     constants=hg.constants, slots=group_slots)
-            # identical code, layout and inputs give identical self-check outcomes
-            check = (key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices))
+            check = self.check_key(key, host, g)
             if check not in self.shared.checked:
                 self.shared.checked[check] = self_check(self.editor, g, inputs)
-            if self.shared.checked[check]:
-                self.findings.leave_out(g.module, [f"self-check failed: {self.shared.checked[check]}"])
-                del self.editor.plumbing[g]
-            else:
-                self.findings.groups.append(g)
+            if self.offer(g, self.shared.checked[check]):
+                offered.append(g)
                 served.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                           tuple(hg.spec.members), group_slots, point, hg.sites[0].layout))
-        forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served, self.shared.recaptured)
-        if passes_objects:
-            self.limit_to_own_forward(forward.server, key)
+            else:
+                del self.editor.plumbing[g]
+        server = forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served,
+                                             self.shared.recaptured)
+        if passes_objects:  # the own forward is fitted once for hosts built alike
+            if key in self.shared.own_forwards:
+                server.adopt_fit(self.shared.own_forwards[key])
+            server.fit_own_forward()
+            self.shared.own_forwards[key] = server.fit
+            self.limit_to_own_forward(offered, server.fit)
 
-    def limit_to_own_forward(self, server: HostServer, key: tuple) -> None:
+    @staticmethod
+    def check_key(key: tuple, host: str, g: UnitGroup) -> tuple:
+        """What decides a group's self-check outcome: identical code, layout and inputs give identical outcomes."""
+        return key, tuple((sl.name[len(host):], sl.dim, sl.outer, sl.inner, sl.output) for sl in g.slices)
+
+    def offer(self, g: UnitGroup, failure: str | None) -> bool:
+        """Offer ``g`` if its self-check found nothing wrong, else leave it out with what went wrong."""
+        if failure:
+            self.findings.leave_out(g.module, [f"self-check failed: {failure}"])
+            return False
+        self.findings.groups.append(g)
+        return True
+
+    @staticmethod
+    def limit_to_own_forward(groups: list[UnitGroup], fit: OwnForwardFit) -> None:
         """The groups of a host whose own forward serves its calls: a note where it cannot serve them at all, and
-        one unit at least where it cannot run a group with none (fitted once for hosts built alike)."""
-        if key in self.shared.own_forwards:
-            server.adopt_fit(self.shared.own_forwards[key])
-        fault, empty = server.fit_own_forward()
-        self.shared.own_forwards[key] = server.fit
-        for g in self.findings.groups:
-            if self.editor.plumbing[g].host != server.host:
-                continue
-            if fault:
+        one unit at least where it cannot run a group with none."""
+        for g in groups:
+            if fit.fault:
                 g.notes += (f"calls that pass an object (a key/value cache) are refused: its host's own forward "
-                            f"{fault}",)
-            elif empty and g.min_count == 0:
+                            f"{fit.fault}",)
+            elif fit.empty_fault and g.min_count == 0:
                 g.min_count = 1
                 g.notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object "
-                            f"(a key/value cache), {empty} with none",)
+                            f"(a key/value cache), {fit.empty_fault} with none",)
 
     def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
         module = join_path(host, common_module(spec.modules))

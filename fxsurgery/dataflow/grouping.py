@@ -183,12 +183,12 @@ class _Builder:
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
 
-    def groups(self) -> list[list[int]]:
+    def groups(self) -> list[torch.Tensor]:
         """Unit classes that share a tensor axis belong to one group (in order of first appearance)."""
         # parameters join units, they do not define which units share an axis; values whose classes are all no
         # unit axis (the residual stream) are dropped anyway
-        axes = list({id(act.units): act.units for act in self.acts  # values that share their units: once
-                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())
+        axes = list({act.units.numpy().tobytes(): act.units for act in self.acts  # values that carry the same
+                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())  # once
         units, edges = _first_appearance(axes)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
         group_of = torch.full((self.rec.next_id,), NO_ID)
@@ -198,19 +198,19 @@ class _Builder:
         if carriers:
             for act, k in zip(carriers, group_of[torch.cat([act.units[:1] for act in carriers])].tolist()):
                 self.acts_of.setdefault(k, []).append(act)
-        return [comp.tolist() for comp in comps]
+        return comps
 
     def build(self, locate: bool) -> GraphGroups:
         out = GraphGroups()
-        offered: list[int] = []
-        for k, units in enumerate(self.groups()):
+        offered = [torch.empty(0, dtype=torch.long)]
+        for k, ut in enumerate(self.groups()):
             if locate:
-                offered += units if self.locate(k, units, out) else []
+                offered += [ut] if self.locate(k, ut, out) else []
                 continue
             try:
-                spec = self.group(k, units)
+                spec = self.group(k, ut)
             except Unsupported as e:
-                out.refusals.append(Refusal(self.home_of(k, torch.tensor(units)), [str(e)]))
+                out.refusals.append(Refusal(self.home_of(k, ut), [str(e)]))
                 continue
             if spec is None:
                 continue
@@ -222,7 +222,7 @@ class _Builder:
                 out.groups.append(spec)
         self.refuse_overlaps(out)
         if locate:  # each region is located once; its hosts' analyses would tell it again
-            told = silent_softmaxes(self, torch.tensor(offered, dtype=torch.long))
+            told = silent_softmaxes(self, torch.cat(offered))
             out.refusals += [Refusal([module_of(t.node)], [t.reason]) for t in told]
         for opaque in self.rec.opaque:  # unless its module already tells of it (units it refused)
             where = module_of(opaque.node)
@@ -247,9 +247,8 @@ class _Builder:
                 out.refusals.append(Refusal(spec.modules, [f"{', '.join(names)}: sliced by another group too "
                                                            "(a module called more than once)"]))
 
-    def locate(self, k: int, units: list[int], out: GraphGroups) -> bool:
+    def locate(self, k: int, ut: torch.Tensor, out: GraphGroups) -> bool:
         """Only where a candidate group lives (to pick the modules to trace on their own); True if located."""
-        ut = torch.tensor(units)
         hard = self.hard_reasons(ut)
         if self.benign[ut].any() and not hard:
             return False
@@ -277,8 +276,8 @@ class _Builder:
         nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
         return [module_of(n) for n in nodes] or self.modules_of(k)
 
-    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | list[Refusal] | None:
-        ut = torch.tensor(units)
+    def group(self, k: int, ut: torch.Tensor) -> GroupSpec | Refusal | list[Refusal] | None:
+        units = ut.tolist()
         hard = self.hard_reasons(ut)
         if hard:
             return Refusal(self.home_of(k, ut), hard, _at_output(hard))

@@ -157,13 +157,7 @@ class _Installer:
         for r in template.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
         if self.describe_alike and key in self.installed and (not passes_objects or key in self.shared.own_forwards):
-            offered = []
-            for hg in template.groups:  # named in turn: a name taken by the group before is not given again
-                g = self.make_group(host, hg.spec)
-                if self.offer(g, self.shared.checked[self.check_key(key, host, g)]):
-                    offered.append(g)
-            if passes_objects:
-                self.limit_to_own_forward(offered, self.shared.own_forwards[key])
+            self.describe(host, key, template, passes_objects=passes_objects)
             return
         self.installed.add(key)
         found = template.copy()
@@ -196,6 +190,17 @@ class _Installer:
             server.fit_own_forward()
             self.shared.own_forwards[key] = server.fit
             self.limit_to_own_forward(offered, server.fit)
+
+    def describe(self, host: str, key: tuple, template: HostAnalysis, *, passes_objects: bool) -> None:
+        """Offer the groups of a host built alike as one installed before, by that host's self-check outcomes and
+        fit of its own forward, without installing it."""
+        offered = []
+        for hg in template.groups:  # named in turn: a name taken by the group before is not given again
+            g = self.make_group(host, hg.spec)
+            if self.offer(g, self.shared.checked[self.check_key(key, host, g)]):
+                offered.append(g)
+        if passes_objects:
+            self.limit_to_own_forward(offered, self.shared.own_forwards[key])
 
     @staticmethod
     def check_key(key: tuple, host: str, g: UnitGroup) -> tuple:

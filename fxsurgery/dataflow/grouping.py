@@ -166,17 +166,9 @@ class _Builder:
                 distinct.append(act.ids)
         if not distinct:
             return []
-        sizes = [t.numel() for t in distinct]
         flat = self.cls(torch.cat([t.reshape(-1) for t in distinct]))
-        classes_of = [c.view(t.shape) for c, t in zip(torch.split(flat, sizes), distinct)]
-        # a large value's classes often repeat along some dims (a position table's, over its tokens)
-        reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
-        flat = torch.cat([c.reshape(-1) for c in reduced])
-        value = torch.repeat_interleave(torch.arange(len(distinct)), torch.tensor([c.numel() for c in reduced]))
-        is_unit = (flat >= 0) & self.unit_class[flat.clamp(min=0)]
-        n = self.rec.next_id
-        found = torch.unique(value[is_unit] * n + flat[is_unit])  # by value, then class
-        units = torch.split(found % n, torch.bincount(found // n, minlength=len(distinct)).tolist())
+        classes_of = [c.view(t.shape) for c, t in zip(torch.split(flat, [t.numel() for t in distinct]), distinct)]
+        units = _units_held(classes_of, self.unit_class)
         return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids)
                 for act, k in ((act, position[_layout(act.ids)]) for act in acts)]
 
@@ -491,6 +483,18 @@ class _Builder:
 def _layout(t: torch.Tensor) -> tuple:
     """What decides a tensor's contents among live tensors: its storage, offset, shape, strides and dtype."""
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _units_held(classes_of: list[torch.Tensor], unit_class: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one sort for all of them."""
+    # a large value's classes often repeat along some dims (a position table's, over its tokens)
+    reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
+    flat = torch.cat([c.reshape(-1) for c in reduced])
+    value = torch.repeat_interleave(torch.arange(len(reduced)), torch.tensor([c.numel() for c in reduced]))
+    is_unit = (flat >= 0) & unit_class[flat.clamp(min=0)]
+    n = len(unit_class)
+    found = torch.unique(value[is_unit] * n + flat[is_unit])  # by value, then class
+    return torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist())
 
 
 def _first_appearance(axes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

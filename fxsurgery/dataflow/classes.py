@@ -37,17 +37,21 @@ def _components(n: int, e: torch.Tensor) -> torch.Tensor:
 
 def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
     """A parameter element used with one class only joins it (a per-unit parameter); one used with
-    several classes is shared by them and stays out (e.g. a norm weight over the head dim)."""
+    several classes is shared by them and stays out (e.g. a norm weight over the head dim). One pass over the
+    pairs: an element's partners are one class where the smallest and the largest of them are the same."""
     tent = [t for t in tentative if t.numel()]
     if not tent:
         return rep
     t = torch.cat(tent)
-    pc = unique_pairs(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1))
-    pc = pc[pc[:, 0] != pc[:, 1]]
-    _, counts = torch.unique_consecutive(pc[:, 0], return_counts=True)  # pairs come sorted by their first id
-    single = pc[torch.repeat_interleave(counts == 1, counts)]
-    remap = torch.arange(rep.numel())
-    remap[single[:, 0]] = single[:, 1]
+    element, partner = rep[t].unbind(1)
+    apart = element != partner
+    element, partner = element[apart], partner[apart]
+    n = rep.numel()
+    low = torch.full((n,), n).scatter_reduce_(0, element, partner, "amin")
+    high = torch.full((n,), -1).scatter_reduce_(0, element, partner, "amax")
+    single = low == high  # never where an element has no partner (low n, high -1)
+    remap = torch.arange(n)
+    remap[single] = low[single]
     return remap[rep]
 
 

@@ -40,10 +40,11 @@ class Findings:
 @dataclass
 class SharedAnalyses:
     """What hosts built alike share, keyed by their fingerprint: one analysis, one self-check outcome per group
-    layout, one fit of the own forward, and the captures for other calls. Installing the same plan on another
-    model built alike (the analysed copy's original) reuses all of it."""
+    layout, one fit of the own forward, one meta copy to capture other calls from, and those captures. Installing
+    the same plan on another model built alike (the analysed copy's original) reuses all of it."""
 
     templates: dict[tuple, HostAnalysis | str] = field(default_factory=dict)  # an analysis, or why it failed
+    meta_copies: dict[tuple, nn.Module] = field(default_factory=dict)  # the host as analysed, parameters on meta
     checked: dict[tuple, str | None] = field(default_factory=dict)
     own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
     recaptured: Analyses = field(default_factory=dict)
@@ -79,11 +80,13 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     return plan
 
 
-def install_model(model: nn.Module, plan: ModelPlan, editor: Editor) -> Findings:
+def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_alike: bool = False) -> Findings:
     """Install the plan's hosts on ``model`` (the model planned, or one built alike) and offer every group that
-    passes the self-check; their plumbing goes to ``editor``."""
+    passes the self-check; their plumbing goes to ``editor``. With ``describe_alike``, a host built alike as one
+    installed before is not installed, only its groups offered by that host's outcomes (what an analysis needs of
+    its working copy, whose hosts run only for the self-check)."""
     findings = Findings(left_out=list(plan.left_out))
-    installer = _Installer(model, editor, findings, plan.shared)
+    installer = _Installer(model, editor, findings, plan.shared, describe_alike)
     for host in plan.hosts:
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
@@ -117,11 +120,12 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
     return hosts
 
 
-def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], shared: SharedAnalyses
-                  ) -> HostAnalysis | str:
-    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
+def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], shared: SharedAnalyses,
+                  key: tuple | None = None) -> HostAnalysis | str:
+    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed;
+    ``key``: the host's fingerprint, where the caller has it."""
     module = model.get_submodule(host) if host else model
-    key = fingerprint(module, *inputs)
+    key = fingerprint(module, *inputs) if key is None else key
     if key not in shared.templates:
         try:
             shared.templates[key] = analyse_host(module, host, *inputs)
@@ -133,84 +137,113 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], share
 class _Installer:
     """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
 
-    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses):
+    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses,
+                 describe_alike: bool = False):
         self.model, self.editor, self.findings, self.shared = model, editor, findings, shared
+        self.describe_alike = describe_alike
+        self.installed: set[tuple] = set()  # fingerprints of the hosts installed so far
 
     def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
         """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
         object is served by its own forward: where that cannot run a group with no units, the group keeps one."""
         module = self.model.get_submodule(host) if host else self.model
         key = fingerprint(module, *inputs)
-        template = host_analysis(self.model, host, inputs, self.shared)
+        template = host_analysis(self.model, host, inputs, self.shared, key)
         if isinstance(template, str):
             self.findings.leave_out(host, [template])
             return
-        found = template.copy()
-        self.findings.front_ends[host] = found.front_end
-        for r in found.refusals:
+        self.findings.front_ends[host] = template.front_end
+        for r in template.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        analysed_copy = meta_template(module)  # before the host changes: other calls are captured from it
+        if self.describe_alike and key in self.installed and (not passes_objects or key in self.shared.own_forwards):
+            self.describe(host, key, template, passes_objects=passes_objects)
+            return
+        self.installed.add(key)
+        found = template.copy()
+        if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
+            self.shared.meta_copies[key] = meta_template(module)
         module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
         slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
         points = [add_tap_point(module, hg) for hg in found.groups]
         forward = GraphForward(module, found.graphs, inputs)
         forward.install()
-        served, failed = [], []
+        served, offered, failed = [], [], []
         for hg, group_slots, point in zip(found.groups, slots, points):
             g = self.make_group(host, hg.spec)
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
                                                     constants=hg.constants, slots=group_slots)
-            # identical code, layout and inputs give identical self-check outcomes
-            check = (key, tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices))
+            check = self.check_key(key, host, g)
             if check not in self.shared.checked:
                 self.shared.checked[check] = self_check(self.editor, g, inputs)
-            if self.shared.checked[check]:
-                self.findings.leave_out(g.module, [f"self-check failed: {self.shared.checked[check]}"])
-                del self.editor.plumbing[g]
-                failed.append(g)
-            else:
-                self.findings.groups.append(g)
+            if self.offer(g, self.shared.checked[check]):
+                offered.append(g)
                 served.append((g, GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                               tuple(hg.spec.members), group_slots, point, hg.sites[0].layout)))
-        served = self.without_partners_left_out(failed, served)
-        forward.server = HostServer(analysed_copy, host, inputs, served, self.shared.recaptured)
-        if passes_objects:
-            self.limit_to_own_forward(forward.server, key)
+            else:
+                del self.editor.plumbing[g]
+                failed.append(g)
+        offered = self.without_partners_left_out(failed, offered)
+        served = [record for g, record in served if any(g is kept for kept in offered)]
+        server = forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served,
+                                             self.shared.recaptured)
+        if passes_objects:  # the own forward is fitted once for hosts built alike
+            if key in self.shared.own_forwards:
+                server.adopt_fit(self.shared.own_forwards[key])
+            server.fit_own_forward()
+            self.shared.own_forwards[key] = server.fit
+            self.limit_to_own_forward(offered, server.fit)
 
-    def without_partners_left_out(self, failed: list[UnitGroup], served: list[tuple[UnitGroup, GroupRecord]]
-                                  ) -> list[GroupRecord]:
-        """The records of the host's groups offered, once those sharing a dim with a group left out (segments of
-        one fused projection) are left out too: the segments of a dim tile it, so its size tells their counts."""
+    def describe(self, host: str, key: tuple, template: HostAnalysis, *, passes_objects: bool) -> None:
+        """Offer the groups of a host built alike as one installed before, by that host's self-check outcomes and
+        fit of its own forward, without installing it."""
+        offered, failed = [], []
+        for hg in template.groups:  # named in turn: a name taken by the group before is not given again
+            g = self.make_group(host, hg.spec)
+            (offered if self.offer(g, self.shared.checked[self.check_key(key, host, g)]) else failed).append(g)
+        offered = self.without_partners_left_out(failed, offered)
+        if passes_objects:
+            self.limit_to_own_forward(offered, self.shared.own_forwards[key])
+
+    @staticmethod
+    def check_key(key: tuple, host: str, g: UnitGroup) -> tuple:
+        """What decides a group's self-check outcome: identical code, layout and inputs give identical outcomes."""
+        return key, tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices)
+
+    def offer(self, g: UnitGroup, failure: str | None) -> bool:
+        """Offer ``g`` if its self-check found nothing wrong, else leave it out with what went wrong."""
+        if failure:
+            self.findings.leave_out(g.module, [f"self-check failed: {failure}"])
+            return False
+        self.findings.groups.append(g)
+        return True
+
+    def without_partners_left_out(self, failed: list[UnitGroup], offered: list[UnitGroup]) -> list[UnitGroup]:
+        """The host's groups offered, once those sharing a dim with a group left out (segments of one fused
+        projection) are left out too: the segments of a dim tile it, so its size tells their counts."""
         lost = {(sl.name, sl.dim) for g in failed for sl in g.slices}
-        while True:
-            partners = [(g, r) for g, r in served if any((sl.name, sl.dim) in lost for sl in g.slices)]
-            if not partners:
-                return [r for _, r in served]
-            for g, r in partners:
+        kept = list(offered)
+        while partners := [g for g in kept if any((sl.name, sl.dim) in lost for sl in g.slices)]:
+            for g in partners:
                 shared = next(sl.name for sl in g.slices if (sl.name, sl.dim) in lost)
                 self.findings.leave_out(g.module, [f"{shared}: shares a dim with a group left out, in segments"])
                 self.findings.groups.remove(g)
-                del self.editor.plumbing[g]
-                served.remove((g, r))
+                self.editor.plumbing.pop(g, None)
+                kept.remove(g)
                 lost |= {(sl.name, sl.dim) for sl in g.slices}
+        return kept
 
-    def limit_to_own_forward(self, server: HostServer, key: tuple) -> None:
+    @staticmethod
+    def limit_to_own_forward(groups: list[UnitGroup], fit: OwnForwardFit) -> None:
         """The groups of a host whose own forward serves its calls: a note where it cannot serve them at all, and
-        one unit at least where it cannot run a group with none (fitted once for hosts built alike)."""
-        if key in self.shared.own_forwards:
-            server.adopt_fit(self.shared.own_forwards[key])
-        fault, empty = server.fit_own_forward()
-        self.shared.own_forwards[key] = server.fit
-        for g in self.findings.groups:
-            if self.editor.plumbing[g].host != server.host:
-                continue
-            if fault:
+        one unit at least where it cannot run a group with none."""
+        for g in groups:
+            if fit.fault:
                 g.notes += (f"calls that pass an object (a key/value cache) are refused: its host's own forward "
-                            f"{fault}",)
-            elif empty and g.min_count == 0:
+                            f"{fit.fault}",)
+            elif fit.empty_fault and g.min_count == 0:
                 g.min_count = 1
                 g.notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object "
-                            f"(a key/value cache), {empty} with none",)
+                            f"(a key/value cache), {fit.empty_fault} with none",)
 
     def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
         module = join_path(host, common_module(spec.modules))

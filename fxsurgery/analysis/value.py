@@ -75,7 +75,7 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
         raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
     working = working_copy(model)
     plan = plan_model(working, (args, kwargs))
-    found = install_model(working, plan, Editor(working))
+    found = install_model(working, plan, Editor(working), describe_alike=True)
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
 

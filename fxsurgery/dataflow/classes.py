@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .ids import pairs, unique_pairs
+from .ids import NO_ID, pairs, unique_pairs
 from .records import Member
 
 
@@ -37,17 +37,21 @@ def _components(n: int, e: torch.Tensor) -> torch.Tensor:
 
 def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
     """A parameter element used with one class only joins it (a per-unit parameter); one used with
-    several classes is shared by them and stays out (e.g. a norm weight over the head dim)."""
+    several classes is shared by them and stays out (e.g. a norm weight over the head dim). One pass over the
+    pairs: an element's partners are one class where the smallest and the largest of them are the same."""
     tent = [t for t in tentative if t.numel()]
     if not tent:
         return rep
     t = torch.cat(tent)
-    pc = unique_pairs(torch.stack([rep[t[:, 0]], rep[t[:, 1]]], 1))
-    pc = pc[pc[:, 0] != pc[:, 1]]
-    _, counts = torch.unique_consecutive(pc[:, 0], return_counts=True)  # pairs come sorted by their first id
-    single = pc[torch.repeat_interleave(counts == 1, counts)]
-    remap = torch.arange(rep.numel())
-    remap[single[:, 0]] = single[:, 1]
+    element, partner = rep[t].unbind(1)
+    apart = element != partner
+    element, partner = element[apart], partner[apart]
+    n = rep.numel()
+    low = torch.full((n,), n).scatter_reduce_(0, element, partner, "amin")
+    high = torch.full((n,), -1).scatter_reduce_(0, element, partner, "amax")
+    single = low == high  # never where an element has no partner (low n, high -1)
+    remap = torch.arange(n)
+    remap[single] = low[single]
     return remap[rep]
 
 
@@ -66,3 +70,21 @@ def shared_uses(members: list[Member]) -> list[torch.Tensor]:
         else:
             first[key] = m.ids
     return ties
+
+
+class ClassIndex:
+    """Which of a list of class tensors hold any of a given set of classes: the classes of every tensor are found
+    once, so that each question is one lookup instead of a pass over every tensor."""
+
+    def __init__(self, tensors: list[torch.Tensor], bound: int):
+        present = [torch.unique(t[t != NO_ID]) for t in tensors]
+        self.bound = bound
+        self.classes = torch.cat(present) if present else torch.empty(0, dtype=torch.long)
+        self.items = torch.repeat_interleave(torch.arange(len(present)),
+                                             torch.tensor([len(p) for p in present], dtype=torch.long))
+
+    def holding(self, wanted: torch.Tensor) -> list[int]:
+        """Positions, ascending, of the tensors that hold any of the classes ``wanted`` (all below the bound)."""
+        mask = torch.zeros(self.bound, dtype=torch.bool)
+        mask[wanted] = True
+        return torch.unique(self.items[mask[self.classes]]).tolist()

@@ -7,6 +7,7 @@ Linear reads it (the output projection), and every count-dependent constant can 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -15,13 +16,13 @@ import torch.fx
 from torch.fx.node import Node
 
 from ..slicing import ParamSlice
-from .classes import classes, join_parameters, shared_uses
+from .classes import ClassIndex, classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
-from .ids import NO_ID, align, varies
+from .ids import NO_ID, align, compact, varies
 from .labeller import Labeller
 from .paths import common_module, module_of
-from .records import Act, Member, Sink, TapLayout
+from .records import Act, Member, Sink, Space, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
 from .unit_layout import describe_layout, layout, segment
@@ -63,6 +64,7 @@ class Refusal:
 
 
 HEADS_AT_OUTPUT = "per-head values reach the module's outputs"
+_LARGE = 4096  # ids of a value above this size are compacted before their classes are sorted
 
 
 @dataclass
@@ -124,48 +126,61 @@ class _Builder:
                 self.benign[c] = True
             elif c.numel():
                 self.hard.append((c, pin.reason))
-        self.mixed: dict[int, list[str]] = {}
-        for mixed in rec.mixes:
-            c = self.cls(mixed.pairs)
-            diff = c[:, 0] != c[:, 1]
-            k = torch.unique(c[diff].flatten())
-            k = k[k >= 0]
-            for unit in k[self.unit_class[k]].tolist():
-                self.mixed.setdefault(unit, []).append(mixed.reason)
         self.acts = self.unit_acts(rec.acts)
         self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
-        self.sinks_of_class: dict[int, list[int]] = {}  # unit class -> indices of the sinks that read it
-        for i, sink in enumerate(self.sinks):
-            for c in torch.unique(sink.columns[sink.columns >= 0]).tolist():
-                self.sinks_of_class.setdefault(c, []).append(i)
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units
+
+    @functools.cached_property
+    def sink_index(self) -> ClassIndex:
+        """The classes each sink reads."""
+        return ClassIndex([sink.columns for sink in self.sinks], self.rec.next_id)
+
+    @functools.cached_property
+    def mix_index(self) -> ClassIndex:
+        """The classes each mix joins to other classes (a map that mixes heads)."""
+        mixed = []
+        for mix in self.rec.mixes:
+            c = self.cls(mix.pairs)
+            mixed.append(c[c[:, 0] != c[:, 1]].flatten())
+        return ClassIndex(mixed, self.rec.next_id)
+
+    @functools.cached_property
+    def space_index(self) -> ClassIndex:
+        """The classes of each space's coordinates."""
+        return ClassIndex([self.rep[sp.start:sp.stop] for sp in self.rec.spaces], self.rec.next_id)
+
+    def spaces_of(self, ut: torch.Tensor) -> list[Space]:
+        """The spaces that give units ``ut`` coordinates, in recording order."""
+        return [self.rec.spaces[i] for i in self.space_index.holding(ut)]
 
     def unit_acts(self, acts: list[Act]) -> list[UnitAct]:
         """Each labelled value with its ids as classes and the unit classes it carries, in ascending order. Values
         that share their ids (a norm or a dropout passes its input's on, a reshape views them) are worked out once
-        and share the result."""
-        known: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        found = []
+        and share the result; the others are worked out together, in one pass over all their ids."""
+        position: dict[tuple, int] = {}
+        distinct: list[torch.Tensor] = []
         for act in acts:
             key = _layout(act.ids)
-            if key not in known:
-                c = self.cls(act.ids)
-                present = torch.unique(c)
-                present = present[present >= 0]
-                known[key] = c, present[self.unit_class[present]]
-            c, units = known[key]
-            found.append(UnitAct(act.node, act.index, c, units, act.param, act.ids))
-        return found
+            if key not in position:
+                position[key] = len(distinct)
+                distinct.append(act.ids)
+        if not distinct:
+            return []
+        flat = self.cls(torch.cat([t.reshape(-1) for t in distinct]))
+        classes_of = [c.view(t.shape) for c, t in zip(torch.split(flat, [t.numel() for t in distinct]), distinct)]
+        units = _units_held(classes_of, self.unit_class)
+        return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids)
+                for act, k in ((act, position[_layout(act.ids)]) for act in acts)]
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
 
-    def groups(self) -> list[list[int]]:
+    def groups(self) -> list[torch.Tensor]:
         """Unit classes that share a tensor axis belong to one group (in order of first appearance)."""
         # parameters join units, they do not define which units share an axis; values whose classes are all no
         # unit axis (the residual stream) are dropped anyway
-        axes = list({id(act.units): act.units for act in self.acts  # values that share their units: once
-                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())
+        axes = list({act.units.numpy().tobytes(): act.units for act in self.acts  # values that carry the same
+                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())  # once
         axes = [a for a in axes if not self.fused(a, axes)]
         units, edges = _first_appearance(axes)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
@@ -182,7 +197,7 @@ class _Builder:
                     for k in torch.unique(group_of[act.units[1:]]).tolist():
                         if act not in self.acts_of.setdefault(k, []):
                             self.acts_of[k].append(act)
-        return [comp.tolist() for comp in comps]
+        return comps
 
     def fused(self, units: torch.Tensor, axes: list[torch.Tensor]) -> bool:
         """A value that holds attention heads and FFN channels side by side (the output of a projection fused for
@@ -198,15 +213,15 @@ class _Builder:
 
     def build(self, locate: bool) -> GraphGroups:
         out = GraphGroups()
-        offered: list[int] = []
-        for k, units in enumerate(self.groups()):
+        offered = [torch.empty(0, dtype=torch.long)]
+        for k, ut in enumerate(self.groups()):
             if locate:
-                offered += units if self.locate(k, units, out) else []
+                offered += [ut] if self.locate(k, ut, out) else []
                 continue
             try:
-                spec = self.group(k, units)
+                spec = self.group(k, ut)
             except Unsupported as e:
-                out.refusals.append(Refusal(self.home_of(k, torch.tensor(units)), [str(e)]))
+                out.refusals.append(Refusal(self.home_of(k, ut), [str(e)]))
                 continue
             if spec is None:
                 continue
@@ -219,7 +234,7 @@ class _Builder:
         self.refuse_overlaps(out)
         self.refuse_untiled(out)
         if locate:  # each region is located once; its hosts' analyses would tell it again
-            told = silent_softmaxes(self, torch.tensor(offered, dtype=torch.long))
+            told = silent_softmaxes(self, torch.cat(offered))
             out.refusals += [Refusal([module_of(t.node)], [t.reason]) for t in told]
         for opaque in self.rec.opaque:  # unless its module already tells of it (units it refused)
             where = module_of(opaque.node)
@@ -266,9 +281,8 @@ class _Builder:
                         out.refusals.append(Refusal(spec.modules, [f"{name}: the units fill a segment of dim {dim}, "
                                                                    "beside coordinates no other group holds"]))
 
-    def locate(self, k: int, units: list[int], out: GraphGroups) -> bool:
+    def locate(self, k: int, ut: torch.Tensor, out: GraphGroups) -> bool:
         """Only where a candidate group lives (to pick the modules to trace on their own); True if located."""
-        ut = torch.tensor(units)
         hard = self.hard_reasons(ut)
         if self.benign[ut].any() and not hard:
             return False
@@ -291,13 +305,13 @@ class _Builder:
     def home_of(self, k: int, ut: torch.Tensor) -> list[str]:
         """Where a refused group lives, for the report: the modules of the linear maps that produce and read its
         units (its dataflow may pass through a module shared by several blocks); all its modules if none."""
-        names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
+        names = {sp.node for sp in self.spaces_of(ut)}
         names |= {sink.node for sink in self.sinks_reading(ut)}
         nodes = [n for n in self.lab.module.graph.nodes if n.name in names]
         return [module_of(n) for n in nodes] or self.modules_of(k)
 
-    def group(self, k: int, units: list[int]) -> GroupSpec | Refusal | list[Refusal] | None:
-        ut = torch.tensor(units)
+    def group(self, k: int, ut: torch.Tensor) -> GroupSpec | Refusal | list[Refusal] | None:
+        units = ut.tolist()
         hard = self.hard_reasons(ut)
         if hard:
             return Refusal(self.home_of(k, ut), hard, _at_output(hard))
@@ -325,7 +339,7 @@ class _Builder:
         consts, notes_zero = self.constants(axes, segments, n)
         sink_member = next(m for m in members if m.output and m.name == sink.weight)
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
-        mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
+        mixed = sorted({self.rec.mixes[i].reason for i in self.mix_index.holding(ut)})
         kind = "head" if self.head[ut].any() else "channel"
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == "channel" or notes_zero) else 0
@@ -396,12 +410,11 @@ class _Builder:
 
     def shared_members(self, ut: torch.Tensor) -> list[str]:
         """Parameters listed by several calls whose elements belong to units ``ut``."""
-        seen: dict[tuple, int] = {}
+        listings: dict[tuple, list[Member]] = {}
         for m in self.rec.members:
-            if torch.isin(self.cls(m.ids), ut).any():
-                key = (m.name, tuple(m.ids.shape))
-                seen[key] = seen.get(key, 0) + 1
-        return sorted({name for (name, _), uses in seen.items() if uses > 1})
+            listings.setdefault((m.name, tuple(m.ids.shape)), []).append(m)
+        return sorted({name for (name, _), found in listings.items()
+                       if len(found) > 1 and sum(bool(torch.isin(self.cls(m.ids), ut).any()) for m in found) > 1})
 
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
@@ -424,12 +437,11 @@ class _Builder:
 
     def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
         """The sinks that read any of units ``ut`` (columns as classes), in recording order."""
-        found = {i for u in ut.tolist() for i in self.sinks_of_class.get(u, ())}
-        return [self.sinks[i] for i in sorted(found)]
+        return [self.sinks[i] for i in self.sink_index.holding(ut)]
 
     def producers(self, ut: torch.Tensor) -> list[str]:
         """Modules of the linear maps whose spaces give units ``ut`` their coordinates."""
-        names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
+        names = {sp.node for sp in self.spaces_of(ut)}
         return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
     def member(self, m: Member, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
@@ -525,7 +537,7 @@ class _Builder:
 
     def one_coordinate(self, ut: torch.Tensor) -> bool:
         """Every space that gives the unit its coordinates gives it exactly one."""
-        spaces = [sp for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()]
+        spaces = self.spaces_of(ut)
         return bool(spaces) and all(sp.stop - sp.start == 1 for sp in spaces)
 
     def size_one_dims(self, act: UnitAct) -> list[int]:
@@ -564,6 +576,18 @@ class _Builder:
 def _layout(t: torch.Tensor) -> tuple:
     """What decides a tensor's contents among live tensors: its storage, offset, shape, strides and dtype."""
     return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype
+
+
+def _units_held(classes_of: list[torch.Tensor], unit_class: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one sort for all of them."""
+    # a large value's classes often repeat along some dims (a position table's, over its tokens)
+    reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
+    flat = torch.cat([c.reshape(-1) for c in reduced])
+    value = torch.repeat_interleave(torch.arange(len(reduced)), torch.tensor([c.numel() for c in reduced]))
+    is_unit = (flat >= 0) & unit_class[flat.clamp(min=0)]
+    n = len(unit_class)
+    found = torch.unique(value[is_unit] * n + flat[is_unit])  # by value, then class
+    return torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist())
 
 
 def _first_appearance(axes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

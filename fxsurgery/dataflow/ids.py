@@ -6,6 +6,7 @@ coordinate.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -82,13 +83,18 @@ def broadcast(*ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 _SHIFT = 1 << 31  # ids (and NO_ID) shifted by one stay in [0, 2**31): a pair packs into one int64
+_FEW = 4096  # positions below which dropping repeated slices costs more than the pairs it saves
 
 
 def unique_pairs(p: torch.Tensor) -> torch.Tensor:
-    """Distinct rows of an (k, 2) id tensor (one 1-D sort instead of a row sort)."""
+    """Distinct rows of an (k, 2) id tensor, in ascending order (one 1-D sort instead of a row sort; none where
+    the rows already ascend: a fresh parameter's ids beside an activation's)."""
     if p.shape[0] < 2:
         return p
-    packed = torch.unique((p[:, 0] + 1) * _SHIFT + (p[:, 1] + 1))
+    packed = (p[:, 0] + 1) * _SHIFT + (p[:, 1] + 1)
+    if bool((packed[1:] > packed[:-1]).all()):
+        return p
+    packed = torch.unique(packed)
     return torch.stack([packed // _SHIFT - 1, packed % _SHIFT - 1], dim=1)
 
 
@@ -97,8 +103,9 @@ def pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     repeats the one before it in both operands (or in the one that does not broadcast there) adds no pair: such
     slices go before the broadcast (a stream's ids repeat over its tokens, and every layer reads them)."""
     a, b = (align(t, max(a.dim(), b.dim())) for t in (a, b))
-    for d in range(a.dim()):
-        a, b = _without_repeats([a, b], d)
+    if math.prod(max(m, n) for m, n in zip(a.shape, b.shape)) > _FEW:  # the broadcast size
+        for d in range(a.dim()):
+            a, b = _without_repeats([a, b], d)
     a, b = broadcast(a, b)
     keep = (a != NO_ID) & (b != NO_ID)
     return unique_pairs(torch.stack([a[keep], b[keep]], dim=1))

@@ -49,8 +49,23 @@ def _reads_metadata(n: Node) -> bool:
     return n.op == "call_method" and n.target in ("size", "dim")
 
 
+_PLAIN = (int, float, bool, str, type(None), slice, torch.dtype, torch.device)
+
+
 def to_meta(x: Any) -> Any:
-    return tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, x)
+    """``x`` with every tensor in it on the meta device (``x`` itself when it holds none off it)."""
+    return tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, x) if _may_hold_real(x) else x
+
+
+def _may_hold_real(x: Any) -> bool:
+    """Whether ``x`` may hold a tensor off the meta device (True for containers this does not look into)."""
+    if isinstance(x, torch.Tensor):
+        return not x.is_meta
+    if isinstance(x, (tuple, list)):
+        return any(_may_hold_real(v) for v in x)
+    if isinstance(x, dict):
+        return any(_may_hold_real(v) for v in x.values())
+    return not isinstance(x, _PLAIN)
 
 
 class Labeller(torch.fx.Interpreter):

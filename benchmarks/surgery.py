@@ -46,17 +46,27 @@ def main() -> None:
     x1 = torch.randn(1, *base.pretrained_cfg["input_size"])
     xb = torch.randn(args.batch, *base.pretrained_cfg["input_size"])
 
-    # analysis (fresh copies, warm caches with one untimed run each)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tp.DependencyGraph().build_dependency(copy.deepcopy(base), example_inputs=x1)
-        t_tp = timed(lambda: tp.DependencyGraph().build_dependency(copy.deepcopy(base), example_inputs=x1), args.repeat)
-    Surgeon(copy.deepcopy(base), (x1,))
-    copies = [copy.deepcopy(base) for _ in range(args.repeat)]
-    t_fx = timed(lambda: Surgeon(copies.pop(), (x1,)), args.repeat)
-    t_copy = timed(lambda: copy.deepcopy(base), args.repeat)
-    print(f"analysis: fxsurgery {t_fx - t_copy:.3f} s, torch-pruning build_dependency {t_tp - t_copy:.3f} s "
-          f"(deepcopy {t_copy:.3f} s subtracted from both); ratio {(t_fx - t_copy) / (t_tp - t_copy):.2f}")
+    # analysis: each on a fresh copy made beforehand (neither times a copy), after one untimed run each (warm
+    # caches), in alternating rounds so that a change in the machine's load reaches both alike
+    def build_dependency(model: torch.nn.Module) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tp.DependencyGraph().build_dependency(model, example_inputs=x1)
+
+    def analyse(model: torch.nn.Module) -> None:
+        Surgeon(model, (x1,))
+
+    rounds = {build_dependency: [], analyse: []}
+    for k in range(args.repeat + 1):
+        for fn, times in rounds.items():
+            model = copy.deepcopy(base)
+            t = time.perf_counter()
+            fn(model)
+            if k:
+                times.append(time.perf_counter() - t)
+    t_tp, t_fx = (statistics.median(times) for times in rounds.values())
+    print(f"analysis: fxsurgery {t_fx:.3f} s, torch-pruning build_dependency {t_tp:.3f} s (medians of {args.repeat} "
+          f"alternating rounds); ratio {t_fx / t_tp:.2f}")
 
     # surgery vs one training step
     model = copy.deepcopy(base)

@@ -3,7 +3,8 @@
 Tied ids form classes (connected components of the ties); a class that holds coordinates of a space
 is a unit. Units that share a tensor axis form a group. A group is kept only when every
 tensor it touches can be sliced along one axis in a regular ``[outer][unit][inner]`` layout, one
-Linear reads it (the output projection), and every count-dependent constant can be rewritten.
+Linear reads it (the output projection; or several that read one value, for channels fanned out to parallel maps),
+and every count-dependent constant can be rewritten.
 """
 from __future__ import annotations
 
@@ -267,19 +268,23 @@ class _Builder:
         sink = sinks[0]
         order = list(dict.fromkeys(c for c in sink.columns.tolist() if c >= 0))
         n = len(units)
-        if sorted(order) != units:
-            return Refusal(self.home_of(k, ut), [f"{sink.weight} reads only some of the units"])
+        read = {}  # the units each projection reads, over its calls
+        for s in sinks:
+            read.setdefault(s.weight, set()).update(s.columns[s.columns >= 0].tolist())
+        partial = next((weight for weight, found in read.items() if sorted(found) != units), None)
+        if partial:
+            return Refusal(self.home_of(k, ut), [f"{partial} reads only some of the units"])
         mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
         if n < 2 and not self.one_coordinate(ut):
             members, axes = self.single_head(k, index, sink)
         else:
-            members = [self.member(m, index, n, sink) for m in self.rec.members]
+            members = [self.member(m, index, n, sinks) for m in self.rec.members]
             members = list(dict.fromkeys(m for m in members if m is not None))
             axes = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, n)
-        sink_member = next(m for m in members if m.output and m.name == sink.weight)
+        read_by = {m.name: m for m in members if m.output}
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({r for u in units for r in self.mixed.get(u, [])})
         kind = "head" if self.head[ut].any() else "channel"
@@ -288,18 +293,20 @@ class _Builder:
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
                          notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
-                         sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim)),
-                         min_count=min_count)
+                         sites=self.sites(sinks, ut, read_by), min_count=min_count)
 
-    def sites(self, sinks: list[Sink], ut: torch.Tensor, layout: TapLayout) -> list[TapSite]:
-        """Every place the units leave for other units, with its input node: the calls of the output projection
-        (the units laid out as ``layout`` there) and the maps that mix them with other heads (a removal masks a
-        head at each). None if one is out of sight (an opaque function's body): no tap could see every use."""
+    def sites(self, sinks: list[Sink], ut: torch.Tensor, read_by: dict[str, ParamSlice]) -> list[TapSite]:
+        """Every place the units leave for other units, with its input node: the calls of the output projections
+        (the units laid out there as the projection's ``read_by`` slice says) and the maps that mix them with other
+        heads (a removal masks a head at each). None if one is out of sight (an opaque function's body): no tap
+        could see every use."""
         reads = [r for r in self.rec.mix_reads if torch.isin(self.cls(r.heads), ut).any()]
         if any(sink.input is None for sink in sinks) or any(r.input is None for r in reads):
             return []
         nodes = {n.name: n for n in self.lab.module.graph.nodes}
-        return [TapSite(nodes[sink.node], nodes[sink.input], layout) for sink in sinks] + \
+        return [TapSite(nodes[sink.node], nodes[sink.input],
+                        TapLayout(read_by[sink.weight].outer, read_by[sink.weight].inner, sink.dim))
+                for sink in sinks] + \
             [TapSite(nodes[r.node], nodes[r.input], TapLayout(1, 1, r.dim)) for r in reads]
 
     def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
@@ -328,10 +335,13 @@ class _Builder:
 
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
-        reads them, or why there is no such single map."""
+        reads them, or by several maps that all read one value (channels fanned out to parallel projections, as
+        a query and a key/value map read one input: a channel removed leaves all of them); or why there is no
+        such reader."""
         sinks = self.sinks_reading(ut)
         names = sorted({sink.weight for sink in sinks})
-        if len(names) != 1:
+        fanned_out = len({sink.input for sink in sinks}) == 1 and sinks[0].input is not None
+        if len(names) != 1 and not (fanned_out and not self.head[ut].any()):
             if not names:
                 return "no linear map reads these units"
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -355,8 +365,8 @@ class _Builder:
         names = {sp.node for sp in self.rec.spaces if torch.isin(self.rep[sp.start:sp.stop], ut).any()}
         return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
-    def member(self, m: Member, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
-        """The slice of a member listing whose ids belong to the units, or None; its read side (the sink's columns, a
+    def member(self, m: Member, index: torch.Tensor, n: int, sinks: list[Sink]) -> ParamSlice | None:
+        """The slice of a member listing whose ids belong to the units, or None; its read side (a sink's columns, a
         head-mixing map's rows) is an ``output`` slice."""
         name = m.name
         c = self.cls(m.ids)
@@ -366,10 +376,11 @@ class _Builder:
         shape = self.shape_of(name)
         u = align(u, len(shape))
         dims = [d for d in range(u.dim()) if varies(u, d)]
-        if not dims and n == 1:  # a unit of one coordinate: its axis is a size-1 dim (columns, for the sink)
+        read_dim = next((sink.weight_dim for sink in sinks if sink.weight == name), None)  # None: no sink's weight
+        if not dims and n == 1:  # a unit of one coordinate: its axis is a size-1 dim (columns, for a sink)
             ones = [d for d in range(len(shape)) if shape[d] == 1]
-            at_sink = name == sink.weight and sink.weight_dim in ones
-            d = sink.weight_dim if at_sink else next(iter(ones), None)
+            at_sink = read_dim in ones
+            d = read_dim if at_sink else next(iter(ones), None)
             if d is None:
                 raise Unsupported(f"{name}: one unit of one coordinate, but no dim of size 1 holds it")
             return ParamSlice(name, d, 1, 1, at_sink)
@@ -385,7 +396,7 @@ class _Builder:
         lay = layout(u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten(), n)
         if lay is None:
             raise Unsupported(f"{name}: {describe_layout(u1.flatten(), n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim))
+        return ParamSlice(name, d, lay[0], lay[1], m.output or d == read_dim)
 
     def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
         """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie

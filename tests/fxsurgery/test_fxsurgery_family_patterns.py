@@ -1,0 +1,249 @@
+"""Patterns of timm's attention families, built by hand at tiny sizes: a bottleneck width read by two parallel
+projections (HaloNet's query and key/value convolutions read one input); heads read by a transposed convolution
+inside a module the tracer keeps opaque, in a block that hosts a group of its own (LowFormer's attention); a
+depthwise transposed convolution between FFN channels. References come from the model's own layout: a unit is
+masked by zeroing it in the forward, or its weight slices on a copy; the public ``tap`` is a third view of the same
+masking."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import register_notrace_module
+from zoo import train_steps
+
+from fxsurgery import Surgeon
+
+DIM, WIDTH, SIDE = 4, 5, 3
+
+
+class FannedOut(nn.Module):
+    """A pointwise convolution makes ``WIDTH`` channels that two parallel pointwise maps (``q``, ``kv``) both read;
+    their outputs are read by projections of their own. ``zero``: the channel zeroed where both read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, WIDTH, 1)
+        self.norm = nn.BatchNorm2d(WIDTH)
+        self.q = nn.Conv2d(WIDTH, 3, 1)
+        self.kv = nn.Conv2d(WIDTH, 6, 1, bias=False)
+        self.proj = nn.Conv2d(3, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        h = torch.relu(self.norm(self.reduce(x)))
+        if zero is not None:
+            h = h.clone()
+            h[:, zero] = 0
+        k, v = self.kv(h).chunk(2, dim=1)
+        return x + self.proj(torch.sigmoid(self.q(h) * k) * v)
+
+
+def fanned_out() -> nn.Module:
+    torch.manual_seed(0)
+    model = FannedOut().double()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-0.5, 0.5)
+        model.norm.running_var.uniform_(0.5, 1.5)
+    return model
+
+
+def test_a_width_read_by_two_parallel_maps_is_one_group_and_removal_equals_masking() -> None:
+    model, x = fanned_out().eval(), torch.randn(2, DIM, SIDE, SIDE, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if any(sl.name == "q.weight" and sl.dim == 1 for sl in g.slices)]
+    assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
+    assert {sl.name for sl in g.slices if sl.output} == {"q.weight", "kv.weight"}
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        (gc,) = [gc for gc in s_clone.groups if gc.name == g.name]
+        s_clone.clone(gc, 2, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: channel 1's columns of both readers zeroed
+        by_weights.q.weight[:, 1] = 0
+        by_weights.kv.weight[:, 1] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.reduce.out_channels, model.norm.num_features, model.q.in_channels, model.kv.in_channels) \
+        == (WIDTH - 1,) * 4
+
+
+def test_adam_state_follows_a_fanned_out_channel() -> None:
+    model, x = fanned_out().train(), torch.randn(2, DIM, SIDE, SIDE, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if any(sl.name == "kv.weight" and sl.dim == 1 for sl in g.slices)]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    train_steps(model, opt, x)
+    before = {name: opt.state[p]["exp_avg"].clone() for name, p in
+              (("q", model.q.weight), ("kv", model.kv.weight), ("reduce", model.reduce.weight))}
+    s.remove(g, 0)
+    assert torch.equal(opt.state[model.q.weight]["exp_avg"], before["q"][:, 1:])
+    assert torch.equal(opt.state[model.kv.weight]["exp_avg"], before["kv"][:, 1:])
+    assert torch.equal(opt.state[model.reduce.weight]["exp_avg"], before["reduce"][1:])
+    assert torch.isfinite(train_steps(model, opt, x))
+
+
+class TwoLayersRead(nn.Module):
+    """A width made once and read by maps at two different values (a stream through two blocks): not one layer's
+    units, so it stays refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(DIM, WIDTH)
+        self.first = nn.Linear(WIDTH, 3)
+        self.back = nn.Linear(3, WIDTH)
+        self.second = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        h = h + self.back(torch.relu(self.first(h)))
+        return self.second(h)
+
+
+def test_a_width_read_by_maps_at_different_values_stays_refused() -> None:
+    torch.manual_seed(0)
+    model = TwoLayersRead().double()
+    s = Surgeon(model, (torch.randn(2, DIM, dtype=torch.double),))
+    assert not any(sl.name == "second.weight" for g in s.groups for sl in g.slices), s.explain()
+    assert any("read by several linear maps (first.weight, second.weight)" in r for lo in s.left_out
+               for r in lo.reasons), s.explain()
+
+
+HEADS, HEAD_DIM = 3, 2
+
+
+@register_notrace_module  # a leaf of the symbolic trace, as timm keeps its attention modules
+class UpsampledAttention(nn.Module):
+    """Attention on a grid pooled by 2, its heads read by a transposed convolution that upsamples back. ``zero``: the
+    head whose values are zeroed before that read."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Conv2d(DIM, 3 * HEADS * HEAD_DIM, 1, bias=False)
+        self.up = nn.ConvTranspose2d(HEADS * HEAD_DIM, DIM, 2, stride=2)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        pooled = self.qkv(F.avg_pool2d(x, 2))
+        b, _, h, w = pooled.shape
+        q, k, v = pooled.reshape(b, HEADS, 3 * HEAD_DIM, h * w).transpose(-1, -2).chunk(3, dim=-1)
+        values = F.scaled_dot_product_attention(q, k, v)
+        if zero is not None:
+            values = values.clone()
+            values[:, zero] = 0
+        return self.up(values.transpose(-1, -2).reshape(b, HEADS * HEAD_DIM, h, w))
+
+
+class UpsampledBlock(nn.Module):
+    """An FFN of pointwise convolutions and the opaque attention, in one block (the block hosts the FFN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = UpsampledAttention()
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        x = x + self.attn(x, zero)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def upsampled() -> nn.Module:
+    torch.manual_seed(0)
+    return UpsampledBlock().double()
+
+
+def test_heads_read_by_a_transposed_convolution_inside_an_opaque_module_are_a_group() -> None:
+    model, x = upsampled(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if g.kind == "head"]
+    assert (g.count, g.exact, g.module) == (HEADS, True, "attn"), s.explain()
+    assert any(sl.name == "fc1.weight" for h in s.groups for sl in h.slices)  # the block hosts the FFN
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(next(h for h in s_clone.groups if h.kind == "head"), 1, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: head 1's input rows of the transposed kernel zeroed
+        by_weights.attn.up.weight[HEAD_DIM:2 * HEAD_DIM] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.attn.up.in_channels, model.attn.up.out_channels) == ((HEADS - 1) * HEAD_DIM, DIM)
+
+
+def test_adam_state_follows_a_head_read_by_a_transposed_convolution() -> None:
+    model, x = upsampled(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if g.kind == "head"]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    train_steps(model, opt, x)
+    up = model.attn.up.weight
+    before = opt.state[up]["exp_avg"].clone()
+    s.remove(g, 0)
+    assert torch.equal(opt.state[up]["exp_avg"], before[HEAD_DIM:])
+    assert torch.isfinite(train_steps(model, opt, x))
+
+
+class TransposedFeedForward(nn.Module):
+    """FFN channels upsampled by a depthwise transposed convolution (``multiplier`` outputs each) between the
+    pointwise maps. ``zero``: the channel whose upsampled outputs (bias included) are zeroed where ``fc2`` reads
+    them."""
+
+    def __init__(self, multiplier: int):
+        super().__init__()
+        self.multiplier = multiplier
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.up = nn.ConvTranspose2d(WIDTH, WIDTH * multiplier, 2, stride=2, groups=WIDTH)
+        self.fc2 = nn.Conv2d(WIDTH * multiplier, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        h = self.up(F.gelu(self.fc1(x)))
+        if zero is not None:
+            h = h.clone()
+            h[:, zero * self.multiplier:(zero + 1) * self.multiplier] = 0
+        return F.avg_pool2d(self.fc2(h), 2)
+
+
+@pytest.mark.parametrize("multiplier", [1, 2])
+def test_channels_through_a_depthwise_transposed_convolution(multiplier: int) -> None:
+    torch.manual_seed(0)
+    model, x = TransposedFeedForward(multiplier).double(), torch.randn(2, DIM, 3, 3, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
+    with torch.no_grad():
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(s_clone.groups[0], 2, noise_std=0.5)
+        assert (cloned(x) - original(x)).abs().max() < 1e-9
+        s.remove(g, 1)
+        by_weights = copy.deepcopy(original)
+        by_weights.fc2.weight[:, multiplier:2 * multiplier] = 0
+        assert (model(x) - original(x, zero=1)).abs().max() < 1e-9
+        assert (model(x) - by_weights(x)).abs().max() < 1e-9
+    up = model.up
+    assert (up.in_channels, up.groups, up.out_channels, tuple(up.weight.shape[:2])) == \
+        (WIDTH - 1, WIDTH - 1, (WIDTH - 1) * multiplier, (WIDTH - 1, multiplier))

@@ -349,11 +349,33 @@ class _Builder:
             if len(names) == len(sinks) and torch.unique(readers).numel() == readers.numel():
                 return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
                         f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
+            cascade = self.cascade(sinks, ut) if self.head[ut].any() else None
+            if cascade:
+                return cascade
             if self.head[ut].any():  # an attention without an output projection adds its heads to the stream
                 return (f"attention heads read by several linear maps ({shown}) and no output projection of their "
                         "own: their values are the width of the stream they join, not units of one layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
+
+    def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> str | None:
+        """Why heads that feed later heads are no units, or None: one map reads every head (their output
+        projection) and other maps each read only some, at other values (a head's output added to the next head's
+        input, as in cascaded group attention). Removing a head would rewire what the heads after it read, which no
+        slice does, and masking it at the output projection alone leaves it feeding them."""
+        read: dict[str, set[int]] = {}
+        for sink in sinks:
+            read.setdefault(sink.weight, set()).update(sink.columns[torch.isin(sink.columns, ut)].tolist())
+        every = [weight for weight, units in read.items() if len(units) == len(ut)]
+        later = [sink for sink in sinks if sink.weight not in every]
+        if len(every) != 1 or not later or any(sink.input is None for sink in later):
+            return None
+        first = later[0]
+        more = f" (and {len(later) - 1} more maps, each at its own value)" if len(later) > 1 else ""
+        return (f"attention heads that feed later heads: {first.weight} reads some of them at {first.input}{more}, "
+                f"besides their output projection {every[0]}; a head's removal would change what the heads after it "
+                "read (a cascade), which no slice of a tensor does, and masking it at the output projection alone "
+                "leaves it feeding them, so no head is a unit")
 
     def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
         """The sinks that read any of units ``ut`` (columns as classes), in recording order."""

@@ -247,3 +247,52 @@ def test_channels_through_a_depthwise_transposed_convolution(multiplier: int) ->
     up = model.up
     assert (up.in_channels, up.groups, up.out_channels, tuple(up.weight.shape[:2])) == \
         (WIDTH - 1, WIDTH - 1, (WIDTH - 1) * multiplier, (WIDTH - 1, multiplier))
+
+
+class CascadedAttention(nn.Module):
+    """Cascaded group attention (EfficientViT-MSRA): head i reads its chunk of the input plus head i-1's output,
+    each head with its own query/key/value map; the output projection reads every head. ``mask``: head 0's output
+    zeroed where the projection reads it (``"projection"``), or also where head 1 reads it (``"everywhere"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkvs = nn.ModuleList(nn.Conv2d(DIM // 2, 3 * HEAD_DIM, 1) for _ in range(2))
+        self.proj = nn.Conv2d(2 * HEAD_DIM, DIM, 1)
+
+    def forward(self, x: torch.Tensor, mask: str = "") -> torch.Tensor:
+        b, _, h, w = x.shape
+        chunks, outs, feat = x.chunk(2, dim=1), [], None
+        for i, qkv in enumerate(self.qkvs):
+            feat = chunks[i] if feat is None else chunks[i] + (feat * 0 if mask == "everywhere" else feat)
+            q, k, v = qkv(feat).flatten(2).split(HEAD_DIM, dim=1)
+            feat = (v @ (q.transpose(-2, -1) @ k).softmax(dim=-1).transpose(-2, -1)).view(b, HEAD_DIM, h, w)
+            outs.append(feat * 0 if i == 0 and mask else feat)
+        return self.proj(torch.cat(outs, 1))
+
+
+class CascadedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = CascadedAttention()
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+
+    def forward(self, x: torch.Tensor, mask: str = "") -> torch.Tensor:
+        x = x + self.attn(x, mask)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_cascaded_heads_are_refused_naming_where_the_next_head_reads_them() -> None:
+    """A head's output is read by its output projection and added to the next head's input. Removing head 0 means
+    no output of it anywhere (head 1 then reads its own chunk alone); the tap, and a slice of the projection's
+    columns, mask it at the projection only, where it still feeds head 1: in float64 the two differ by O(1), and
+    no slice of a tensor rewires the cascade, so the heads are refused at the node where head 1 reads them."""
+    torch.manual_seed(0)
+    model, x = CascadedBlock().double(), torch.randn(2, DIM, 3, 3, dtype=torch.double)
+    with torch.no_grad():
+        assert (model(x, "projection") - model(x, "everywhere")).abs().max() > 1e-2
+    s = Surgeon(model, (x,))
+    assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
+    (reason,) = [r for lo in s.left_out if lo.module == "attn" for r in lo.reasons]
+    assert reason.startswith("attention heads that feed later heads: attn.qkvs.1.weight reads some of them at "
+                             "add, besides their output projection attn.proj.weight"), reason

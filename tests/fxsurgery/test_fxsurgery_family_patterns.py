@@ -296,3 +296,49 @@ def test_cascaded_heads_are_refused_naming_where_the_next_head_reads_them() -> N
     (reason,) = [r for lo in s.left_out if lo.module == "attn" for r in lo.reasons]
     assert reason.startswith("attention heads that feed later heads: attn.qkvs.1.weight reads some of them at "
                              "add, besides their output projection attn.proj.weight"), reason
+
+
+GROUPS, BLOCK = 2, 2
+
+
+class BilinearTransform(nn.Module):
+    """Bilinear attention (timm's BAT): ``conv1`` reads every channel and makes the pooled statistics from which
+    ``conv_p``/``conv_q`` make one normalised BLOCK×BLOCK transform pair per head; head g transforms its own
+    WIDTH // GROUPS channels (``p @ h @ q``), and ``conv2`` reads them all."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, 2 * GROUPS, 1)
+        self.conv1 = nn.Conv2d(2 * GROUPS, 3, 1)
+        self.conv_p = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (BLOCK, 1))
+        self.conv_q = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (1, BLOCK))
+        self.conv2 = nn.Conv2d(2 * GROUPS, DIM, 1)
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+
+    def transform(self, conv: nn.Module, stats: torch.Tensor, dim: int) -> torch.Tensor:
+        b = stats.shape[0]
+        t = conv(stats).view(b, GROUPS, BLOCK, BLOCK).sigmoid()
+        t = (t / t.sum(dim=dim, keepdim=True)).view(b, GROUPS, 1, BLOCK, BLOCK)
+        return t.expand(b, GROUPS, 2, BLOCK, BLOCK).reshape(b, 2 * GROUPS, BLOCK, BLOCK)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.reduce(x))
+        stats = torch.relu(self.conv1(h))
+        p = self.transform(self.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
+        q = self.transform(self.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
+        x = x + self.conv2(p.matmul(h).matmul(q))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_bilinear_attention_heads_are_refused_at_their_normalisation() -> None:
+    """A head's transform is normalised over its own coordinates (``t / t.sum(dim)``): the sum carries no unit ids,
+    so the division meets a plain tensor along the heads and they are refused there. (A head with its channels would
+    be a unit only if masked at ``conv1``'s read too, which makes every head's transform: in float64 that equals
+    removing it, masking at ``conv2`` alone does not.)"""
+    torch.manual_seed(0)
+    model, x = BilinearTransform().double(), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
+    reasons = [r for lo in s.left_out for r in lo.reasons]
+    assert "truediv: a plain tensor lines up with the unit axis (dim 1)" in reasons, reasons

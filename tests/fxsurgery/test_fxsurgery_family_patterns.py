@@ -192,6 +192,31 @@ def test_heads_read_by_a_transposed_convolution_inside_an_opaque_module_are_a_gr
     assert (model.attn.up.in_channels, model.attn.up.out_channels) == ((HEADS - 1) * HEAD_DIM, DIM)
 
 
+class PreparedUpsampledBlock(UpsampledBlock):
+    """The opaque attention reads channels a convolution of the block makes: the symbolic graph cannot follow them
+    into it, so the block is captured through torch.export, whose graph looks into the attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Conv2d(DIM, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        x = x + self.attn(self.pre(x), zero)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_an_opaque_module_inside_a_captured_block_is_hosted_once() -> None:
+    torch.manual_seed(0)
+    model, x = PreparedUpsampledBlock().double(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert [g.kind for g in s.groups].count("head") == 1, s.explain()  # not once more by the attention itself
+    (g,) = [g for g in s.groups if g.kind == "head"]
+    with torch.no_grad():
+        s.remove(g, 1)
+        assert (model(x) - original(x, zero=1)).abs().max() < 1e-9
+
+
 def test_adam_state_follows_a_head_read_by_a_transposed_convolution() -> None:
     model, x = upsampled(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
     s = Surgeon(model, (x,))

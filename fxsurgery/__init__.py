@@ -13,7 +13,8 @@ Glossary (as the code uses the words):
 - *space*: the fresh ids a linear map (Linear, ``F.linear``, pointwise convolution) gives its output
   features. A class that holds space ids is a unit; units that share a tensor axis form a group.
 - *sink*: the weight whose columns read a unit's coordinates (the output projection). A group has
-  exactly one sink weight; its column slice is an ``output`` slice, and ``tap`` sees its input
+  one sink weight, or several that all read one value (FFN channels fanned out to parallel maps, such as a
+  query and a key/value projection); their column slices are ``output`` slices, and ``tap`` sees their input
   (each installed graph passes that input through the group's tap point).
 - *member*: a parameter or buffer whose elements carry ids (weight rows and columns, biases, norm
   weights); a member whose ids line up with the units along one axis becomes a ``ParamSlice``. A

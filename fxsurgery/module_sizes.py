@@ -25,8 +25,13 @@ def _sync_batch_norm(mod: NormBase, pname: str) -> None:
 
 def _sync_conv(mod: ConvNd, pname: str) -> None:
     """A depthwise convolution (one group per input channel, each making ``multiplier`` outputs) stays
-    depthwise with its multiplier; others keep their groups."""
-    if pname == "weight":
+    depthwise with its multiplier; others keep their groups. A transposed one stores its weight [in, out / groups]."""
+    if pname == "weight" and mod.transposed:
+        rows, per_group = mod.weight.shape[:2]
+        if mod.groups == mod.in_channels:
+            mod.groups = rows
+        mod.in_channels, mod.out_channels = rows, per_group * mod.groups
+    elif pname == "weight":
         out, per_group = mod.weight.shape[:2]
         if mod.groups == mod.in_channels and per_group == 1 and mod.out_channels % mod.in_channels == 0:
             mod.groups = out // (mod.out_channels // mod.in_channels)

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ..capture.call_signature import holds_objects, without_objects
 from ..capture.calls import capture_inputs
+from ..capture.front_ends import SYMBOLIC
 from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module
@@ -64,6 +65,11 @@ class ModelPlan:
     shared: SharedAnalyses
 
 
+def _inside(name: str, outer: str) -> bool:
+    """Module ``name`` lies strictly inside module ``outer`` ("" is the model)."""
+    return name != outer and (not outer or name.startswith(outer + "."))
+
+
 def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     """Trace ``model`` called as ``example`` (args, kwargs), locate the hosts and analyse each kind of host."""
     found = Findings()
@@ -88,6 +94,9 @@ def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_al
     findings = Findings(left_out=list(plan.left_out))
     installer = _Installer(model, editor, findings, plan.shared, describe_alike)
     for host in plan.hosts:
+        # a host inside a module kept whole by the symbolic trace is seen by an outer host captured otherwise
+        if any(_inside(host, outer) and front_end != SYMBOLIC for outer, front_end in findings.front_ends.items()):
+            continue
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
     for name, err in plan.failures:

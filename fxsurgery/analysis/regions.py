@@ -83,8 +83,9 @@ def _submodule_regions(model: nn.Module, example: tuple[tuple, dict],
 
 def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -> list[str]:
     """The outermost modules that host a candidate group (each is traced again on its own), in the order
-    the model runs them (the order their groups appear in the traced graphs)."""
-    found: list[str] = []
+    the model runs them (the order their groups appear in the traced graphs). A host inside a module that another
+    host's graph keeps opaque (a region of its own) is kept: that graph does not see its groups."""
+    found: dict[str, str] = {}  # host -> the region it was found in
     for prefix, gm, values in regions:
         try:
             result = find_groups(gm, values, prefix, locate=True)
@@ -92,11 +93,16 @@ def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -
             leave_out(prefix, [str(err)])
             continue
         for modules in result.located:
-            found.append(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))))
+            found.setdefault(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))), prefix)
         for r in result.refusals:
             leave_out(join_path(prefix, common_module(r.modules)), r.reasons)
-    hosts = list(dict.fromkeys(found))
-    return [h for h in hosts if not any(h.startswith(o + ".") or (o == "" and h) for o in hosts if o != h)]
+    return [h for h, region in found.items()
+            if not any(_within(h, o) and not (_within(region, o) and region != o) for o in found if o != h)]
+
+
+def _within(name: str, ancestor: str) -> bool:
+    """Module ``name`` is ``ancestor`` or inside it ("" holds every module)."""
+    return name == ancestor or not ancestor or name.startswith(ancestor + ".")
 
 
 def _host_within(model: nn.Module, prefix: str, gm: torch.fx.GraphModule, path: str) -> str:

@@ -3,7 +3,8 @@
 Tied ids form classes (connected components of the ties); a class that holds coordinates of a space
 is a unit. Units that share a tensor axis form a group. A group is kept only when every
 tensor it touches can be sliced along one axis in a regular ``[outer][unit][inner]`` layout, one
-Linear reads it (the output projection), and every count-dependent constant can be rewritten.
+Linear reads it (the output projection; or several that read one value, for channels fanned out to parallel maps),
+and every count-dependent constant can be rewritten.
 """
 from __future__ import annotations
 
@@ -324,8 +325,12 @@ class _Builder:
         own = set(units)  # a fused output projection reads other groups' units beside these
         order = list(dict.fromkeys(c for c in sink.columns.tolist() if c in own))
         n = len(units)
-        if sorted(order) != units:
-            return Refusal(self.home_of(k, ut), [f"{sink.weight} reads only some of the units"])
+        read = {}  # the units each projection reads, over its calls
+        for s in sinks:
+            read.setdefault(s.weight, set()).update(c for c in s.columns.tolist() if c in own)
+        partial = next((weight for weight, found in read.items() if sorted(found) != units), None)
+        if partial:
+            return Refusal(self.home_of(k, ut), [f"{partial} reads only some of the units"])
         mods = self.modules_of(k)
         index = torch.full((self.rec.next_id,), NO_ID)
         index[torch.tensor(order)] = torch.arange(n)
@@ -333,11 +338,11 @@ class _Builder:
             members, axes = self.single_head(k, index, sink)
             segments = {}
         else:
-            members = [self.member(m, index, n, sink) for m in self.rec.members]
+            members = [self.member(m, index, n, sinks) for m in self.rec.members]
             members = list(dict.fromkeys(m for m in members if m is not None))
             axes, segments = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, segments, n)
-        sink_member = next(m for m in members if m.output and m.name == sink.weight)
+        read_by = {m.name: m for m in members if m.output}
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({self.rec.mixes[i].reason for i in self.mix_index.holding(ut)})
         kind = "head" if self.head[ut].any() else "channel"
@@ -347,9 +352,7 @@ class _Builder:
         about += self.fused_note(kind, members)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
                          notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
-                         sites=self.sites(sinks, ut, TapLayout(sink_member.outer, sink_member.inner, sink.dim),
-                                          axes, segments),
-                         min_count=min_count)
+                         sites=self.sites(sinks, ut, read_by, axes, segments), min_count=min_count)
 
     @staticmethod
     def fused_note(kind: str, members: list[ParamSlice]) -> list[str]:
@@ -365,16 +368,19 @@ class _Builder:
         return [f"a unit is one {unit} of a projection fused with other layers: {', '.join(parts)}, in a segment "
                 "beside the other layers' (an edit moves the segments after it)"]
 
-    def sites(self, sinks: list[Sink], ut: torch.Tensor, layout: TapLayout, axes: dict[tuple, int],
+    def sites(self, sinks: list[Sink], ut: torch.Tensor, read_by: dict[str, ParamSlice], axes: dict[tuple, int],
               segments: dict[tuple, tuple[int, int]]) -> list[TapSite]:
-        """Every place the units leave for other units, with its input node: the calls of the output projection
-        (the units laid out as ``layout`` there) and the maps that mix them with other heads (a removal masks a
-        head at each). None if one is out of sight (an opaque function's body): no tap could see every use."""
+        """Every place the units leave for other units, with its input node: the calls of the output projections
+        (the units laid out there as the projection's ``read_by`` slice says) and the maps that mix them with other
+        heads (a removal masks a head at each). None if one is out of sight (an opaque function's body): no tap
+        could see every use."""
         reads = [r for r in self.rec.mix_reads if torch.isin(self.cls(r.heads), ut).any()]
         if any(sink.input is None for sink in sinks) or any(r.input is None for r in reads):
             return []
         nodes = {n.name: n for n in self.lab.module.graph.nodes}
-        return [self.piece_site(TapSite(nodes[sink.node], nodes[sink.input], layout), axes, segments)
+        return [self.piece_site(TapSite(nodes[sink.node], nodes[sink.input],
+                                        TapLayout(read_by[sink.weight].outer, read_by[sink.weight].inner, sink.dim)),
+                                axes, segments)
                 for sink in sinks] + \
             [TapSite(nodes[r.node], nodes[r.input], TapLayout(1, 1, r.dim)) for r in reads]
 
@@ -418,10 +424,13 @@ class _Builder:
 
     def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
         """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
-        reads them, or why there is no such single map."""
+        reads them, or by several maps that all read one value (channels fanned out to parallel projections, as
+        a query and a key/value map read one input: a channel removed leaves all of them); or why there is no
+        such reader."""
         sinks = self.sinks_reading(ut)
         names = sorted({sink.weight for sink in sinks})
-        if len(names) != 1:
+        fanned_out = len({sink.input for sink in sinks}) == 1 and sinks[0].input is not None
+        if len(names) != 1 and not (fanned_out and not self.head[ut].any()):
             if not names:
                 return "no linear map reads these units"
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -429,11 +438,33 @@ class _Builder:
             if len(names) == len(sinks) and torch.unique(readers).numel() == readers.numel():
                 return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
                         f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
+            cascade = self.cascade(sinks, ut) if self.head[ut].any() else None
+            if cascade:
+                return cascade
             if self.head[ut].any():  # an attention without an output projection adds its heads to the stream
                 return (f"attention heads read by several linear maps ({shown}) and no output projection of their "
                         "own: their values are the width of the stream they join, not units of one layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
+
+    def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> str | None:
+        """Why heads that feed later heads are no units, or None: one map reads every head (their output
+        projection) and other maps each read only some, at other values (a head's output added to the next head's
+        input, as in cascaded group attention). Removing a head would rewire what the heads after it read, which no
+        slice does, and masking it at the output projection alone leaves it feeding them."""
+        read: dict[str, set[int]] = {}
+        for sink in sinks:
+            read.setdefault(sink.weight, set()).update(sink.columns[torch.isin(sink.columns, ut)].tolist())
+        every = [weight for weight, units in read.items() if len(units) == len(ut)]
+        later = [sink for sink in sinks if sink.weight not in every]
+        if len(every) != 1 or not later or any(sink.input is None for sink in later):
+            return None
+        first = later[0]
+        more = f" (and {len(later) - 1} more maps, each at its own value)" if len(later) > 1 else ""
+        return (f"attention heads that feed later heads: {first.weight} reads some of them at {first.input}{more}, "
+                f"besides their output projection {every[0]}; a head's removal would change what the heads after it "
+                "read (a cascade), which no slice of a tensor does, and masking it at the output projection alone "
+                "leaves it feeding them, so no head is a unit")
 
     def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
         """The sinks that read any of units ``ut`` (columns as classes), in recording order."""
@@ -444,8 +475,8 @@ class _Builder:
         names = {sp.node for sp in self.spaces_of(ut)}
         return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
-    def member(self, m: Member, index: torch.Tensor, n: int, sink: Sink) -> ParamSlice | None:
-        """The slice of a member listing whose ids belong to the units, or None; its read side (the sink's columns, a
+    def member(self, m: Member, index: torch.Tensor, n: int, sinks: list[Sink]) -> ParamSlice | None:
+        """The slice of a member listing whose ids belong to the units, or None; its read side (a sink's columns, a
         head-mixing map's rows) is an ``output`` slice."""
         name = m.name
         c = self.cls(m.ids)
@@ -455,10 +486,11 @@ class _Builder:
         shape = self.shape_of(name)
         u = align(u, len(shape))
         dims = [d for d in range(u.dim()) if varies(u, d)]
-        if not dims and n == 1:  # a unit of one coordinate: its axis is a size-1 dim (columns, for the sink)
+        read_dim = next((sink.weight_dim for sink in sinks if sink.weight == name), None)  # None: no sink's weight
+        if not dims and n == 1:  # a unit of one coordinate: its axis is a size-1 dim (columns, for a sink)
             ones = [d for d in range(len(shape)) if shape[d] == 1]
-            at_sink = name == sink.weight and sink.weight_dim in ones
-            d = sink.weight_dim if at_sink else next(iter(ones), None)
+            at_sink = read_dim in ones
+            d = read_dim if at_sink else next(iter(ones), None)
             if d is None:
                 raise Unsupported(f"{name}: one unit of one coordinate, but no dim of size 1 holds it")
             return ParamSlice(name, d, 1, 1, at_sink)
@@ -476,8 +508,7 @@ class _Builder:
         lay = layout(u1[start:stop], n)
         if lay is None:
             raise Unsupported(f"{name}: {describe_layout(u1, n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], m.output or (name == sink.weight and d == sink.weight_dim), start,
-                          u1.numel() - stop)
+        return ParamSlice(name, d, lay[0], lay[1], m.output or d == read_dim, start, u1.numel() - stop)
 
     def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
         """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie

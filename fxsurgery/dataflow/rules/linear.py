@@ -30,7 +30,7 @@ def linear_labels(s: Step, x: torch.Tensor, xl: Label | None, weight: str | None
             return mixed
     w_rank = 2 if weight is None else _state(s, weight).dim()
     kernel = (1,) * (w_rank - 2)
-    reads, writes = ((-1, 1), (1, -1)) if weight_in_rows else ((1, -1, *kernel), (-1, 1, *kernel))
+    reads, writes = ((-1, 1, *kernel), (1, -1, *kernel)) if weight_in_rows else ((1, -1, *kernel), (-1, 1, *kernel))
     if xl is not None:
         xi = align(xl.ids, x.dim())
         if xl.param or weight is None:
@@ -129,18 +129,19 @@ def addmm(s: Step) -> Label:
     return linear_labels(s, x, xl, weight, (bval, blab, bname), weight_in_rows=True)
 
 
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _CONV_FUNCS = (F.conv1d, F.conv2d, F.conv3d)
+_TRANSPOSED_FUNCS = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
 
 
 @register_rule(*_CONVS, always=True)
 def conv_module(s: Step) -> Label | None:
     mod = s.lab.module.get_submodule(s.node.target)
     bias = (mod.bias, None, f"{s.node.target}.bias" if mod.bias is not None else None)
-    return conv_labels(s, f"{s.node.target}.weight", mod.weight, bias, mod.groups)
+    return conv_labels(s, f"{s.node.target}.weight", mod.weight, bias, mod.groups, transposed=mod.transposed)
 
 
-@register_rule(*_CONV_FUNCS, always=True)
+@register_rule(*_CONV_FUNCS, *_TRANSPOSED_FUNCS, always=True)
 def conv_function(s: Step) -> Label | None:
     raw_w = s.node.args[1] if len(s.node.args) > 1 else s.node.kwargs.get("weight")
     if not _is_state(s, raw_w):  # a computed kernel (or a plain attribute): nothing to slice
@@ -148,10 +149,11 @@ def conv_function(s: Step) -> Label | None:
     bval, blab = s.arg(2, "bias")
     raw_b = s.node.args[2] if len(s.node.args) > 2 else s.node.kwargs.get("bias")
     bname = raw_b.target if getattr(raw_b, "op", None) == "get_attr" else None
-    return conv_labels(s, raw_w.target, s.arg(1, "weight")[0], (bval, blab, bname), s.arg(6, "groups", 1)[0])
+    return conv_labels(s, raw_w.target, s.arg(1, "weight")[0], (bval, blab, bname), s.arg(6, "groups", 1)[0],
+                       transposed=s.node.target in _TRANSPOSED_FUNCS)
 
 
-@RULES.constants(*_CONV_FUNCS)
+@RULES.constants(*_CONV_FUNCS, *_TRANSPOSED_FUNCS)
 def conv_constants(site: Site) -> list[ConstantSpec]:
     """A grouped (depthwise) convolution over the unit axis in a captured graph: its ``groups`` literal is the
     channel count, so it follows the units (a module reads its own ``groups``, which follows them)."""
@@ -167,20 +169,26 @@ def conv_constants(site: Site) -> list[ConstantSpec]:
     return [] if get_path(n, path) == 1 else [site.constant(path, site.in_shape[1])]
 
 
-def conv_labels(s: Step, weight: str, w: torch.Tensor, bias: Any, groups: int) -> Label | None:
+def conv_labels(s: Step, weight: str, w: torch.Tensor, bias: Any, groups: int,
+                transposed: bool = False) -> Label | None:
     """A convolution over all channels is a Linear over channels (dim 1) at each kernel offset: an input
     channel is read by its slice of the weight's dim 1, an output channel made by its rows and bias (spatial
     positions mix, as tokens do not in a Linear, but a channel's coordinates stay its own). A depthwise one
     keeps channels apart (with a channel multiplier, output channel o reads input channel o // multiplier);
-    any other grouping has no rule."""
+    any other grouping has no rule. A ``transposed`` convolution is the same map with its weight stored
+    [in, out / groups, kernel]: its dim 0 reads, its dim 1 makes."""
     x, xl = first_tensor(s)
-    out_channels, in_channels = w.shape[0], w.shape[1] * groups
+    if transposed:
+        in_channels, out_channels = w.shape[0], w.shape[1] * groups
+    else:
+        out_channels, in_channels = w.shape[0], w.shape[1] * groups
     if groups == 1:
-        out = linear_labels(s, x, xl, weight, bias, dim=1)
+        out = linear_labels(s, x, xl, weight, bias, dim=1, weight_in_rows=transposed)
     elif xl is None:
         return None
     elif groups == in_channels and out_channels % in_channels == 0:
-        out = depthwise_labels(s, x, xl, [(weight, w), (bias[2], bias[0])], multiplier=out_channels // in_channels)
+        out = depthwise_labels(s, x, xl, [(weight, w), (bias[2], bias[0])], multiplier=out_channels // in_channels,
+                               out_channels=out_channels)
     else:
         return fallback(s)
     for lab in (xl, out):
@@ -190,19 +198,20 @@ def conv_labels(s: Step, weight: str, w: torch.Tensor, bias: Any, groups: int) -
 
 
 def depthwise_labels(s: Step, x: torch.Tensor, xl: Label, params: list[tuple[str | None, Any]],
-                     multiplier: int = 1) -> Label:
+                     multiplier: int = 1, out_channels: int = 0) -> Label:
     """Channel c of the output reads channel c of the input only (channels ``multiplier``·c to
     ``multiplier``·c + ``multiplier`` - 1 with a channel multiplier): channel ids pass through (space is tied
     within a channel; batch items stay apart, heads folded into the batch too), and every element of the
-    per-channel ``params`` joins its channel (unless heads share it)."""
+    per-channel ``params`` joins its channel (unless heads share it): their elements in ``out_channels`` rows (the
+    first dim's size if not given)."""
     ch, tie = fold(align(xl.ids, x.dim()), list(range(2, x.dim())))
     s.rec.tie(tie)
     if ch.shape[1] > 1:
         ch = ch.repeat_interleave(multiplier, dim=1)
     per_channel = ch.reshape(ch.shape[0], ch.shape[1], 1)
-    for name, p in params:
+    for name, p in params:  # a transposed kernel [in, multiplier, ...] holds the output channels in its first 2 dims
         if name is not None:
-            ids = param_label(s, name, p).ids.reshape(1, p.shape[0], -1)
+            ids = param_label(s, name, p).ids.reshape(1, out_channels or p.shape[0], -1)
             s.rec.tentative.append(pairs(ids, per_channel))
     return Label(ch)
 

@@ -1,0 +1,371 @@
+"""Patterns of timm's attention families, built by hand at tiny sizes: a bottleneck width read by two parallel
+projections (HaloNet's query and key/value convolutions read one input); heads read by a transposed convolution
+inside a module the tracer keeps opaque, in a block that hosts a group of its own (LowFormer's attention); a
+depthwise transposed convolution between FFN channels. References come from the model's own layout: a unit is
+masked by zeroing it in the forward, or its weight slices on a copy; the public ``tap`` is a third view of the same
+masking. Cascaded heads (EfficientViT-MSRA) and bilinear attention (BAT) are pinned where they are refused."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import register_notrace_module
+from zoo import train_steps
+
+from fxsurgery import Surgeon
+
+DIM, WIDTH, SIDE = 4, 5, 3
+
+
+class FannedOut(nn.Module):
+    """A pointwise convolution makes ``WIDTH`` channels that two parallel pointwise maps (``q``, ``kv``) both read;
+    their outputs are read by projections of their own. ``zero``: the channel zeroed where both read it."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, WIDTH, 1)
+        self.norm = nn.BatchNorm2d(WIDTH)
+        self.q = nn.Conv2d(WIDTH, 3, 1)
+        self.kv = nn.Conv2d(WIDTH, 6, 1, bias=False)
+        self.proj = nn.Conv2d(3, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        h = torch.relu(self.norm(self.reduce(x)))
+        if zero is not None:
+            h = h.clone()
+            h[:, zero] = 0
+        k, v = self.kv(h).chunk(2, dim=1)
+        return x + self.proj(torch.sigmoid(self.q(h) * k) * v)
+
+
+def fanned_out() -> nn.Module:
+    torch.manual_seed(0)
+    model = FannedOut().double()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-0.5, 0.5)
+        model.norm.running_var.uniform_(0.5, 1.5)
+    return model
+
+
+def test_a_width_read_by_two_parallel_maps_is_one_group_and_removal_equals_masking() -> None:
+    model, x = fanned_out().eval(), torch.randn(2, DIM, SIDE, SIDE, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if any(sl.name == "q.weight" and sl.dim == 1 for sl in g.slices)]
+    assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
+    assert {sl.name for sl in g.slices if sl.output} == {"q.weight", "kv.weight"}
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        (gc,) = [gc for gc in s_clone.groups if gc.name == g.name]
+        s_clone.clone(gc, 2, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: channel 1's columns of both readers zeroed
+        by_weights.q.weight[:, 1] = 0
+        by_weights.kv.weight[:, 1] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.reduce.out_channels, model.norm.num_features, model.q.in_channels, model.kv.in_channels) \
+        == (WIDTH - 1,) * 4
+
+
+def test_adam_state_follows_a_fanned_out_channel() -> None:
+    model, x = fanned_out().train(), torch.randn(2, DIM, SIDE, SIDE, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if any(sl.name == "kv.weight" and sl.dim == 1 for sl in g.slices)]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    train_steps(model, opt, x)
+    before = {name: opt.state[p]["exp_avg"].clone() for name, p in
+              (("q", model.q.weight), ("kv", model.kv.weight), ("reduce", model.reduce.weight))}
+    s.remove(g, 0)
+    assert torch.equal(opt.state[model.q.weight]["exp_avg"], before["q"][:, 1:])
+    assert torch.equal(opt.state[model.kv.weight]["exp_avg"], before["kv"][:, 1:])
+    assert torch.equal(opt.state[model.reduce.weight]["exp_avg"], before["reduce"][1:])
+    assert torch.isfinite(train_steps(model, opt, x))
+
+
+class TwoLayersRead(nn.Module):
+    """A width made once and read by maps at two different values (a stream through two blocks): not one layer's
+    units, so it stays refused."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(DIM, WIDTH)
+        self.first = nn.Linear(WIDTH, 3)
+        self.back = nn.Linear(3, WIDTH)
+        self.second = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        h = h + self.back(torch.relu(self.first(h)))
+        return self.second(h)
+
+
+def test_a_width_read_by_maps_at_different_values_stays_refused() -> None:
+    torch.manual_seed(0)
+    model = TwoLayersRead().double()
+    s = Surgeon(model, (torch.randn(2, DIM, dtype=torch.double),))
+    assert not any(sl.name == "second.weight" for g in s.groups for sl in g.slices), s.explain()
+    assert any("read by several linear maps (first.weight, second.weight)" in r for lo in s.left_out
+               for r in lo.reasons), s.explain()
+
+
+HEADS, HEAD_DIM = 3, 2
+
+
+@register_notrace_module  # a leaf of the symbolic trace, as timm keeps its attention modules
+class UpsampledAttention(nn.Module):
+    """Attention on a grid pooled by 2, its heads read by a transposed convolution that upsamples back. ``zero``: the
+    head whose values are zeroed before that read."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Conv2d(DIM, 3 * HEADS * HEAD_DIM, 1, bias=False)
+        self.up = nn.ConvTranspose2d(HEADS * HEAD_DIM, DIM, 2, stride=2)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        pooled = self.qkv(F.avg_pool2d(x, 2))
+        b, _, h, w = pooled.shape
+        q, k, v = pooled.reshape(b, HEADS, 3 * HEAD_DIM, h * w).transpose(-1, -2).chunk(3, dim=-1)
+        values = F.scaled_dot_product_attention(q, k, v)
+        if zero is not None:
+            values = values.clone()
+            values[:, zero] = 0
+        return self.up(values.transpose(-1, -2).reshape(b, HEADS * HEAD_DIM, h, w))
+
+
+class UpsampledBlock(nn.Module):
+    """An FFN of pointwise convolutions and the opaque attention, in one block (the block hosts the FFN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = UpsampledAttention()
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        x = x + self.attn(x, zero)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def upsampled() -> nn.Module:
+    torch.manual_seed(0)
+    return UpsampledBlock().double()
+
+
+def test_heads_read_by_a_transposed_convolution_inside_an_opaque_module_are_a_group() -> None:
+    model, x = upsampled(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if g.kind == "head"]
+    assert (g.count, g.exact, g.module) == (HEADS, True, "attn"), s.explain()
+    assert any(sl.name == "fc1.weight" for h in s.groups for sl in h.slices)  # the block hosts the FFN
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(next(h for h in s_clone.groups if h.kind == "head"), 1, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: head 1's input rows of the transposed kernel zeroed
+        by_weights.attn.up.weight[HEAD_DIM:2 * HEAD_DIM] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.attn.up.in_channels, model.attn.up.out_channels) == ((HEADS - 1) * HEAD_DIM, DIM)
+
+
+class PreparedUpsampledBlock(UpsampledBlock):
+    """The opaque attention reads channels a convolution of the block makes: the symbolic graph cannot follow them
+    into it, so the block is captured through torch.export, whose graph looks into the attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Conv2d(DIM, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        x = x + self.attn(self.pre(x), zero)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_an_opaque_module_inside_a_captured_block_is_hosted_once() -> None:
+    torch.manual_seed(0)
+    model, x = PreparedUpsampledBlock().double(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert [g.kind for g in s.groups].count("head") == 1, s.explain()  # not once more by the attention itself
+    (g,) = [g for g in s.groups if g.kind == "head"]
+    with torch.no_grad():
+        s.remove(g, 1)
+        assert (model(x) - original(x, zero=1)).abs().max() < 1e-9
+
+
+def test_adam_state_follows_a_head_read_by_a_transposed_convolution() -> None:
+    model, x = upsampled(), torch.randn(2, DIM, 4, 4, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    (g,) = [g for g in s.groups if g.kind == "head"]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    train_steps(model, opt, x)
+    up = model.attn.up.weight
+    before = opt.state[up]["exp_avg"].clone()
+    s.remove(g, 0)
+    assert torch.equal(opt.state[up]["exp_avg"], before[HEAD_DIM:])
+    assert torch.isfinite(train_steps(model, opt, x))
+
+
+class TransposedFeedForward(nn.Module):
+    """FFN channels upsampled by a depthwise transposed convolution (``multiplier`` outputs each) between the
+    pointwise maps. ``zero``: the channel whose upsampled outputs (bias included) are zeroed where ``fc2`` reads
+    them."""
+
+    def __init__(self, multiplier: int, captured: bool = False):
+        super().__init__()
+        self.multiplier, self.captured = multiplier, captured
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.up = nn.ConvTranspose2d(WIDTH, WIDTH * multiplier, 2, stride=2, groups=WIDTH)
+        self.fc2 = nn.Conv2d(WIDTH * multiplier, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        if self.captured and x.shape[-1] <= 1:  # a branch on a size: only the concrete capture reads it
+            return x
+        h = self.up(F.gelu(self.fc1(x)))
+        if zero is not None:
+            h = h.clone()
+            h[:, zero * self.multiplier:(zero + 1) * self.multiplier] = 0
+        return F.avg_pool2d(self.fc2(h), 2)
+
+
+@pytest.mark.parametrize(("multiplier", "captured"), [(1, False), (2, False), (2, True)])
+def test_channels_through_a_depthwise_transposed_convolution(multiplier: int, captured: bool) -> None:
+    torch.manual_seed(0)
+    model, x = TransposedFeedForward(multiplier, captured).double(), torch.randn(2, DIM, 3, 3, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
+    with torch.no_grad():
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(s_clone.groups[0], 2, noise_std=0.5)
+        assert (cloned(x) - original(x)).abs().max() < 1e-9
+        s.remove(g, 1)
+        by_weights = copy.deepcopy(original)
+        by_weights.fc2.weight[:, multiplier:2 * multiplier] = 0
+        assert (model(x) - original(x, zero=1)).abs().max() < 1e-9
+        assert (model(x) - by_weights(x)).abs().max() < 1e-9
+    up = model.up
+    assert (up.in_channels, up.groups, up.out_channels, tuple(up.weight.shape[:2])) == \
+        (WIDTH - 1, WIDTH - 1, (WIDTH - 1) * multiplier, (WIDTH - 1, multiplier))
+
+
+class CascadedAttention(nn.Module):
+    """Cascaded group attention (EfficientViT-MSRA): head i reads its chunk of the input plus head i-1's output,
+    each head with its own query/key/value map; the output projection reads every head. ``mask``: head 0's output
+    zeroed where the projection reads it (``"projection"``), or also where head 1 reads it (``"everywhere"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkvs = nn.ModuleList(nn.Conv2d(DIM // 2, 3 * HEAD_DIM, 1) for _ in range(2))
+        self.proj = nn.Conv2d(2 * HEAD_DIM, DIM, 1)
+
+    def forward(self, x: torch.Tensor, mask: str = "") -> torch.Tensor:
+        b, _, h, w = x.shape
+        chunks, outs, feat = x.chunk(2, dim=1), [], None
+        for i, qkv in enumerate(self.qkvs):
+            feat = chunks[i] if feat is None else chunks[i] + (feat * 0 if mask == "everywhere" else feat)
+            q, k, v = qkv(feat).flatten(2).split(HEAD_DIM, dim=1)
+            feat = (v @ (q.transpose(-2, -1) @ k).softmax(dim=-1).transpose(-2, -1)).view(b, HEAD_DIM, h, w)
+            outs.append(feat * 0 if i == 0 and mask else feat)
+        return self.proj(torch.cat(outs, 1))
+
+
+class CascadedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = CascadedAttention()
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+
+    def forward(self, x: torch.Tensor, mask: str = "") -> torch.Tensor:
+        x = x + self.attn(x, mask)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_cascaded_heads_are_refused_naming_where_the_next_head_reads_them() -> None:
+    """A head's output is read by its output projection and added to the next head's input. Removing head 0 means
+    no output of it anywhere (head 1 then reads its own chunk alone); the tap, and a slice of the projection's
+    columns, mask it at the projection only, where it still feeds head 1: in float64 the two differ by O(1), and
+    no slice of a tensor rewires the cascade, so the heads are refused at the node where head 1 reads them."""
+    torch.manual_seed(0)
+    model, x = CascadedBlock().double(), torch.randn(2, DIM, 3, 3, dtype=torch.double)
+    with torch.no_grad():
+        assert (model(x, "projection") - model(x, "everywhere")).abs().max() > 1e-2
+    s = Surgeon(model, (x,))
+    assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
+    (reason,) = [r for lo in s.left_out if lo.module == "attn" for r in lo.reasons]
+    assert reason.startswith("attention heads that feed later heads: attn.qkvs.1.weight reads some of them at "
+                             "add, besides their output projection attn.proj.weight"), reason
+
+
+GROUPS, BLOCK = 2, 2
+
+
+class BilinearTransform(nn.Module):
+    """Bilinear attention (timm's BAT): ``conv1`` reads every channel and makes the pooled statistics from which
+    ``conv_p``/``conv_q`` make one normalised BLOCK×BLOCK transform pair per head; head g transforms its own
+    WIDTH // GROUPS channels (``p @ h @ q``), and ``conv2`` reads them all."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, 2 * GROUPS, 1)
+        self.conv1 = nn.Conv2d(2 * GROUPS, 3, 1)
+        self.conv_p = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (BLOCK, 1))
+        self.conv_q = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (1, BLOCK))
+        self.conv2 = nn.Conv2d(2 * GROUPS, DIM, 1)
+        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
+        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+
+    def transform(self, conv: nn.Module, stats: torch.Tensor, dim: int) -> torch.Tensor:
+        b = stats.shape[0]
+        t = conv(stats).view(b, GROUPS, BLOCK, BLOCK).sigmoid()
+        t = (t / t.sum(dim=dim, keepdim=True)).view(b, GROUPS, 1, BLOCK, BLOCK)
+        return t.expand(b, GROUPS, 2, BLOCK, BLOCK).reshape(b, 2 * GROUPS, BLOCK, BLOCK)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.reduce(x))
+        stats = torch.relu(self.conv1(h))
+        p = self.transform(self.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
+        q = self.transform(self.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
+        x = x + self.conv2(p.matmul(h).matmul(q))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_bilinear_attention_heads_are_refused_at_their_normalisation() -> None:
+    """A head's transform is normalised over its own coordinates (``t / t.sum(dim)``): the sum carries no unit ids,
+    so the division meets a plain tensor along the heads and they are refused there. (A head with its channels would
+    be a unit only if masked at ``conv1``'s read too, which makes every head's transform: in float64 that equals
+    removing it, masking at ``conv2`` alone does not.)"""
+    torch.manual_seed(0)
+    model, x = BilinearTransform().double(), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
+    reasons = [r for lo in s.left_out for r in lo.reasons]
+    assert "truediv: a plain tensor lines up with the unit axis (dim 1)" in reasons, reasons

@@ -7,12 +7,12 @@ import pickle
 import weakref
 
 import pytest
-import timm
 import torch
 from zoo import Style, TinyTransformer
 
 import barter
 from barter import ExportError
+from barter.rebuild import timm_with_models
 from barter.serialization import write_manifest
 from fxsurgery import Surgeon
 
@@ -39,7 +39,7 @@ def transferred(model: torch.nn.Module, x: torch.Tensor, **wrap_options) -> bart
 
 def compact_timm(name: str, kwargs: dict) -> tuple[torch.nn.Module, barter.Controller, int]:
     torch.manual_seed(0)
-    model = timm.create_model(name, **kwargs)
+    model = timm_with_models().create_model(name, **kwargs)
     dense = parameters(model)
     return model, transferred(model, torch.randn(4, 3, 32, 32)), dense
 
@@ -97,7 +97,7 @@ def test_overrides_are_read_back_off_the_model(tmp_path, name, kwargs):
     """timm keeps the registered config of a model built with overrides; the export reads them off the model,
     compact after transfers or dense, and `barter.load` rebuilds it without being told anything."""
     torch.manual_seed(0)
-    model = timm.create_model(name, **kwargs)
+    model = timm_with_models().create_model(name, **kwargs)
     size = kwargs["img_size"]
     if name.startswith("vit"):
         transferred(model, torch.randn(4, 3, size, size))
@@ -109,7 +109,8 @@ def test_overrides_are_read_back_off_the_model(tmp_path, name, kwargs):
 def test_an_export_that_would_not_reload_is_refused(tmp_path):
     """Arguments that cannot be read off the model (LayerScale's init_values) make the export fail, naming what
     to pass; passing it exports a directory that loads. Nothing is left at the refused path."""
-    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, init_values=1e-5)
+    model = timm_with_models().create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                                            init_values=1e-5)
     with pytest.raises(ExportError, match=r"does not rebuild this model \(keys only the model has: \['blocks\.0\.ls1"
                                           r".*pass .*model_kwargs="):
         barter.export(model, tmp_path / "model")
@@ -159,7 +160,7 @@ def test_model_barter_did_not_resize(tmp_path):
     assert read_topology(tmp_path / "copy")["groups"] == read_topology(barter.export(model, tmp_path / "model"))[
         "groups"]
     assert_same_outputs(copied, loaded, torch.randn(3, 3, 32, 32))
-    dense = timm.create_model(CCT[0], num_classes=5)
+    dense = timm_with_models().create_model(CCT[0], num_classes=5)
     groups = read_topology(barter.export(dense, tmp_path / "dense"))["groups"]
     assert groups and all(g["count"] == g["max_count"] for g in groups)
     assert read_topology(tmp_path / "dense")["model_kwargs"] == {"num_classes": 5}
@@ -242,17 +243,17 @@ def test_mismatched_topology_or_model_leaves_the_model_unchanged(tmp_path):
     channel["count"] -= 1  # the weights no longer fit the recorded topology
     (path / "topology.json").write_text(json.dumps(topology))
     write_manifest(path)  # a topology written so, not damaged
-    fresh = timm.create_model(CCT[0])
+    fresh = timm_with_models().create_model(CCT[0])
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(ExportError, match=r"does not fit CCT .*shapes: .*mlp\.fc1\.weight is \["):
         barter.load(path, model=fresh)
     assert fresh.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
-    deeper = timm.create_model(CCT[0], depth=3)
+    deeper = timm_with_models().create_model(CCT[0], depth=3)
     with pytest.raises(ExportError, match=r"missing keys: \['blocks\.2\."):
         barter.load(barter.export(model, tmp_path / "model"), model=deeper)
     with pytest.raises(ExportError, match="no unit group 'blocks.1.attn:head'"):
-        barter.load(tmp_path / "model", model=timm.create_model(CCT[0], depth=1))
+        barter.load(tmp_path / "model", model=timm_with_models().create_model(CCT[0], depth=1))
 
 
 def test_recorded_analyses_do_not_keep_models_alive(tmp_path):

@@ -14,6 +14,7 @@ from .slicing import ParamSlice, by_tensor, clone_state, clone_unit, in_turn, st
 from .taps import TapPoint
 
 TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
+CONSTANT_PREFIX = "_fxsurgery_constant"  # the host attributes that hold count-dependent graph constants (slots)
 
 
 class TensorAccess:
@@ -151,8 +152,8 @@ def bind_constants(module: nn.Module, consts: list[ConstantSpec], count: int,
         seen.add((c.node, c.path))
         slot = next((s for s in slots if s.per_unit == c.per_unit), None)
         if slot is None:
-            k = sum(name.startswith("_fxsurgery_constant") for name in module.__dict__)
-            slot = ConstantSlot(f"_fxsurgery_constant{k}", c.per_unit)
+            k = sum(name.startswith(CONSTANT_PREFIX) for name in module.__dict__)
+            slot = ConstantSlot(f"{CONSTANT_PREFIX}{k}", c.per_unit)
             module.__dict__[slot.attr] = c.per_unit * count
             slots.append(slot)
         with c.node.graph.inserting_before(c.node):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -13,9 +14,9 @@ from ..capture.front_ends import SYMBOLIC
 from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module
-from ..editing import Editor, bind_constants
+from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError
-from ..groups import GroupPlumbing, LeftOut, UnitGroup
+from ..groups import ConstantSlot, GroupPlumbing, LeftOut, UnitGroup
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .own_forward import GroupRecord
@@ -49,6 +50,19 @@ class SharedAnalyses:
     checked: dict[tuple, str | None] = field(default_factory=dict)
     own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
     recaptured: Analyses = field(default_factory=dict)
+    bound: dict[tuple, BoundGraphs] = field(default_factory=dict)
+
+
+@dataclass
+class BoundGraphs:
+    """A host's graphs as installed: count constants read from its slots, projections routed through its tap
+    points (per group), and their generated code by graph id. Graphs are never changed once installed, so
+    hosts built alike, whose attributes get the same names, share them."""
+
+    analysis: HostAnalysis
+    slots: list[list[ConstantSlot]]
+    points: list[str]
+    compiled: dict[int, Callable[..., Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,16 +182,14 @@ class _Installer:
             self.describe(host, key, template, passes_objects=passes_objects)
             return
         self.installed.add(key)
-        found = template.copy()
         if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
             self.shared.meta_copies[key] = meta_template(module)
-        module.__dict__.update(found.tensors)  # plain attributes: the state_dict keeps its keys
-        slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
-        points = [add_tap_point(module, hg) for hg in found.groups]
-        forward = GraphForward(module, found.graphs, inputs)
+        bound = self.bind(module, key, template)
+        forward = GraphForward(module, bound.analysis.graphs, inputs, compiled=bound.compiled)
         forward.install()
         served, offered, failed = [], [], []
-        for hg, group_slots, point in zip(found.groups, slots, points):
+        for hg, shared_slots, point in zip(bound.analysis.groups, bound.slots, bound.points):
+            group_slots = list(shared_slots)  # the host's own: a capture for another call may add to it
             g = self.make_group(host, hg.spec)
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
                                                     constants=hg.constants, slots=group_slots)
@@ -201,6 +213,27 @@ class _Installer:
             server.fit_own_forward()
             self.shared.own_forwards[key] = server.fit
             self.limit_to_own_forward(offered, server.fit)
+
+    def bind(self, module: nn.Module, key: tuple, template: HostAnalysis) -> BoundGraphs:
+        """Set the host's slots, tap points and traced constants as plain attributes (the state_dict keeps its
+        keys), over graphs that read them: those of a host built alike if one was bound before, else a copy of
+        the template's, rewritten here."""
+        fresh = not any(k.startswith((CONSTANT_PREFIX, POINT_PREFIX)) for k in module.__dict__)
+        bound = self.shared.bound.get(key) if fresh else None
+        if bound is not None:
+            module.__dict__.update(bound.analysis.tensors)
+            for hg, slots in zip(bound.analysis.groups, bound.slots):
+                for slot in slots:
+                    module.__dict__[slot.attr] = slot.per_unit * hg.spec.count
+            module.__dict__.update({point: TapPoint() for point in bound.points})
+            return bound
+        found = template.copy()
+        module.__dict__.update(found.tensors)
+        slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
+        bound = BoundGraphs(found, slots, [add_tap_point(module, hg) for hg in found.groups])
+        if fresh:  # attributes named as on any host built alike
+            self.shared.bound[key] = bound
+        return bound
 
     def describe(self, host: str, key: tuple, template: HostAnalysis, *, passes_objects: bool) -> None:
         """Offer the groups of a host built alike as one installed before, by that host's self-check outcomes and

@@ -61,7 +61,7 @@ class GraphForward:
     """Runs the graph captured for the call's signature (train/eval mode included)."""
 
     def __init__(self, module: torch.nn.Module, graphs: dict[bool, torch.fx.Graph], analysed: tuple[tuple, dict],
-                 server: CallServer | None = None):
+                 server: CallServer | None = None, compiled: dict[int, Callable[..., Any]] | None = None):
         self.module = module
         self.server = server
         self.inner = [(name, m) for name, m in module.named_modules() if name]  # whose hooks a graph would skip
@@ -71,11 +71,12 @@ class GraphForward:
             (self.analysed_in[mode], g) for mode, g in graphs.items())
         self.served: dict[tuple, str] = {key: "analysed" for key in self.graphs}
         self.fns: dict[tuple, Callable[..., Any]] = {}
-        self.compile()
+        self.compile(compiled)
 
-    def compile(self) -> None:
-        """Generate the code of every graph (count-dependent constants are host attributes, read at run time)."""
-        compiled: dict[int, Callable[..., Any]] = {}
+    def compile(self, compiled: dict[int, Callable[..., Any]] | None = None) -> None:
+        """Generate the code of every graph (count-dependent constants are host attributes, read at run time);
+        ``compiled``: code generated before, by graph id (hosts built alike share their graphs and its code)."""
+        compiled = {} if compiled is None else compiled
         for key, g in self.graphs.items():
             if g is None:
                 self.fns[key] = self.server.own_forward()

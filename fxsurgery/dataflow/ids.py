@@ -108,6 +108,8 @@ def pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             a, b = _without_repeats([a, b], d)
     a, b = broadcast(a, b)
     keep = (a != NO_ID) & (b != NO_ID)
+    if bool(keep.all()):  # the same pairs in the same order, without a masked copy
+        return unique_pairs(torch.stack([a.reshape(-1), b.reshape(-1)], dim=1))
     return unique_pairs(torch.stack([a[keep], b[keep]], dim=1))
 
 

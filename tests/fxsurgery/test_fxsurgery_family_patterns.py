@@ -3,7 +3,8 @@ projections (HaloNet's query and key/value convolutions read one input); heads r
 inside a module the tracer keeps opaque, in a block that hosts a group of its own (LowFormer's attention); a
 depthwise transposed convolution between FFN channels. References come from the model's own layout: a unit is
 masked by zeroing it in the forward, or its weight slices on a copy; the public ``tap`` is a third view of the same
-masking. Cascaded heads (EfficientViT-MSRA) and bilinear attention (BAT) are pinned where they are refused."""
+masking. Cascaded heads (EfficientViT-MSRA) and bilinear attention (BAT) are pinned where they are refused; BAT's
+adaptive max pooling, captured through torch.export, keeps channel groups exact."""
 from __future__ import annotations
 
 import copy
@@ -369,3 +370,50 @@ def test_bilinear_attention_heads_are_refused_at_their_normalisation() -> None:
     assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
     reasons = [r for lo in s.left_out for r in lo.reasons]
     assert "truediv: a plain tensor lines up with the unit axis (dim 1)" in reasons, reasons
+
+
+class MaxPooledGate(nn.Module):
+    """A channel width pooled by an adaptive max pool and read by a pointwise map. The forward branches on the input
+    size, so the model is captured through torch.export, whose graph records ATen's adaptive max pooling. ``zero``:
+    the channel zeroed before the pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, WIDTH, 1)
+        self.expand = nn.Conv2d(WIDTH, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        h = torch.relu(self.reduce(x))
+        if zero is not None:
+            h = h.clone()
+            h[:, zero] = 0
+        size = (BLOCK, 1) if x.shape[-1] % BLOCK == 0 else (1, 1)
+        return x * torch.sigmoid(self.expand(F.adaptive_max_pool2d(h, size)))
+
+
+def test_a_channel_group_through_a_captured_adaptive_max_pool_is_exact() -> None:
+    torch.manual_seed(0)
+    model, x = MaxPooledGate().double(), torch.randn(2, DIM, BLOCK, 2 * BLOCK, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert "torch.export" in s.explain(), s.explain()
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(s_clone.groups[0], 2, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: channel 1's column of the reader zeroed
+        by_weights.expand.weight[:, 1] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.reduce.out_channels, model.expand.in_channels) == (WIDTH - 1,) * 2

@@ -104,6 +104,14 @@ def _upsample(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_function", F.interpolate, (x,), {**options, "mode": mode}
 
 
+@lowers(aten.adaptive_max_pool1d, aten.adaptive_max_pool2d, aten.adaptive_max_pool3d)
+def _adaptive_max_pool(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """ATen's adaptive max pooling returns values and indices, read by position: ``F.adaptive_max_pool<n>d`` with
+    ``return_indices`` returns the same pair."""
+    fn = getattr(F, _opname(node))
+    return "call_function", fn, args[:2], {"return_indices": True}
+
+
 @lowers(aten.embedding)
 def _embedding(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     weight, indices, *rest = args

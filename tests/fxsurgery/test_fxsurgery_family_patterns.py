@@ -3,10 +3,12 @@ projections (HaloNet's query and key/value convolutions read one input); heads r
 inside a module the tracer keeps opaque, in a block that hosts a group of its own (LowFormer's attention); a
 depthwise transposed convolution between FFN channels. References come from the model's own layout: a unit is
 masked by zeroing it in the forward, or its weight slices on a copy; the public ``tap`` is a third view of the same
-masking. Cascaded heads (EfficientViT-MSRA) and bilinear attention (BAT) are pinned where they are refused."""
+masking. Cascaded heads (EfficientViT-MSRA) and bilinear attention (BAT) are pinned where they are refused; BAT's
+adaptive max pooling, captured through torch.export, keeps channel groups exact."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -358,14 +360,131 @@ class BilinearTransform(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
-def test_bilinear_attention_heads_are_refused_at_their_normalisation() -> None:
-    """A head's transform is normalised over its own coordinates (``t / t.sum(dim)``): the sum carries no unit ids,
-    so the division meets a plain tensor along the heads and they are refused there. (A head with its channels would
-    be a unit only if masked at ``conv1``'s read too, which makes every head's transform: in float64 that equals
-    removing it, masking at ``conv2`` alone does not.)"""
+def test_bilinear_attention_heads_are_refused_at_their_two_reads() -> None:
+    """A head's transform is normalised over its own coordinates (``t / t.sum(dim)``), which keeps its ids; a head
+    with its channels is then read by ``conv1``, which makes every head's transform, and by ``conv2``: it would be a
+    unit only if masked at both reads (in float64 that equals removing it, masking at ``conv2`` alone does not), and
+    the grouping refuses heads read by several maps."""
     torch.manual_seed(0)
     model, x = BilinearTransform().double(), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
     s = Surgeon(model, (x,))
     assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
     reasons = [r for lo in s.left_out for r in lo.reasons]
-    assert "truediv: a plain tensor lines up with the unit axis (dim 1)" in reasons, reasons
+    assert any(r.startswith("attention heads read by several linear maps (conv1.weight, conv2.weight)")
+               for r in reasons), reasons
+
+
+class MaxPooledGate(nn.Module):
+    """A channel width pooled by an adaptive max pool and read by a pointwise map. The forward branches on the input
+    size, so the model is captured through torch.export, whose graph records ATen's adaptive max pooling. ``zero``:
+    the channel zeroed before the pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, WIDTH, 1)
+        self.expand = nn.Conv2d(WIDTH, DIM, 1)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        h = torch.relu(self.reduce(x))
+        if zero is not None:
+            h = h.clone()
+            h[:, zero] = 0
+        size = (BLOCK, 1) if x.shape[-1] % BLOCK == 0 else (1, 1)
+        return x * torch.sigmoid(self.expand(F.adaptive_max_pool2d(h, size)))
+
+
+def test_a_channel_group_through_a_captured_adaptive_max_pool_is_exact() -> None:
+    torch.manual_seed(0)
+    model, x = MaxPooledGate().double(), torch.randn(2, DIM, BLOCK, 2 * BLOCK, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert "torch.export" in s.explain(), s.explain()
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(s_clone.groups[0], 2, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: channel 1's column of the reader zeroed
+        by_weights.expand.weight[:, 1] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.reduce.out_channels, model.expand.in_channels) == (WIDTH - 1,) * 2
+
+
+LENGTH = 5
+
+
+class MadeWeights(nn.Module):
+    """Attention whose per-head weights a linear map makes from each token (no query·key product), each head's
+    normalised over its own coordinates (``w / w.sum(dim)``, as BAT normalises its transforms). ``zero``: the head
+    whose values are zeroed before the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = nn.Linear(DIM, HEADS * LENGTH)
+        self.v = nn.Linear(DIM, HEADS * HEAD_DIM)
+        self.proj = nn.Linear(HEADS * HEAD_DIM, DIM)
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        w = self.weights(x).view(b, n, HEADS, LENGTH).transpose(1, 2).sigmoid()
+        w = w / w.sum(dim=-1, keepdim=True)
+        out = w @ self.v(x).view(b, n, HEADS, HEAD_DIM).transpose(1, 2)
+        if zero is not None:
+            out = out.clone()
+            out[:, zero] = 0
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, HEADS * HEAD_DIM))
+
+
+def test_heads_normalised_over_their_own_coordinates_are_an_exact_group() -> None:
+    torch.manual_seed(0)
+    model, x = MadeWeights().double(), torch.randn(2, LENGTH, DIM, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("head", HEADS, True), s.explain()
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(s_clone.groups[0], 1, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)  # the second oracle: head 1's columns of the output projection zeroed
+        by_weights.proj.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+    assert (model.weights.out_features, model.v.out_features) == ((HEADS - 1) * LENGTH, (HEADS - 1) * HEAD_DIM)
+
+
+def test_a_reduction_over_coordinates_of_several_units_is_inexact() -> None:
+    """The same weights normalised over all heads at once (``w / w.sum((1, 3))``): the sum mixes heads, so
+    removing one changes the others and the group is inexact, named at the reduction."""
+    class Mixed(MadeWeights):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, n, _ = x.shape
+            w = self.weights(x).view(b, n, HEADS, LENGTH).transpose(1, 2).sigmoid()
+            w = w / w.sum(dim=(1, 3), keepdim=True)
+            out = w @ self.v(x).view(b, n, HEADS, HEAD_DIM).transpose(1, 2)
+            return x + self.proj(out.transpose(1, 2).reshape(b, n, HEADS * HEAD_DIM))
+
+    torch.manual_seed(0)
+    s = Surgeon(Mixed().double(), (torch.randn(2, LENGTH, DIM, dtype=torch.double),))
+    assert not any(g.exact and g.kind == "head" for g in s.groups), s.explain()
+    assert re.search(r"note: sum\w*: reduction", s.explain()), s.explain()

@@ -231,11 +231,15 @@ _POOL_FUNCS = (
 @register_rule(*_POOL_MODULES, nn.Upsample, *_POOL_FUNCS, F.interpolate)
 def pool(s: Step) -> Label | None:
     """Pooling and resampling over space keep channels (dim 1) apart, like a depthwise convolution without
-    weights (a position embedding resized to another grid keeps its channels)."""
+    weights (a position embedding resized to another grid keeps its channels). A max pool's indices too are per
+    channel: they carry the values' labels."""
     x, xl = first_tensor(s)
-    if not torch.is_tensor(s.out) or x.dim() < 3:  # indices returned too, or an unbatched input
+    pair = isinstance(s.out, tuple) and len(s.out) == 2 and all(torch.is_tensor(o) for o in s.out) \
+        and s.out[0].shape == s.out[1].shape
+    if not (torch.is_tensor(s.out) or pair) or x.dim() < 3:  # an unbatched input
         return fallback(s)
-    return depthwise_labels(s, x, xl, [])
+    label = depthwise_labels(s, x, xl, [])
+    return (label, label) if pair else label
 
 
 @register_rule(nn.Embedding, F.embedding, always=True)

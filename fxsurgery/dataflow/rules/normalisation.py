@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..constants import ConstantSpec, Site
-from ..ids import align
+from ..ids import align, varies
 from ..labeller import Label, Step
 from ..records import NonEmpty, Weighing
 from .base import RULES, elementwise_labels, first_tensor, mix, param_label, register_rule, wrap_dim
@@ -142,8 +142,10 @@ def reduce(s: Step) -> Label | None:
     listed = dim if isinstance(dim, (tuple, list)) else [dim]
     dims = list(range(x.dim())) if dim is None else [wrap_dim(d, x.dim()) for d in listed]
     mix(s, ids, dims, "reduction")
-    if any(ids.shape[d] > 1 for d in dims):
-        return None
+    if any(varies(ids, d) for d in dims):
+        if not any(varies(ids, d) for d in range(x.dim()) if d not in dims):
+            return None
+        ids = ids.amax(dim=dims, keepdim=True)  # within blocks (a head's own coordinates): as the mix represents them
     keep = s.out.dim() == x.dim()
     out = ids if keep else ids.reshape([n for k, n in enumerate(ids.shape) if k not in dims])
     return Label(out, xl.param)

@@ -18,12 +18,14 @@ run: $(STAMP)
 	$(VENV)/bin/barter train
 
 # `test` runs the tests in two worker processes (pytest-xdist), one per core: each test runs on one intra-op
-# thread (tests/conftest.py), so one process would leave a core idle. It then executes the example notebooks
+# thread (tests/conftest.py), so one process would leave a core idle. The tests that fork processes (marked
+# `forks` by tests/conftest.py) run after them in one process of their own. It then executes the example notebooks
 # (nbmake, in the venv's own kernel; a cell past 3 minutes fails). Their models are tiny, so one intra-op thread
 # costs little and keeps torch from slowing down several-fold when other processes compete for the cores.
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not forks" tests
+	$(PY) -m pytest -q -m "forks and not slow" tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
 # The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py).

@@ -4,6 +4,7 @@ when other processes share the two cores.
 Hypothesis draws afresh on every run: the profile (``HYPOTHESIS_PROFILE``: ``ci`` by default,
 ``soak`` for ``make soak``) sets how many examples, and the run's seed is printed at the end so a
 failure can be replayed with ``--hypothesis-seed=<seed>``."""
+import inspect
 import os
 import random
 
@@ -25,6 +26,22 @@ def pytest_configure(config: pytest.Config) -> None:
     """Pick the run's seed (unless ``--hypothesis-seed`` gave one) and hand it to hypothesis' plugin."""
     if getattr(config.option, "hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(random.randrange(2**32))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``forks`` the tests of modules that fork processes: `make test` runs them in a process of their own,
+    after the others, because a fork copies the threads that earlier tests in its process started (autograd's
+    device threads make a forked child's backward fail)."""
+    forking: dict[str, bool] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        if module.__name__ not in forking:
+            forking[module.__name__] = "fork_processes" in vars(module) or "os.fork(" in inspect.getsource(module)
+        if forking[module.__name__]:
+            item.add_marker(pytest.mark.forks)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:

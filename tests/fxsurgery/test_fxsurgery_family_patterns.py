@@ -393,6 +393,31 @@ class MaxPooledGate(nn.Module):
         return x * torch.sigmoid(self.expand(F.adaptive_max_pool2d(h, size)))
 
 
+def assert_clone_and_removal_of_unit_1(original: nn.Module, model: nn.Module, s: Surgeon, x: torch.Tensor, *,
+                                       clone: int, zero_weights) -> None:
+    """A clone of unit ``clone`` (on a fresh copy) keeps the outputs; removing unit 1 of ``model``'s one group
+    equals zeroing it in the forward (``original(x, zero=1)``), through ``tap``, and on a copy of the original
+    whose weights ``zero_weights`` zeroes."""
+    (g,) = s.groups
+    with torch.no_grad():
+        y0 = original(x)
+        cloned = copy.deepcopy(original)
+        s_clone = Surgeon(cloned, (x,))
+        s_clone.clone(s_clone.groups[0], clone, noise_std=0.5)
+        assert (cloned(x) - y0).abs().max() < 1e-9
+        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(g, 1)
+        removed = model(x)
+        reference = original(x, zero=1)
+        by_weights = copy.deepcopy(original)
+        zero_weights(by_weights)
+        assert (removed - reference).abs().max() < 1e-9
+        assert (tapped - reference).abs().max() < 1e-9
+        assert (removed - by_weights(x)).abs().max() < 1e-9
+
+
 def test_a_channel_group_through_a_captured_adaptive_max_pool_is_exact() -> None:
     torch.manual_seed(0)
     model, x = MaxPooledGate().double(), torch.randn(2, DIM, BLOCK, 2 * BLOCK, dtype=torch.double)
@@ -401,23 +426,10 @@ def test_a_channel_group_through_a_captured_adaptive_max_pool_is_exact() -> None
     assert "torch.export" in s.explain(), s.explain()
     (g,) = s.groups
     assert (g.kind, g.count, g.exact) == ("channel", WIDTH, True), s.explain()
-    with torch.no_grad():
-        y0 = original(x)
-        cloned = copy.deepcopy(original)
-        s_clone = Surgeon(cloned, (x,))
-        s_clone.clone(s_clone.groups[0], 2, noise_std=0.5)
-        assert (cloned(x) - y0).abs().max() < 1e-9
-        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
-        tapped = model(x)
-        handle.remove()
-        s.remove(g, 1)
-        removed = model(x)
-        reference = original(x, zero=1)
-        by_weights = copy.deepcopy(original)  # the second oracle: channel 1's column of the reader zeroed
-        by_weights.expand.weight[:, 1] = 0
-        assert (removed - reference).abs().max() < 1e-9
-        assert (tapped - reference).abs().max() < 1e-9
-        assert (removed - by_weights(x)).abs().max() < 1e-9
+    def zero_channel_1(copied: nn.Module) -> None:  # the second oracle: channel 1's column of the reader zeroed
+        copied.expand.weight[:, 1] = 0
+
+    assert_clone_and_removal_of_unit_1(original, model, s, x, clone=2, zero_weights=zero_channel_1)
     assert (model.reduce.out_channels, model.expand.in_channels) == (WIDTH - 1,) * 2
 
 
@@ -453,23 +465,10 @@ def test_heads_normalised_over_their_own_coordinates_are_an_exact_group() -> Non
     s = Surgeon(model, (x,))
     (g,) = s.groups
     assert (g.kind, g.count, g.exact) == ("head", HEADS, True), s.explain()
-    with torch.no_grad():
-        y0 = original(x)
-        cloned = copy.deepcopy(original)
-        s_clone = Surgeon(cloned, (x,))
-        s_clone.clone(s_clone.groups[0], 1, noise_std=0.5)
-        assert (cloned(x) - y0).abs().max() < 1e-9
-        handle = s.tap(g, lambda a: a[..., 1, :].zero_())
-        tapped = model(x)
-        handle.remove()
-        s.remove(g, 1)
-        removed = model(x)
-        reference = original(x, zero=1)
-        by_weights = copy.deepcopy(original)  # the second oracle: head 1's columns of the output projection zeroed
-        by_weights.proj.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
-        assert (removed - reference).abs().max() < 1e-9
-        assert (tapped - reference).abs().max() < 1e-9
-        assert (removed - by_weights(x)).abs().max() < 1e-9
+    def zero_head_1(copied: nn.Module) -> None:  # the second oracle: head 1's columns of the output projection zeroed
+        copied.proj.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
+
+    assert_clone_and_removal_of_unit_1(original, model, s, x, clone=1, zero_weights=zero_head_1)
     assert (model.weights.out_features, model.v.out_features) == ((HEADS - 1) * LENGTH, (HEADS - 1) * HEAD_DIM)
 
 

@@ -3,6 +3,7 @@ must follow them. Every edit is vectorised and touches only the group's own tens
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from typing import Callable, Sequence
 
 import torch
@@ -80,21 +81,38 @@ class ParamSlice:
 def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:
     """Each group's count (``groups``: the slices of each) from the sizes of the dims they slice (``size(name,
     dim)``): a dim's size is the sum, over the groups with a segment there, of width per unit × count (the segments
-    of the groups offered tile every dim they slice). None unless the sizes tell one whole count per group."""
+    of the groups offered tile every dim they slice). None unless the sizes tell one whole count per group. Solved
+    in exact arithmetic on Python numbers, so no tensor op runs (a forward being exported may ask)."""
     widths: dict[tuple[str, int], dict[int, int]] = {}
     for i, slices in enumerate(groups):
         for sl in slices:
             widths.setdefault((sl.name, sl.dim), {})[i] = sl.outer * sl.inner
     if not groups or not widths:
         return [] if not groups else None
-    keys = list(widths)
-    matrix = torch.tensor([[widths[key].get(i, 0) for i in range(len(groups))] for key in keys], dtype=torch.float64)
-    sizes = torch.tensor([[float(size(*key))] for key in keys], dtype=torch.float64)
-    counts = torch.linalg.lstsq(matrix, sizes).solution.round()
-    if int(torch.linalg.matrix_rank(matrix)) < len(groups) or not torch.equal(matrix @ counts, sizes) \
-            or (counts < 0).any():
+    rows = [[Fraction(held.get(i, 0)) for i in range(len(groups))] + [Fraction(int(size(*key)))]
+            for key, held in widths.items()]
+    counts = _exact_solution(rows, len(groups))
+    if counts is None or any(c.denominator != 1 or c < 0 for c in counts):
         return None
-    return [int(c) for c in counts.flatten()]
+    return [int(c) for c in counts]
+
+
+def _exact_solution(rows: list[list[Fraction]], unknowns: int) -> list[Fraction] | None:
+    """The one solution of the linear system whose augmented rows are ``rows`` (Gauss–Jordan elimination), or None
+    where an unknown is not determined or the rows contradict each other."""
+    rows = [list(row) for row in rows]
+    for col in range(unknowns):
+        pivot = next((r for r in range(col, len(rows)) if rows[r][col]), None)
+        if pivot is None:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        rows[col] = [v / rows[col][col] for v in rows[col]]
+        for r in range(len(rows)):
+            if r != col and rows[r][col]:
+                rows[r] = [a - rows[r][col] * b for a, b in zip(rows[r], rows[col])]
+    if any(row[unknowns] for row in rows[unknowns:]):
+        return None
+    return [rows[k][unknowns] for k in range(unknowns)]
 
 
 def by_tensor(slices: tuple[ParamSlice, ...] | list[ParamSlice]) -> list[tuple[str, list[ParamSlice]]]:

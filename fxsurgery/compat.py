@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module  # code made at first run (2.2)
 from torch.fx._pytree import tree_flatten_spec as flatten_to_spec  # arguments flattened by a graph's input spec
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode  # intercepts ATen ops (torch >= 1.13)
 from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map since torch 1.10, tree_leaves 2.1)
@@ -26,7 +27,7 @@ __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
            "feed_forward_block", "dynamo_config", "foreach_mul_", "device_scale", "DispatchMode",
-           "returns_new_tensors", "fsdp_records", "reshard_resized"]
+           "returns_new_tensors", "fsdp_records", "reshard_resized", "graph_module"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
 # -> the name of this module that reaches it
@@ -35,6 +36,8 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch.utils._pytree.tree_map": "tree_map",
     "torch.utils._pytree.tree_unflatten": "tree_unflatten",
     "torch.fx._pytree.tree_flatten_spec": "flatten_to_spec",
+    "torch.fx._lazy_graph_module._make_graph_module": "graph_module",
+    "torch.fx._lazy_graph_module._use_lazy_graph_module": "graph_module",
     "._codegen": "pytree_info",
     "self._in_spec": "GENERATED_SPEC_READS",
     "self._out_spec": "GENERATED_SPEC_READS",
@@ -66,6 +69,13 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "._unsharded_param": "reshard_resized",
     "._unsharded_inner_tensors": "reshard_resized",
 }
+
+def graph_module(root: nn.Module, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """A ``GraphModule`` whose Python code is generated when it first runs, not when it is built: the analysis reads
+    most graphs it traces without running them (fx's lazy graph module, torch >= 2.2)."""
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(root, graph, class_name)
+
 
 def pytree_info(graph: torch.fx.Graph) -> Any:
     """The input/output specs of a graph that flattens structured arguments (``in_spec``, ``out_spec``), else None:

@@ -434,3 +434,14 @@ def test_reshard_resized(one_process_group):
     torch.testing.assert_close(y, expected)
     y.sum().backward()
     assert weight.grad.shape == (4, 2) and out.grad.shape == (2, 4)
+
+
+def test_graph_module():
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    graph = torch.fx.symbolic_trace(Double()).graph
+    gm = compat.graph_module(Double(), graph, "Double")
+    assert isinstance(gm, torch.fx.GraphModule) and type(gm).__name__ == "Double"
+    assert torch.equal(gm(torch.ones(2)), torch.full((2,), 2.0)) and "mul" in gm.code

@@ -19,7 +19,7 @@ import torch.fx
 import torch.nn as nn
 from torch.export import Dim
 
-from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
+from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, graph_module, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from .aten import lower
 from .calls import buffers_kept, forked_rng, materialize, training_mode
@@ -76,7 +76,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
         node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
     _keep_constants(module, exported, graph)
     values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
-    gm = torch.fx.GraphModule(module, graph, type(module).__name__)
+    gm = graph_module(module, graph, type(module).__name__)
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
     if replayed:
         _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")

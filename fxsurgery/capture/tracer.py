@@ -17,7 +17,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from ..compat import pytree_info, tree_leaves
+from ..compat import graph_module, pytree_info, tree_leaves
 from ..errors import TraceError
 from ..taps import strip_tap_points
 from .calls import training_mode
@@ -51,6 +51,15 @@ class _Proxy(torch.fx.Proxy):
         if found[at].opname == "UNPACK_SEQUENCE":
             return (self[i] for i in range(found[at].argval))
         return self.tracer.iter(self)
+
+    def __getattr__(self, name: str) -> torch.fx.proxy.Attribute:
+        return _Attribute(self, name)  # as fx's, unpacked as above (``B, N, C = x.shape``)
+
+
+class _Attribute(torch.fx.proxy.Attribute):
+    """fx's proxy of an attribute read (``x.shape``), unpacked as ``_Proxy`` unpacks."""
+
+    __iter__ = _Proxy.__iter__
 
 
 @functools.lru_cache(maxsize=1024)
@@ -173,7 +182,7 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
     served = installed.graph_for(args, kwargs, training) if installed is not None else None
     if served is not None:  # already operated on: its current graph for this call is the truth
         graph = _with_literal_counts(strip_tap_points(copy.deepcopy(served)), module)
-        return torch.fx.GraphModule(module, graph, type(module).__name__), _placeholder_values(graph, args, kwargs)
+        return graph_module(module, graph, type(module).__name__), _placeholder_values(graph, args, kwargs)
     traced, concrete = bind_inputs(module, args, kwargs)
     tracer = Tracer()
     try:
@@ -183,7 +192,7 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
         label = name or "the model"
         raise TraceError(f"cannot trace {label} ({type(module).__name__}): {type(e).__name__}: {e}") from e
     values = _name_placeholders(graph, {**traced, **concrete})
-    return torch.fx.GraphModule(module, graph, type(module).__name__), values
+    return graph_module(module, graph, type(module).__name__), values
 
 
 def _with_literal_counts(graph: torch.fx.Graph, module: nn.Module) -> torch.fx.Graph:
@@ -222,7 +231,7 @@ def trace_function(fn: Any, arguments: dict[str, Any]) -> tuple[torch.fx.GraphMo
         except Exception as e:
             raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}") from e
         _name_placeholders(graph, arguments)
-        _function_graphs[key] = torch.fx.GraphModule(tracer.root, graph)
+        _function_graphs[key] = graph_module(tracer.root, graph)
     gm = _function_graphs[key]
     return gm, _name_placeholders(gm.graph, arguments)
 

@@ -27,7 +27,8 @@ __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
            "feed_forward_block", "dynamo_config", "foreach_mul_", "device_scale", "DispatchMode",
-           "returns_new_tensors", "fsdp_records", "reshard_resized", "graph_module"]
+           "returns_new_tensors", "fsdp_records", "reshard_resized", "graph_module", "is_fake",
+           "outside_traces"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
 # -> the name of this module that reaches it
@@ -68,6 +69,10 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "._setattr_on_modules": "reshard_resized",
     "._unsharded_param": "reshard_resized",
     "._unsharded_inner_tensors": "reshard_resized",
+    "torch._subclasses.fake_tensor.is_fake": "is_fake",
+    "torch._C._len_torch_function_stack": "outside_traces",
+    "torch.overrides._pop_mode_temporarily": "outside_traces",
+    "torch.utils._python_dispatch._disable_current_modes": "outside_traces",
 }
 
 def graph_module(root: nn.Module, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:
@@ -122,6 +127,26 @@ def returns_new_tensors(op: Any) -> bool:
 #: The function that switches grad mode as a graph's call (what export's grad regions do; the public
 #: ``torch.set_grad_enabled`` is a context manager class). ``torch._C._set_grad_enabled``, torch >= 0.4.
 switch_grad_mode = torch._C._set_grad_enabled
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake one (shapes and dtypes, no values), as ``torch.export`` and ``make_fx`` trace
+    with, itself or inside a functional wrapper (``torch._subclasses.fake_tensor.is_fake``, torch >= 2.0)."""
+    return torch._subclasses.fake_tensor.is_fake(tensor)
+
+
+@contextlib.contextmanager
+def outside_traces() -> Iterator[None]:
+    """Run what follows as plain eager code, neither recorded nor faked by a trace that is running (the
+    torch-function and dispatch modes of ``torch.export``, ``make_fx`` or a fake tensor mode are set aside, then
+    put back in order; ``torch.overrides._pop_mode_temporarily`` and
+    ``torch.utils._python_dispatch._disable_current_modes``, torch >= 2.1)."""
+    with contextlib.ExitStack() as stack:
+        for _ in range(torch._C._len_torch_function_stack()):
+            stack.enter_context(torch.overrides._pop_mode_temporarily())
+        stack.enter_context(torch.utils._python_dispatch._disable_current_modes())
+        yield
+
 
 #: The logger by which non-strict ``torch.export`` reports each dim it specialises (torch >= 2.3).
 EXPORT_SPECIALISATION_LOGGER = "torch._export.non_strict_utils"

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxsurgery import compat
 
@@ -288,6 +289,33 @@ def test_switch_grad_mode():
 def test_export_specialisation_logger():
     module = importlib.import_module(compat.EXPORT_SPECIALISATION_LOGGER)
     assert logging.getLogger(compat.EXPORT_SPECIALISATION_LOGGER) in vars(module).values()
+
+
+def test_is_fake():
+    seen = []
+    make_fx(lambda x: seen.append(compat.is_fake(x)) or x + 1, tracing_mode="fake")(torch.zeros(2))
+    assert seen == [True]
+    assert not compat.is_fake(torch.zeros(2)) and not compat.is_fake(torch.zeros(2, device="meta"))
+
+
+@pytest.mark.parametrize("trace", ["make_fx", "export"])
+def test_outside_traces(trace):
+    """Inside a trace, the block runs on real values and records nothing; the trace records what follows it."""
+    seen = []
+
+    class Traced(nn.Module):
+        def forward(self, x):
+            with compat.outside_traces(), torch.no_grad():
+                made = torch.ones(2) * 3
+                seen.append((compat.is_fake(made), float(made.sum())))
+            return x + 1
+
+    if trace == "make_fx":
+        graph = make_fx(Traced(), tracing_mode="fake")(torch.zeros(2)).graph
+    else:
+        graph = torch.export.export(Traced(), (torch.zeros(2),)).graph
+    assert seen == [(False, 6.0)]
+    assert [str(n.target) for n in graph.nodes if n.op == "call_function"] == ["aten.add.Tensor"]
 
 
 def test_module_hooks():

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..compat import tree_leaves, tree_map
+from ..compat import is_fake, tree_leaves, tree_map
 from .meta_memo import MetaMemo
 
 
@@ -51,17 +51,29 @@ def forked_rng(tensors: list[torch.Tensor]) -> Iterator[None]:
 
 
 def materialize(obj: Any, seed: int = 0) -> Any:
-    """Real tensors for meta ones (random floats, zeros otherwise); real tensors pass as they are."""
+    """Real tensors for meta ones (random floats, zeros otherwise; on the CPU) and for the fake ones a trace
+    passes (at the trace's example sizes, on their device); real tensors pass as they are."""
     gen = torch.Generator().manual_seed(seed)
 
     def real(t: Any) -> Any:
-        if not (torch.is_tensor(t) and t.is_meta):
+        if not torch.is_tensor(t) or not (t.is_meta or is_fake(t)):
             return t
+        shape = [example_size(size) for size in t.shape]
+        device = "cpu" if t.is_meta else t.device
         if t.is_floating_point():
-            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
-        return torch.zeros(t.shape, dtype=t.dtype)
+            return torch.randn(shape, generator=gen, dtype=t.dtype).to(device)
+        return torch.zeros(shape, dtype=t.dtype, device=device)
 
     return tree_map(real, obj)
+
+
+def example_size(size: int | torch.SymInt) -> int:
+    """A size as a plain int: a symbolic one (a trace's dynamic dim) at its value in the trace's example, read
+    without adding a guard (2, which a call signature makes of every symbolic size, where it has none)."""
+    if type(size) is int:
+        return size
+    hint = size.node.hint
+    return 2 if hint is None else int(hint)
 
 
 def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[str]) -> dict[str, tuple[tuple, dict]]:

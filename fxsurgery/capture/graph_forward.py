@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx
 
-from ..compat import GENERATED_SPEC_READS, pytree_info
+from ..compat import GENERATED_SPEC_READS, outside_traces, pytree_info
 from .call_signature import call_signature, hooked_submodules
 
 MAX_GRAPHS = 16  # graphs a host keeps (the oldest goes first); the analysed call's graphs always stay
@@ -110,11 +110,14 @@ class GraphForward:
 
     @torch.compiler.disable
     def _serve(self, key: tuple, args: tuple, kwargs: dict, training: bool, hooked: tuple[str, ...]) -> None:
-        """Get a graph for a call of a new signature from the server (in the call's mode)."""
+        """Get a graph for a call of a new signature from the server (in the call's mode). The server's analysis
+        runs outside any trace of the call (``torch.export``'s: a trace would fake its values and record its
+        ops); only the graph it returns runs in the trace."""
         if self.server is None:
             raise TypeError(f"{type(self.module).__name__}: this call differs from the one its graph was "
                             "captured on, and nothing can capture another")
-        graph, how = self.server.serve(self.module, args, kwargs, training, hooked)
+        with outside_traces():
+            graph, how = self.server.serve(self.module, args, kwargs, training, hooked)
         while len(self.graphs) >= MAX_GRAPHS + len(self.analysed):
             oldest = next(k for k in self.graphs if k not in self.analysed)
             del self.graphs[oldest], self.fns[oldest], self.served[oldest]

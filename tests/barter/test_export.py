@@ -1,5 +1,6 @@
 """barter.export / barter.load: round trips of compact timm, project and hand-written models (outputs, parameter
 counts, further training), models barter did not resize, and clear errors for corrupt or mismatched files."""
+import collections
 import copy
 import gc
 import json
@@ -176,6 +177,32 @@ def test_half_precision_comes_back_in_half_precision(tmp_path):
         loaded = barter.load(barter.export(source, tmp_path / name))
         assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
         assert_same_outputs(source, loaded, torch.randn(3, 3, 32, 32, dtype=torch.bfloat16))
+
+
+def program_ops(path) -> collections.Counter:
+    return collections.Counter(str(node.target) for node in torch.export.load(path / "model.pt2").graph.nodes
+                               if node.op == "call_function")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_precision_program(tmp_path, dtype):
+    """A model analysed in single precision and cast to half meets its half-precision call first inside
+    torch.export: model.pt2 is written all the same, gives the eager compact model's outputs at any batch size,
+    and runs the single-precision program's ops (none of the analysis that served the new call)."""
+    model, _, _ = compact_timm(*CCT)
+    single = barter.export(model, tmp_path / "single")
+    model.to(dtype)
+    path = barter.export(model, tmp_path / "half")
+    assert read_topology(path)["program"] == "model.pt2"
+    program = torch.export.load(path / "model.pt2").module()
+    model.eval()
+    with torch.no_grad():
+        for batch in (1, 2, 5):
+            x = torch.randn(batch, 3, 32, 32, dtype=dtype)
+            expected = model(x)
+            assert expected.dtype == dtype
+            torch.testing.assert_close(program(x), expected)
+    assert program_ops(path) == program_ops(single)
 
 
 def test_hand_written_model_loads_into_a_fresh_instance(tmp_path):

@@ -216,6 +216,24 @@ def lower(graph: torch.fx.Graph) -> None:
         rename_node(new, name)
     for node in list(graph.nodes):
         _fold_normalize(graph, node)
+    _unshare_sizes(graph)
+
+
+_SIZE_ARITHMETIC = (operator.mul, operator.add, operator.sub, operator.floordiv)
+
+
+def _unshare_sizes(graph: torch.fx.Graph) -> None:
+    """Give each user of a size computed from a literal (export computes ``batch * 16`` once for every block that
+    views by it) a copy of its own: a literal rewritten for one block's units must not change another's."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _SIZE_ARITHMETIC or len(node.users) < 2 \
+                or not any(isinstance(a, int) for a in node.args):
+            continue
+        for user in list(node.users)[1:]:
+            with graph.inserting_before(user):
+                copy = graph.create_node("call_function", node.target, node.args, node.kwargs)
+            copy.meta = dict(user.meta)
+            user.replace_input_with(node, copy)
 
 
 def _fold_normalize(graph: torch.fx.Graph, div: torch.fx.Node) -> None:

@@ -3,12 +3,14 @@
 Tied ids form classes (connected components of the ties); a class that holds coordinates of a space
 is a unit. Units that share a tensor axis form a group. A group is kept only when every
 tensor it touches can be sliced along one axis in a regular ``[outer][unit][inner]`` layout, one
-Linear reads it (the output projection; or several that read one value, for channels fanned out to parallel maps),
-and every count-dependent constant can be rewritten.
+Linear reads it (the output projection; or several that read one value, for channels fanned out to parallel maps; or
+several of the heads' own layer, each reading every head, as bilinear attention's), and every count-dependent constant
+can be rewritten.
 """
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -66,6 +68,8 @@ class Refusal:
 
 HEADS_AT_OUTPUT = "per-head values reach the module's outputs"
 _LARGE = 4096  # ids of a value above this size are compacted before their classes are sorted
+_SUM_FUNCTIONS = {operator.add, operator.iadd, operator.sub, operator.isub, torch.add, torch.sub}
+_SUM_METHODS = {"add", "add_", "sub", "sub_"}
 
 
 @dataclass
@@ -287,7 +291,7 @@ class _Builder:
         hard = self.hard_reasons(ut)
         if self.benign[ut].any() and not hard:
             return False
-        sinks = self.sinks_of(ut)
+        sinks = self.sinks_of(k, ut)
         if not hard and isinstance(sinks, str):
             hard = [sinks]
         if hard:
@@ -318,7 +322,7 @@ class _Builder:
             return Refusal(self.home_of(k, ut), hard, _at_output(hard))
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
-        sinks = self.sinks_of(ut)
+        sinks = self.sinks_of(k, ut)
         if isinstance(sinks, str):
             return self.refusals_of(k, ut, [sinks])
         sink = sinks[0]
@@ -422,11 +426,11 @@ class _Builder:
         return sorted({name for (name, _), found in listings.items()
                        if len(found) > 1 and sum(bool(torch.isin(self.cls(m.ids), ut).any()) for m in found) > 1})
 
-    def sinks_of(self, ut: torch.Tensor) -> list[Sink] | str:
-        """The reads of units ``ut`` (columns as classes) by the one linear map (output projection) that
-        reads them, or by several maps that all read one value (channels fanned out to parallel projections, as
-        a query and a key/value map read one input: a channel removed leaves all of them); or why there is no
-        such reader."""
+    def sinks_of(self, k: int, ut: torch.Tensor) -> list[Sink] | str:
+        """The reads of units ``ut`` (group ``k``; columns as classes) by the one linear map (output projection)
+        that reads them, or by several maps that all read one value (channels fanned out to parallel projections,
+        as a query and a key/value map read one input: a channel removed leaves all of them), or heads read by
+        several maps of their own layer (``own_reads``); or why there is no such reader."""
         sinks = self.sinks_reading(ut)
         names = sorted({sink.weight for sink in sinks})
         fanned_out = len({sink.input for sink in sinks}) == 1 and sinks[0].input is not None
@@ -441,11 +445,28 @@ class _Builder:
             cascade = self.cascade(sinks, ut) if self.head[ut].any() else None
             if cascade:
                 return cascade
+            if self.head[ut].any() and self.own_reads(k, sinks, ut):
+                return sinks
             if self.head[ut].any():  # an attention without an output projection adds its heads to the stream
                 return (f"attention heads read by several linear maps ({shown}) and no output projection of their "
                         "own: their values are the width of the stream they join, not units of one layer")
             return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
         return sinks
+
+    def own_reads(self, k: int, sinks: list[Sink], ut: torch.Tensor) -> bool:
+        """Heads read by several maps at values of their own layer (bilinear attention: the map that makes every
+        head's transform reads the heads' channels, and the output projection reads them transformed): every map
+        reads every head, and no value of theirs is summed with another that carries them (a residual stream,
+        whose width they would be). Masking a head at each read equals removing it; the tap point sees it at each."""
+        if any(sink.input is None for sink in sinks):
+            return False
+        read: dict[str, set[int]] = {}
+        for sink in sinks:
+            read.setdefault(sink.weight, set()).update(sink.columns[torch.isin(sink.columns, ut)].tolist())
+        if any(len(units) != len(ut) for units in read.values()):
+            return False
+        carriers = {act.node for act in self.acts_of.get(k, []) if not act.param}
+        return not any(_is_sum(node) and sum(arg in carriers for arg in node.all_input_nodes) > 1 for node in carriers)
 
     def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> str | None:
         """Why heads that feed later heads are no units, or None: one map reads every head (their output
@@ -602,6 +623,12 @@ class _Builder:
             consts += found
             notes += site.notes
         return consts, notes
+
+
+def _is_sum(node: Node) -> bool:
+    """An addition or subtraction (function or method call)."""
+    return (node.op == "call_function" and node.target in _SUM_FUNCTIONS) or \
+        (node.op == "call_method" and node.target in _SUM_METHODS)
 
 
 def _layout(t: torch.Tensor) -> tuple:

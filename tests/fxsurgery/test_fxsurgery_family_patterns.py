@@ -3,8 +3,9 @@ projections (HaloNet's query and key/value convolutions read one input); heads r
 inside a module the tracer keeps opaque, in a block that hosts a group of its own (LowFormer's attention); a
 depthwise transposed convolution between FFN channels. References come from the model's own layout: a unit is
 masked by zeroing it in the forward, or its weight slices on a copy; the public ``tap`` is a third view of the same
-masking. Cascaded heads (EfficientViT-MSRA) and bilinear attention (BAT) are pinned where they are refused; BAT's
-adaptive max pooling, captured through torch.export, keeps channel groups exact."""
+masking. Cascaded heads (EfficientViT-MSRA) are pinned where they are refused; bilinear attention's (BAT's) heads are
+read by two maps and masked at both; BAT's adaptive max pooling, captured through torch.export, keeps channel groups
+exact."""
 from __future__ import annotations
 
 import copy
@@ -327,51 +328,93 @@ def test_cascaded_heads_are_refused_naming_where_the_next_head_reads_them() -> N
                              "add, besides their output projection attn.proj.weight"), reason
 
 
-GROUPS, BLOCK = 2, 2
+GROUPS, CHANNELS, BLOCK = 2, 2, 2
 
 
 class BilinearTransform(nn.Module):
     """Bilinear attention (timm's BAT): ``conv1`` reads every channel and makes the pooled statistics from which
     ``conv_p``/``conv_q`` make one normalised BLOCK×BLOCK transform pair per head; head g transforms its own
-    WIDTH // GROUPS channels (``p @ h @ q``), and ``conv2`` reads them all."""
+    CHANNELS channels (``p @ h @ q``), and ``conv2`` reads them all. ``zero``: the head whose channels are zeroed
+    where ``conv1`` reads them and, transformed, where ``conv2`` does; ``only_conv2``: at ``conv2``'s read alone."""
 
     def __init__(self):
         super().__init__()
-        self.reduce = nn.Conv2d(DIM, 2 * GROUPS, 1)
-        self.conv1 = nn.Conv2d(2 * GROUPS, 3, 1)
+        self.reduce = nn.Conv2d(DIM, CHANNELS * GROUPS, 1)
+        self.norm = nn.BatchNorm2d(CHANNELS * GROUPS)
+        self.conv1 = nn.Conv2d(CHANNELS * GROUPS, 3, 1)
         self.conv_p = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (BLOCK, 1))
         self.conv_q = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (1, BLOCK))
-        self.conv2 = nn.Conv2d(2 * GROUPS, DIM, 1)
-        self.fc1 = nn.Conv2d(DIM, WIDTH, 1)
-        self.fc2 = nn.Conv2d(WIDTH, DIM, 1)
+        self.conv2 = nn.Conv2d(CHANNELS * GROUPS, DIM, 1)
 
     def transform(self, conv: nn.Module, stats: torch.Tensor, dim: int) -> torch.Tensor:
         b = stats.shape[0]
         t = conv(stats).view(b, GROUPS, BLOCK, BLOCK).sigmoid()
         t = (t / t.sum(dim=dim, keepdim=True)).view(b, GROUPS, 1, BLOCK, BLOCK)
-        return t.expand(b, GROUPS, 2, BLOCK, BLOCK).reshape(b, 2 * GROUPS, BLOCK, BLOCK)
+        return t.expand(b, GROUPS, CHANNELS, BLOCK, BLOCK).reshape(b, CHANNELS * GROUPS, BLOCK, BLOCK)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.reduce(x))
-        stats = torch.relu(self.conv1(h))
+    def forward(self, x: torch.Tensor, zero: int | None = None, only_conv2: bool = False) -> torch.Tensor:
+        h = torch.relu(self.norm(self.reduce(x)))
+        head = slice(CHANNELS * zero, CHANNELS * (zero + 1)) if zero is not None else slice(0)
+        read = h.clone()
+        if not only_conv2:
+            read[:, head] = 0
+        stats = torch.relu(self.conv1(read))
         p = self.transform(self.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
         q = self.transform(self.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
-        x = x + self.conv2(p.matmul(h).matmul(q))
-        return x + self.fc2(F.gelu(self.fc1(x)))
+        y = p.matmul(h).matmul(q)
+        y[:, head] = 0
+        return x + self.conv2(y)
 
 
-def test_bilinear_attention_heads_are_refused_at_their_two_reads() -> None:
-    """A head's transform is normalised over its own coordinates (``t / t.sum(dim)``), which keeps its ids; a head
-    with its channels is then read by ``conv1``, which makes every head's transform, and by ``conv2``: it would be a
-    unit only if masked at both reads (in float64 that equals removing it, masking at ``conv2`` alone does not), and
-    the grouping refuses heads read by several maps."""
+def bilinear() -> nn.Module:
     torch.manual_seed(0)
-    model, x = BilinearTransform().double(), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
+    model = BilinearTransform().double()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_(-0.5, 0.5)
+        model.norm.running_var.uniform_(0.5, 1.5)
+    return model
+
+
+def zero_bilinear_head_1(copied: nn.Module) -> None:
+    """The weights' oracle: head 1's columns zeroed in both maps that read its channels."""
+    copied.conv1.weight[:, CHANNELS:2 * CHANNELS] = 0
+    copied.conv2.weight[:, CHANNELS:2 * CHANNELS] = 0
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_bilinear_attention_heads_are_a_group_masked_at_both_reads(training: bool) -> None:
+    """A head's transform is normalised over its own coordinates (``t / t.sum(dim)``), which keeps its ids; a head
+    with its channels is read by ``conv1``, which makes every head's transform, and by ``conv2``: removing it equals
+    masking it at both reads (the columns of both maps), which is what its tap point sees. Masking at ``conv2``
+    alone differs."""
+    model, x = bilinear().train(training), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
+    original = copy.deepcopy(model)
     s = Surgeon(model, (x,))
-    assert [g.kind for g in s.groups] == ["channel"], s.explain()  # the FFN only
-    reasons = [r for lo in s.left_out for r in lo.reasons]
-    assert any(r.startswith("attention heads read by several linear maps (conv1.weight, conv2.weight)")
-               for r in reasons), reasons
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("head", GROUPS, True), s.explain()
+    assert {sl.name for sl in g.slices if sl.output} == {"conv1.weight", "conv2.weight"}
+    with torch.no_grad():
+        assert (original(x, zero=1) - original(x, zero=1, only_conv2=True)).abs().max() > 1e-4
+    assert_clone_and_removal_of_unit_1(original, model, s, x, clone=0, zero_weights=zero_bilinear_head_1)
+    assert (model.conv1.in_channels, model.conv2.in_channels, model.norm.num_features) == (CHANNELS,) * 3
+    assert (model.conv_p.out_channels, model.conv_q.out_channels) == (BLOCK * BLOCK,) * 2
+
+
+def test_adam_state_follows_a_bilinear_attention_head() -> None:
+    model, x = bilinear(), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
+    s = Surgeon(model, (x,))
+    (g,) = s.groups
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    s.attach_optimizer(opt)
+    train_steps(model, opt, x)
+    names = ("reduce", "conv1", "conv_p", "conv2")
+    before = {name: opt.state[getattr(model, name).weight]["exp_avg"].clone() for name in names}
+    s.remove(g, 0)
+    assert torch.equal(opt.state[model.reduce.weight]["exp_avg"], before["reduce"][CHANNELS:])
+    assert torch.equal(opt.state[model.conv1.weight]["exp_avg"], before["conv1"][:, CHANNELS:])
+    assert torch.equal(opt.state[model.conv_p.weight]["exp_avg"], before["conv_p"][BLOCK * BLOCK:])
+    assert torch.equal(opt.state[model.conv2.weight]["exp_avg"], before["conv2"][:, CHANNELS:])
+    assert torch.isfinite(train_steps(model, opt, x))
 
 
 class MaxPooledGate(nn.Module):

@@ -8,6 +8,7 @@ from ..capture.calls import buffers_kept, forked_rng, materialize
 from ..capture.inline import inline_helpers
 from ..dataflow.grouping import GraphGroups, analyse
 from ..dataflow.labeller import Labeller
+from ..dataflow.repeats import find_repeats
 from ..dataflow.rules import RULES
 from ..errors import AnalysisError
 
@@ -22,9 +23,11 @@ def node_kind(lab: Labeller, node: torch.fx.Node) -> str:
 
 def find_groups(gm: torch.fx.GraphModule, values: list, where: str, locate: bool = False) -> GraphGroups:
     """Label the graph on the meta device (shapes only); data-dependent code runs for real. With
-    ``locate``, only where the candidate groups are."""
+    ``locate``, only where the candidate groups are (a whole model, whose blocks built alike are labelled once and
+    their records replayed: see ``dataflow.repeats``)."""
+    repeats = find_repeats(gm) if locate else {}
     for meta in (True, False):  # labelling runs for real what reads buffers alone: they are put back after it
-        lab = Labeller(gm, RULES, meta=meta)
+        lab = Labeller(gm, RULES, meta=meta, repeats=repeats)
         try:
             with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]), buffers_kept(gm):
                 lab.run(*(values if meta else materialize(values)))

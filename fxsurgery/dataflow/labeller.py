@@ -20,6 +20,7 @@ from ..capture.meta_memo import MetaMemo
 from ..compat import running_node, tree_leaves, tree_map
 from ..errors import AnalysisError
 from .records import Act, Records
+from .repeats import LISTS, Repeat, Span, Translation, Untranslatable, lengths
 
 
 class Rules(Protocol):
@@ -73,10 +74,13 @@ class Labeller(torch.fx.Interpreter):
 
     With ``meta``, values that depend on the graph inputs are computed on the meta device (shapes
     only, no arithmetic); values made from parameters and buffers alone (index tables, masks) are
-    computed for real, since rules read them."""
+    computed for real, since rules read them.
+
+    Given ``repeats`` (``repeats.find_repeats``, on meta values), a later call whose inputs carry what the first
+    call's did is not run: what labelling the first recorded is replayed for it (``replayed`` lists those calls)."""
 
     def __init__(self, gm: torch.fx.GraphModule, rules: Rules, rec: Records | None = None,
-                 seeds: dict[str, Any] | None = None, meta: bool = True):
+                 seeds: dict[str, Any] | None = None, meta: bool = True, repeats: dict[Node, Repeat] | None = None):
         super().__init__(gm, garbage_collect_values=True)
         self.rules = rules
         self.rec = rec if rec is not None else Records()
@@ -88,8 +92,34 @@ class Labeller(torch.fx.Interpreter):
         self.shapes: dict[Node, Any] = {}
         self.dtypes: dict[Node, Any] = {}  # beside ``shapes``: what a value is made of, to re-run a node on meta
         self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
+        self.repeats = repeats if meta and repeats else {}
+        self.replayed: list[Repeat] = []
+        self._sources: dict[str, list[Any]] = {}  # a first call's module -> the calls alike labelled in full
+        calls = {c.module: c for r in self.repeats.values() for c in r}
+        self._starts = {call.nodes[0]: call for call in calls.values()}
+        self._ends = {call.nodes[-1]: call for call in calls.values()}
+        self._before: dict[str, tuple] = {}  # a call's module -> the records' state before it was labelled
+        self._spans: dict[str, tuple[Span, tuple]] = {}  # -> what labelling it recorded, and its surroundings
+        self._replaying: dict[Node, Any] = {}  # the values of the nodes of a call being replayed
 
     def run_node(self, n: Node) -> Any:
+        if n in self.repeats:
+            self._replay(self.repeats[n])  # its nodes' values wait in ``_replaying``, or it is labelled below
+        if n in self._replaying:
+            return self._replaying.pop(n)
+        if n in self._starts:
+            call = self._starts[n]
+            self._before[call.module] = (lengths(self.rec), self.rec.next_id, set(self.rec.size_reads),
+                                         self._surroundings(call))
+        out = self._run_and_label(n)
+        if n in self._ends and self._ends[n].module in self._before:
+            call = self._ends[n]
+            before, first_id, size_reads, surroundings = self._before.pop(call.module)
+            self._spans[call.module] = (Span(before, lengths(self.rec), first_id, self.rec.next_id,
+                                             frozenset(self.rec.size_reads - size_reads)), surroundings)
+        return out
+
+    def _run_and_label(self, n: Node) -> Any:
         if (n.op == "placeholder" and not self.nested) or any(a in self.dynamic for a in n.all_input_nodes):
             self.dynamic.add(n)
         if self.meta and n in self.dynamic:
@@ -114,6 +144,82 @@ class Labeller(torch.fx.Interpreter):
         self.labels[n] = label
         self._record_acts(n, label)
         return out
+
+    def _replay(self, repeat: Repeat) -> None:
+        """Replay for ``repeat``'s later call the records of a call alike labelled before it, where they are what
+        labelling it would record: that call was labelled whole, only from its inputs (nothing computed for real from
+        parameters or buffers alone, whose values rules may read), and the later call's inputs, and what the records
+        say of them, match that call's as they stood then. A later call labelled in full serves the ones after it."""
+        later = repeat.later
+        sources = self._sources.setdefault(repeat.first.module, [repeat.first])
+        surroundings = self._surroundings(later)
+        for source in reversed(sources):
+            if source.module in self._spans and self._spans[source.module][1] == surroundings \
+                    and self._replayable(source):
+                if self._replay_from(Repeat(source, later)):
+                    return
+                del self._spans[source.module]  # its records name its nodes as words: no later call replays them
+        sources.append(later)
+
+    def _replay_from(self, repeat: Repeat) -> bool:
+        """Append the translated records of ``repeat.first`` for ``repeat.later`` and give the later call's nodes
+        their labels and values; False (nothing changed) where a record cannot be translated."""
+        first, later = repeat
+        span = self._spans[first.module][0]
+        translation = Translation(repeat, span, self.rec.next_id)
+        try:
+            added = {name: [translation.record(r) for r in getattr(self.rec, name)[start:stop]]
+                     for name, start, stop in zip(LISTS, span.before, span.after)}
+            labels = {b: translation.record(self.labels[a]) for a, b in zip(first.nodes, later.nodes)}
+        except Untranslatable:
+            return False
+        for name, records in added.items():
+            getattr(self.rec, name).extend(records)
+        self.rec.size_reads |= {translation.nodes[a] for a in span.size_reads}
+        self.rec.next_id += span.end_id - span.first_id
+        self.replayed.append(repeat)
+        self._replaying = dict.fromkeys(later.nodes)
+        for a, b in zip(first.nodes, later.nodes):
+            self.labels[b] = labels[b]
+            for table in (self.shapes, self.dtypes, self.values):
+                if a in table:
+                    table[b] = table[a]
+            if a in self.dynamic:
+                self.dynamic.add(b)
+        for a, b in zip(first.outputs, later.outputs):
+            self._replaying[b] = self.values[a] if a in self.values else \
+                torch.empty(self.shapes[a], dtype=self.dtypes[a], device="meta")
+        return True
+
+    def _replayable(self, call: Any) -> bool:
+        """Every node of ``call`` was labelled, none computed for real from a parameter or buffer (a later call's
+        may hold other values), and each output is one tensor or a plain value."""
+        from_state: set[Node] = set()
+        for a in call.nodes:
+            if a not in self.labels:
+                return False
+            if a.op == "get_attr" or (a not in self.dynamic and any(i in from_state for i in a.all_input_nodes)):
+                if a.op != "get_attr":
+                    return False
+                from_state.add(a)
+        return all(a in self.values or (isinstance(self.shapes.get(a), tuple)
+                                        and all(isinstance(d, int) for d in self.shapes[a])) for a in call.outputs)
+
+    def _surroundings(self, call: Any) -> tuple:
+        """What labelling ``call`` reads from outside it: its inputs' labels, shapes, dtypes and plain values, and
+        what the records say of them (sizes read; ids in products, applied or contracted)."""
+        def ids_of(label: Any) -> list[torch.Tensor]:
+            return [lab.ids for lab in (label if isinstance(label, tuple) else (label,)) if isinstance(lab, Label)]
+        told = [torch.cat([t.reshape(-1) for t in ts] + [torch.empty(0, dtype=torch.long)])
+                for ts in (self.rec.products, self.rec.applied, self.rec.contracted)]
+        rows = []
+        for a in call.inputs:
+            label = self.labels.get(a)
+            ids = ids_of(label)
+            rows.append((_label_key(label), self.shapes.get(a), self.dtypes.get(a), _plain_key(self.values, a),
+                         a in self.dynamic, a in self.rec.size_reads,
+                         tuple(bool(torch.isin(t, known).any()) for t in ids for known in told)))
+        return tuple(rows)
 
     def _label(self, step: Step) -> Any:
         """The node's label from its rule. A rule that fails refuses what reaches the node, naming it and the
@@ -165,6 +271,22 @@ class Labeller(torch.fx.Interpreter):
             for i, lab in enumerate(label):
                 if isinstance(lab, Label):
                     self.rec.acts.append(Act(n, i, lab.ids, lab.param))
+
+
+def _label_key(label: Any) -> Any:
+    """A label as a comparable value: its ids' shape and contents, and whether it is a parameter's."""
+    if isinstance(label, Label):
+        return tuple(label.ids.shape), tuple(label.ids.reshape(-1).tolist()), label.param
+    if isinstance(label, tuple):
+        return tuple(_label_key(lab) for lab in label)
+    return label
+
+
+def _plain_key(values: dict[Node, Any], node: Node) -> Any:
+    """A node's plain value as a comparable one (a tensor in it stands for itself); absent for tensor values."""
+    if node not in values:
+        return "absent"
+    return tuple((type(v), id(v)) if torch.is_tensor(v) else (type(v), v) for v in tree_leaves(values[node]))
 
 
 class Step:

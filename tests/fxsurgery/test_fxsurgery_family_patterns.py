@@ -9,16 +9,19 @@ exact."""
 from __future__ import annotations
 
 import copy
+import operator
 import re
 
 import pytest
 import torch
+import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import register_notrace_module
 from zoo import train_steps
 
 from fxsurgery import Surgeon
+from fxsurgery.capture.aten import lower
 
 DIM, WIDTH, SIDE = 4, 5, 3
 
@@ -530,3 +533,21 @@ def test_a_reduction_over_coordinates_of_several_units_is_inexact() -> None:
     s = Surgeon(Mixed().double(), (torch.randn(2, LENGTH, DIM, dtype=torch.double),))
     assert not any(g.exact and g.kind == "head" for g in s.groups), s.explain()
     assert re.search(r"note: sum\w*: reduction", s.explain()), s.explain()
+
+
+def test_a_size_computed_from_a_literal_for_several_views_is_copied_per_view() -> None:
+    """torch.export computes ``batch * 16`` once for every block built alike that views by it; lowering gives each
+    view its own copy, so a count constant rewritten for one block's units leaves the others' sizes alone. A size of
+    sizes alone (no literal to rewrite) stays shared."""
+    graph = torch.fx.Graph()
+    x, batch, width = graph.placeholder("x"), graph.placeholder("batch"), graph.placeholder("width")
+    by_literal, by_sizes = graph.call_function(operator.mul, (batch, 16)), graph.call_function(operator.mul,
+                                                                                             (batch, width))
+    views = [graph.call_method("view", (x, by_literal, by_sizes)) for _ in range(3)]
+    graph.output(tuple(views))
+    lower(graph)
+    literal_sizes = [view.args[1] for view in views]
+    assert len(set(literal_sizes)) == 3 and all(s.target is operator.mul and s.args == (batch, 16)
+                                                 for s in literal_sizes)
+    assert {view.args[2] for view in views} == {by_sizes}
+    graph.lint()

@@ -160,28 +160,30 @@ class _Builder:
         and share the result; the others are worked out together, in one pass over all their ids."""
         position: dict[tuple, int] = {}
         distinct: list[torch.Tensor] = []
+        slot = []  # each value's position among the distinct ones
         for act in acts:
-            key = _layout(act.ids)
-            if key not in position:
-                position[key] = len(distinct)
+            slot.append(position.setdefault(_layout(act.ids), len(distinct)))
+            if slot[-1] == len(distinct):
                 distinct.append(act.ids)
         if not distinct:
             return []
         flat = self.cls(torch.cat([t.reshape(-1) for t in distinct]))
         classes_of = [c.view(t.shape) for c, t in zip(torch.split(flat, [t.numel() for t in distinct]), distinct)]
         units = _units_held(classes_of, self.unit_class)
-        return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids)
-                for act, k in ((act, position[_layout(act.ids)]) for act in acts)]
+        return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids) for act, k in zip(acts, slot)]
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
+        """The classes of ``ids`` (``NO_ID`` kept), by one gather over them flattened (cheaper than indexing)."""
+        found = self.rep.index_select(0, ids.clamp(min=0).reshape(-1)).view(ids.shape)
+        return torch.where(ids >= 0, found, ids.new_full((), NO_ID))
 
     def groups(self) -> list[torch.Tensor]:
         """Unit classes that share a tensor axis belong to one group (in order of first appearance)."""
         # parameters join units, they do not define which units share an axis; values whose classes are all no
         # unit axis (the residual stream) are dropped anyway
-        axes = list({act.units.numpy().tobytes(): act.units for act in self.acts  # values that carry the same
-                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())  # once
+        held = {id(act.units): act.units for act in self.acts if not act.param}  # values that share ids share units
+        axes = list({u.numpy().tobytes(): u for u in held.values()  # values that carry the same units once
+                     if u.numel() and not self.benign[u].all()}.values())
         axes = [a for a in axes if not self.fused(a, axes)]
         units, edges = _first_appearance(axes)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
@@ -189,15 +191,14 @@ class _Builder:
         for k, comp in enumerate(comps):
             group_of[comp] = k
         carriers = [act for act in self.acts if act.units.numel()]
-        if carriers:
-            for act, k in zip(carriers, group_of[torch.cat([act.units[:1] for act in carriers])].tolist()):
-                self.acts_of.setdefault(k, []).append(act)
-            for act in carriers:  # a value that holds several groups' units side by side (a fused projection's)
-                if not act.param and act.units.numel() > 1 \
-                        and not bool((group_of[act.units] == group_of[act.units[0]]).all()):
-                    for k in torch.unique(group_of[act.units[1:]]).tolist():
-                        if act not in self.acts_of.setdefault(k, []):
-                            self.acts_of[k].append(act)
+        first, alone = _group_of_first(group_of, [act.units for act in carriers])
+        for act, k in zip(carriers, first):
+            self.acts_of.setdefault(k, []).append(act)
+        for act, one in zip(carriers, alone):  # a value that holds several groups' units side by side (a fused
+            if not act.param and not one:  # projection's)
+                for k in torch.unique(group_of[act.units[1:]]).tolist():
+                    if act not in self.acts_of.setdefault(k, []):
+                        self.acts_of[k].append(act)
         return comps
 
     def fused(self, units: torch.Tensor, axes: list[torch.Tensor]) -> bool:
@@ -610,15 +611,42 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def _units_held(classes_of: list[torch.Tensor], unit_class: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one sort for all of them."""
+    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one sort for all the tensors whose
+    unit classes do not already ascend (most do: a projection's output lists its coordinates in order), and for the
+    others one pass that drops repeats."""
     # a large value's classes often repeat along some dims (a position table's, over its tokens)
     reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
     flat = torch.cat([c.reshape(-1) for c in reduced])
     value = torch.repeat_interleave(torch.arange(len(reduced)), torch.tensor([c.numel() for c in reduced]))
-    is_unit = (flat >= 0) & unit_class[flat.clamp(min=0)]
+    is_unit = (flat >= 0) & unit_class.index_select(0, flat.clamp(min=0))
     n = len(unit_class)
-    found = torch.unique(value[is_unit] * n + flat[is_unit])  # by value, then class
-    return torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist())
+    key = (value * n + flat).masked_select(is_unit)  # by value, then position: ascends across values
+    value = value.masked_select(is_unit)
+    unsorted = torch.zeros(len(reduced), dtype=torch.bool)
+    unsorted[value[1:].masked_select(key[1:] < key[:-1])] = True  # the values whose unit classes descend somewhere
+    to_sort = unsorted.index_select(0, value)
+    held = []  # unit classes of each value, by value then class
+    for found in (torch.unique_consecutive(key.masked_select(~to_sort)), torch.unique(key.masked_select(to_sort))):
+        held.append(torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist()))
+    return tuple(held[int(sort)][v] for v, sort in enumerate(unsorted.tolist()))
+
+
+def _group_of_first(group_of: torch.Tensor, units: list[torch.Tensor]) -> tuple[list[int], list[bool]]:
+    """The group of each non-empty tensor of ``units``'s first unit, and whether all its units are in that group: one
+    gather over the units of all the tensors (each distinct tensor once: values that share ids share their units)."""
+    slot: dict[int, int] = {}
+    order = [slot.setdefault(id(u), len(slot)) for u in units]
+    distinct = list({id(u): u for u in units}.values())
+    if not distinct:
+        return [], []
+    sizes = torch.tensor([len(u) for u in distinct])
+    found = group_of.index_select(0, torch.cat(distinct))
+    first = found.index_select(0, torch.cumsum(sizes, 0) - sizes)
+    part = torch.repeat_interleave(torch.arange(len(distinct)), sizes)
+    stray = (found != first.index_select(0, part)).long()
+    strays = torch.zeros(len(distinct), dtype=torch.long).index_add_(0, part, stray)
+    first, alone = first.tolist(), (strays == 0).tolist()
+    return [first[k] for k in order], [alone[k] for k in order]
 
 
 def _first_appearance(axes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

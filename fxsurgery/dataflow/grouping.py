@@ -185,7 +185,7 @@ class _Builder:
         axes = list({u.numpy().tobytes(): u for u in held.values()  # values that carry the same units once
                      if u.numel() and not self.benign[u].all()}.values())
         axes = [a for a in axes if not self.fused(a, axes)]
-        units, edges = _first_appearance(axes)
+        units, edges = _first_appearance(axes, self.rec.next_id)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
         group_of = torch.full((self.rec.next_id,), NO_ID)
         for k, comp in enumerate(comps):
@@ -649,20 +649,20 @@ def _group_of_first(group_of: torch.Tensor, units: list[torch.Tensor]) -> tuple[
     return [first[k] for k in order], [alone[k] for k in order]
 
 
-def _first_appearance(axes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unit classes of ``axes`` (each value's unit classes, values in order) in order of first appearance, and
-    the edges that chain each value's classes, as positions in that order."""
+def _first_appearance(axes: list[torch.Tensor], bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit classes of ``axes`` (each value's unit classes, below ``bound``; values in order) in order of first
+    appearance, and the edges that chain each value's classes, as positions in that order. The first appearances
+    are marked by a table over the classes, so no sort is needed."""
     if not axes:
         return torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
     seq = torch.cat(axes)
     value = torch.repeat_interleave(torch.arange(len(axes)), torch.tensor([len(a) for a in axes]))
-    seen, where = torch.unique(seq, return_inverse=True)
-    first = torch.full((len(seen),), len(seq)).scatter_reduce(0, where, torch.arange(len(seq)), "amin")
-    order = first.argsort()
-    position = torch.empty_like(order)
-    position[order] = torch.arange(len(order))
-    chained, same_value = position[where], value[1:] == value[:-1]
-    return seen[order], torch.stack([chained[:-1][same_value], chained[1:][same_value]], dim=1)
+    at = torch.arange(len(seq))
+    first = torch.full((bound,), len(seq)).scatter_reduce_(0, seq, at, "amin").index_select(0, seq)  # of its class
+    is_first = first == at
+    chained, same_value = (torch.cumsum(is_first, 0) - 1).index_select(0, first), value[1:] == value[:-1]
+    edges = torch.stack([chained[:-1].masked_select(same_value), chained[1:].masked_select(same_value)], dim=1)
+    return seq.masked_select(is_first), edges
 
 
 def _components(units: torch.Tensor, rep: torch.Tensor, bound: int) -> list[torch.Tensor]:

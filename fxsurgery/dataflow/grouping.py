@@ -195,7 +195,7 @@ class _Builder:
         for act, k in zip(carriers, first):
             self.acts_of.setdefault(k, []).append(act)
         for act, one in zip(carriers, alone):  # a value that holds several groups' units side by side (a fused
-            if not act.param and not one:  # projection's)
+            if not act.param and not one:  # projection's output) is listed with each of them
                 for k in torch.unique(group_of[act.units[1:]]).tolist():
                     if act not in self.acts_of.setdefault(k, []):
                         self.acts_of[k].append(act)
@@ -611,29 +611,29 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def _units_held(classes_of: list[torch.Tensor], unit_class: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one sort for all the tensors whose
-    unit classes do not already ascend (most do: a projection's output lists its coordinates in order), and for the
-    others one pass that drops repeats."""
+    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one pass over all of them that drops
+    runs of one class, then one sort for the tensors whose unit classes do not already ascend (most do: a
+    projection's output lists its coordinates in order)."""
     # a large value's classes often repeat along some dims (a position table's, over its tokens)
     reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
     flat = torch.cat([c.reshape(-1) for c in reduced])
     value = torch.repeat_interleave(torch.arange(len(reduced)), torch.tensor([c.numel() for c in reduced]))
     is_unit = (flat >= 0) & unit_class.index_select(0, flat.clamp(min=0))
     n = len(unit_class)
-    key = (value * n + flat).masked_select(is_unit)  # by value, then position: ascends across values
-    value = value.masked_select(is_unit)
+    key = torch.unique_consecutive((value * n + flat).masked_select(is_unit))  # by value, then position
+    value = key // n
     unsorted = torch.zeros(len(reduced), dtype=torch.bool)
     unsorted[value[1:].masked_select(key[1:] < key[:-1])] = True  # the values whose unit classes descend somewhere
     to_sort = unsorted.index_select(0, value)
     held = []  # unit classes of each value, by value then class
-    for found in (torch.unique_consecutive(key.masked_select(~to_sort)), torch.unique(key.masked_select(to_sort))):
+    for found in (key.masked_select(~to_sort), torch.unique(key.masked_select(to_sort))):
         held.append(torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist()))
     return tuple(held[int(sort)][v] for v, sort in enumerate(unsorted.tolist()))
 
 
 def _group_of_first(group_of: torch.Tensor, units: list[torch.Tensor]) -> tuple[list[int], list[bool]]:
-    """The group of each non-empty tensor of ``units``'s first unit, and whether all its units are in that group: one
-    gather over the units of all the tensors (each distinct tensor once: values that share ids share their units)."""
+    """For each of the non-empty tensors ``units``: the group of its first unit, and whether all its units lie in that
+    group. One gather over the units of all of them (each distinct tensor once: values that share ids share units)."""
     slot: dict[int, int] = {}
     order = [slot.setdefault(id(u), len(slot)) for u in units]
     distinct = list({id(u): u for u in units}.values())
@@ -658,7 +658,8 @@ def _first_appearance(axes: list[torch.Tensor], bound: int) -> tuple[torch.Tenso
     seq = torch.cat(axes)
     value = torch.repeat_interleave(torch.arange(len(axes)), torch.tensor([len(a) for a in axes]))
     at = torch.arange(len(seq))
-    first = torch.full((bound,), len(seq)).scatter_reduce_(0, seq, at, "amin").index_select(0, seq)  # of its class
+    # the position where each element's class first appears
+    first = torch.full((bound,), len(seq)).scatter_reduce_(0, seq, at, "amin").index_select(0, seq)
     is_first = first == at
     chained, same_value = (torch.cumsum(is_first, 0) - 1).index_select(0, first), value[1:] == value[:-1]
     edges = torch.stack([chained[:-1].masked_select(same_value), chained[1:].masked_select(same_value)], dim=1)

@@ -104,11 +104,11 @@ class _Builder:
         for space in rec.spaces:
             self.is_space[space.start:space.stop] = True
         self.unit_class = torch.zeros(n, dtype=torch.bool)
-        self.unit_class[self.rep[self.is_space]] = True
+        self.unit_class.index_fill_(0, self.rep.masked_select(self.is_space), True)
         self.head = torch.zeros(n, dtype=torch.bool)
-        for ids in rec.contracted:
-            c = self.cls(ids)
-            self.head[c[c >= 0]] = True
+        if rec.contracted:  # the classes of all of them in one gather
+            c = self.cls(torch.cat([ids.reshape(-1) for ids in rec.contracted]))
+            self.head.index_fill_(0, c.masked_select(c >= 0), True)
         self.benign = torch.zeros(n, dtype=torch.bool)
         self.hard: list[tuple[torch.Tensor, str]] = []  # (unit classes, reason they cannot be sliced)
         for pin in rec.pins:

@@ -3,33 +3,37 @@ from __future__ import annotations
 
 import torch
 
-from .ids import NO_ID, pairs, unique_pairs
+from .ids import NO_ID, pairs
 from .records import Member
 
 
 def classes(n: int, edges: list[torch.Tensor]) -> torch.Tensor:
     """Class representative (smallest id) of each of ``n`` ids: connected components of the (k, 2) edges.
     The components are found among the ids the edges touch only (most ids of a deep model, a position table's
-    elements say, are tied to none)."""
+    elements say, are tied to none), numbered by a bitmap over the ids instead of a sort."""
     rep = torch.arange(n)
     if not edges:
         return rep
-    touched, e = torch.unique(unique_pairs(torch.cat(edges)), return_inverse=True)
-    rep[touched] = touched[_components(len(touched), e)]  # ascending: the smallest position is the smallest id
-    return rep
+    ends = torch.cat(edges).reshape(-1)
+    seen = torch.zeros(n, dtype=torch.bool).index_fill_(0, ends, True)
+    touched = seen.nonzero().flatten()  # ascending: the smallest position is the smallest id
+    position = torch.cumsum(seen, 0) - 1
+    e = position.index_select(0, ends).view(-1, 2)
+    return rep.index_copy_(0, touched, touched.index_select(0, _components(len(touched), e)))
 
 
 def _components(n: int, e: torch.Tensor) -> torch.Tensor:
     """Smallest member of each of ``n`` nodes' connected component in the (k, 2) edges ``e``, by vectorised
-    min-label propagation with pointer jumping (a few passes over the edge list)."""
+    min-label propagation with pointer jumping (a few passes over the edge list; repeated edges change nothing)."""
     rep = torch.arange(n)
-    a, b = e[:, 0], e[:, 1]
+    a, b = e[:, 0].contiguous(), e[:, 1].contiguous()
     while True:
-        low = torch.minimum(rep[a], rep[b])
+        low = torch.minimum(rep.index_select(0, a), rep.index_select(0, b))
         new = rep.scatter_reduce(0, a, low, "amin").scatter_reduce(0, b, low, "amin")
-        new = torch.minimum(new, new[new])
-        while not torch.equal(new, new[new]):
-            new = new[new]
+        new = torch.minimum(new, new.index_select(0, new))
+        jumped = new.index_select(0, new)
+        while not torch.equal(new, jumped):
+            new, jumped = jumped, jumped.index_select(0, jumped)
         if torch.equal(new, rep):
             return rep
         rep = new
@@ -38,21 +42,19 @@ def _components(n: int, e: torch.Tensor) -> torch.Tensor:
 def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
     """A parameter element used with one class only joins it (a per-unit parameter); one used with
     several classes is shared by them and stays out (e.g. a norm weight over the head dim). One pass over the
-    pairs: an element's partners are one class where the smallest and the largest of them are the same."""
+    pairs: an element's partners are one class where the smallest and the largest of them are the same (a pair
+    within one class counts as no partner)."""
     tent = [t for t in tentative if t.numel()]
     if not tent:
         return rep
     t = torch.cat(tent)
-    element, partner = rep[t].unbind(1)
+    element, partner = rep.index_select(0, t.reshape(-1)).view(-1, 2).unbind(1)
     apart = element != partner
-    element, partner = element[apart], partner[apart]
     n = rep.numel()
-    low = torch.full((n,), n).scatter_reduce_(0, element, partner, "amin")
-    high = torch.full((n,), -1).scatter_reduce_(0, element, partner, "amax")
+    low = torch.full((n,), n).scatter_reduce_(0, element, torch.where(apart, partner, n), "amin")
+    high = torch.full((n,), -1).scatter_reduce_(0, element, torch.where(apart, partner, -1), "amax")
     single = low == high  # never where an element has no partner (low n, high -1)
-    remap = torch.arange(n)
-    remap[single] = low[single]
-    return remap[rep]
+    return torch.where(single, low, torch.arange(n)).index_select(0, rep)
 
 
 def shared_uses(members: list[Member]) -> list[torch.Tensor]:
@@ -73,18 +75,20 @@ def shared_uses(members: list[Member]) -> list[torch.Tensor]:
 
 
 class ClassIndex:
-    """Which of a list of class tensors hold any of a given set of classes: the classes of every tensor are found
-    once, so that each question is one lookup instead of a pass over every tensor."""
+    """Which of a list of class tensors hold any of a given set of classes: the classes of every tensor are listed
+    once, side by side, so that each question is one lookup instead of a pass over every tensor."""
 
     def __init__(self, tensors: list[torch.Tensor], bound: int):
-        present = [torch.unique(t[t != NO_ID]) for t in tensors]
+        flat = [t.reshape(-1) for t in tensors]
+        found = torch.cat(flat) if flat else torch.empty(0, dtype=torch.long)
+        items = torch.repeat_interleave(torch.arange(len(flat)), torch.tensor([len(f) for f in flat], dtype=torch.long))
+        held = found != NO_ID
         self.bound = bound
-        self.classes = torch.cat(present) if present else torch.empty(0, dtype=torch.long)
-        self.items = torch.repeat_interleave(torch.arange(len(present)),
-                                             torch.tensor([len(p) for p in present], dtype=torch.long))
+        # items ascend; a class a tensor holds twice is listed twice, which no answer minds
+        self.classes, self.items = found.masked_select(held), items.masked_select(held)
 
     def holding(self, wanted: torch.Tensor) -> list[int]:
         """Positions, ascending, of the tensors that hold any of the classes ``wanted`` (all below the bound)."""
         mask = torch.zeros(self.bound, dtype=torch.bool)
         mask[wanted] = True
-        return torch.unique(self.items[mask[self.classes]]).tolist()
+        return torch.unique_consecutive(self.items.masked_select(mask.index_select(0, self.classes))).tolist()

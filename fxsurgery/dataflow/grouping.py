@@ -108,11 +108,11 @@ class _Builder:
         for space in rec.spaces:
             self.is_space[space.start:space.stop] = True
         self.unit_class = torch.zeros(n, dtype=torch.bool)
-        self.unit_class[self.rep[self.is_space]] = True
+        self.unit_class.index_fill_(0, self.rep.masked_select(self.is_space), True)
         self.head = torch.zeros(n, dtype=torch.bool)
-        for ids in rec.contracted:
-            c = self.cls(ids)
-            self.head[c[c >= 0]] = True
+        if rec.contracted:  # the classes of all of them in one gather
+            c = self.cls(torch.cat([ids.reshape(-1) for ids in rec.contracted]))
+            self.head.index_fill_(0, c.masked_select(c >= 0), True)
         self.benign = torch.zeros(n, dtype=torch.bool)
         self.hard: list[tuple[torch.Tensor, str]] = []  # (unit classes, reason they cannot be sliced)
         for pin in rec.pins:
@@ -164,44 +164,45 @@ class _Builder:
         and share the result; the others are worked out together, in one pass over all their ids."""
         position: dict[tuple, int] = {}
         distinct: list[torch.Tensor] = []
+        slot = []  # each value's position among the distinct ones
         for act in acts:
-            key = _layout(act.ids)
-            if key not in position:
-                position[key] = len(distinct)
+            slot.append(position.setdefault(_layout(act.ids), len(distinct)))
+            if slot[-1] == len(distinct):
                 distinct.append(act.ids)
         if not distinct:
             return []
         flat = self.cls(torch.cat([t.reshape(-1) for t in distinct]))
         classes_of = [c.view(t.shape) for c, t in zip(torch.split(flat, [t.numel() for t in distinct]), distinct)]
         units = _units_held(classes_of, self.unit_class)
-        return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids)
-                for act, k in ((act, position[_layout(act.ids)]) for act in acts)]
+        return [UnitAct(act.node, act.index, classes_of[k], units[k], act.param, act.ids) for act, k in zip(acts, slot)]
 
     def cls(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.where(ids >= 0, self.rep[ids.clamp(min=0)], ids.new_full((), NO_ID))
+        """The classes of ``ids`` (``NO_ID`` kept), by one gather over them flattened (cheaper than indexing)."""
+        found = self.rep.index_select(0, ids.clamp(min=0).reshape(-1)).view(ids.shape)
+        return torch.where(ids >= 0, found, ids.new_full((), NO_ID))
 
     def groups(self) -> list[torch.Tensor]:
         """Unit classes that share a tensor axis belong to one group (in order of first appearance)."""
         # parameters join units, they do not define which units share an axis; values whose classes are all no
         # unit axis (the residual stream) are dropped anyway
-        axes = list({act.units.numpy().tobytes(): act.units for act in self.acts  # values that carry the same
-                     if not act.param and act.units.numel() and not self.benign[act.units].all()}.values())  # once
+        held = {id(act.units): act.units for act in self.acts if not act.param}  # values that share ids share units
+        axes = list({u.numpy().tobytes(): u for u in held.values()  # values that carry the same units once
+                     if u.numel() and not self.benign[u].all()}.values())
         axes = [a for a in axes if not self.fused(a, axes)]
-        units, edges = _first_appearance(axes)
+        units, edges = _first_appearance(axes, self.rec.next_id)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)
         group_of = torch.full((self.rec.next_id,), NO_ID)
         for k, comp in enumerate(comps):
             group_of[comp] = k
         carriers = [act for act in self.acts if act.units.numel()]
-        if carriers:
-            for act, k in zip(carriers, group_of[torch.cat([act.units[:1] for act in carriers])].tolist()):
-                self.acts_of.setdefault(k, []).append(act)
-            for act in carriers:  # a value that holds several groups' units side by side (a fused projection's)
-                if not act.param and act.units.numel() > 1 \
-                        and not bool((group_of[act.units] == group_of[act.units[0]]).all()):
-                    for k in torch.unique(group_of[act.units[1:]]).tolist():
-                        if act not in self.acts_of.setdefault(k, []):
-                            self.acts_of[k].append(act)
+        first, alone = _group_of_first(group_of, [act.units for act in carriers])
+        for act, k in zip(carriers, first):
+            self.acts_of.setdefault(k, []).append(act)
+        for act, one in zip(carriers, alone):  # a value that holds several groups' units side by side (a fused
+            if not act.param and not one:  # projection's output) is listed with each of them
+                for k in torch.unique(group_of[act.units[1:]]).tolist():
+                    if act not in self.acts_of.setdefault(k, []):
+                        self.acts_of[k].append(act)
         return comps
 
     def fused(self, units: torch.Tensor, axes: list[torch.Tensor]) -> bool:
@@ -637,31 +638,59 @@ def _layout(t: torch.Tensor) -> tuple:
 
 
 def _units_held(classes_of: list[torch.Tensor], unit_class: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one sort for all of them."""
+    """The unit classes each tensor of ``classes_of`` holds, in ascending order: one pass over all of them that drops
+    runs of one class, then one sort for the tensors whose unit classes do not already ascend (most do: a
+    projection's output lists its coordinates in order)."""
     # a large value's classes often repeat along some dims (a position table's, over its tokens)
     reduced = [compact(c) if c.numel() > _LARGE else c for c in classes_of]
     flat = torch.cat([c.reshape(-1) for c in reduced])
     value = torch.repeat_interleave(torch.arange(len(reduced)), torch.tensor([c.numel() for c in reduced]))
-    is_unit = (flat >= 0) & unit_class[flat.clamp(min=0)]
+    is_unit = (flat >= 0) & unit_class.index_select(0, flat.clamp(min=0))
     n = len(unit_class)
-    found = torch.unique(value[is_unit] * n + flat[is_unit])  # by value, then class
-    return torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist())
+    key = torch.unique_consecutive((value * n + flat).masked_select(is_unit))  # by value, then position
+    value = key // n
+    unsorted = torch.zeros(len(reduced), dtype=torch.bool)
+    unsorted[value[1:].masked_select(key[1:] < key[:-1])] = True  # the values whose unit classes descend somewhere
+    to_sort = unsorted.index_select(0, value)
+    held = []  # unit classes of each value, by value then class
+    for found in (key.masked_select(~to_sort), torch.unique(key.masked_select(to_sort))):
+        held.append(torch.split(found % n, torch.bincount(found // n, minlength=len(reduced)).tolist()))
+    return tuple(held[int(sort)][v] for v, sort in enumerate(unsorted.tolist()))
 
 
-def _first_appearance(axes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unit classes of ``axes`` (each value's unit classes, values in order) in order of first appearance, and
-    the edges that chain each value's classes, as positions in that order."""
+def _group_of_first(group_of: torch.Tensor, units: list[torch.Tensor]) -> tuple[list[int], list[bool]]:
+    """For each of the non-empty tensors ``units``: the group of its first unit, and whether all its units lie in that
+    group. One gather over the units of all of them (each distinct tensor once: values that share ids share units)."""
+    slot: dict[int, int] = {}
+    order = [slot.setdefault(id(u), len(slot)) for u in units]
+    distinct = list({id(u): u for u in units}.values())
+    if not distinct:
+        return [], []
+    sizes = torch.tensor([len(u) for u in distinct])
+    found = group_of.index_select(0, torch.cat(distinct))
+    first = found.index_select(0, torch.cumsum(sizes, 0) - sizes)
+    part = torch.repeat_interleave(torch.arange(len(distinct)), sizes)
+    stray = (found != first.index_select(0, part)).long()
+    strays = torch.zeros(len(distinct), dtype=torch.long).index_add_(0, part, stray)
+    first, alone = first.tolist(), (strays == 0).tolist()
+    return [first[k] for k in order], [alone[k] for k in order]
+
+
+def _first_appearance(axes: list[torch.Tensor], bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unit classes of ``axes`` (each value's unit classes, below ``bound``; values in order) in order of first
+    appearance, and the edges that chain each value's classes, as positions in that order. The first appearances
+    are marked by a table over the classes, so no sort is needed."""
     if not axes:
         return torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
     seq = torch.cat(axes)
     value = torch.repeat_interleave(torch.arange(len(axes)), torch.tensor([len(a) for a in axes]))
-    seen, where = torch.unique(seq, return_inverse=True)
-    first = torch.full((len(seen),), len(seq)).scatter_reduce(0, where, torch.arange(len(seq)), "amin")
-    order = first.argsort()
-    position = torch.empty_like(order)
-    position[order] = torch.arange(len(order))
-    chained, same_value = position[where], value[1:] == value[:-1]
-    return seen[order], torch.stack([chained[:-1][same_value], chained[1:][same_value]], dim=1)
+    at = torch.arange(len(seq))
+    # the position where each element's class first appears
+    first = torch.full((bound,), len(seq)).scatter_reduce_(0, seq, at, "amin").index_select(0, seq)
+    is_first = first == at
+    chained, same_value = (torch.cumsum(is_first, 0) - 1).index_select(0, first), value[1:] == value[:-1]
+    edges = torch.stack([chained[:-1].masked_select(same_value), chained[1:].masked_select(same_value)], dim=1)
+    return seq.masked_select(is_first), edges
 
 
 def _components(units: torch.Tensor, rep: torch.Tensor, bound: int) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from ..capture.meta_memo import MetaMemo
 from ..compat import running_node, tree_leaves, tree_map
 from ..errors import AnalysisError
 from .records import Act, Records
-from .repeats import LISTS, Repeat, Span, Translation, Untranslatable, lengths
+from .repeats import LISTS, Repeat, Span, Template, Translation, Untranslatable, lengths
 
 
 class Rules(Protocol):
@@ -101,6 +101,7 @@ class Labeller(torch.fx.Interpreter):
         self._before: dict[str, tuple] = {}  # a call's module -> the records' state before it was labelled
         self._spans: dict[str, tuple[Span, tuple]] = {}  # -> what labelling it recorded, and its surroundings
         self._replaying: dict[Node, Any] = {}  # the values of the nodes of a call being replayed
+        self._templates: dict[str, Template] = {}  # a labelled call's module -> its records, ready to replay
 
     def run_node(self, n: Node) -> Any:
         if n in self.repeats:
@@ -166,11 +167,15 @@ class Labeller(torch.fx.Interpreter):
         their labels and values; False (nothing changed) where a record cannot be translated."""
         first, later = repeat
         span = self._spans[first.module][0]
-        translation = Translation(repeat, span, self.rec.next_id)
+        if first.module not in self._templates:
+            records = {name: getattr(self.rec, name)[start:stop]
+                       for name, start, stop in zip(LISTS, span.before, span.after)}
+            self._templates[first.module] = Template(records, [self.labels[a] for a in first.nodes], span.first_id)
+        template = self._templates[first.module]
+        translation = Translation(repeat, template, self.rec.next_id)
         try:
-            added = {name: [translation.record(r) for r in getattr(self.rec, name)[start:stop]]
-                     for name, start, stop in zip(LISTS, span.before, span.after)}
-            labels = {b: translation.record(self.labels[a]) for a, b in zip(first.nodes, later.nodes)}
+            added = {name: [translation.record(r) for r in records] for name, records in template.records.items()}
+            labels = {b: translation.record(label) for b, label in zip(later.nodes, template.labels)}
         except Untranslatable:
             return False
         for name, records in added.items():

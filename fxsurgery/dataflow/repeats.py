@@ -178,28 +178,76 @@ class Untranslatable(Exception):
 _TOKEN = re.compile(r"[\w.]+")
 
 
-class Translation:
-    """From the first call's records to the later call's: the first's new ids moved to ``next_id`` on, its nodes and
-    their names to the later call's matching ones, module paths inside its module to the later module's."""
+class _Slot(NamedTuple):
+    """Where an id tensor of a template's records stood."""
 
-    def __init__(self, repeat: Repeat, span: Span, next_id: int):
-        self.repeat, self.low, self.high, self.shift = repeat, span.first_id, span.end_id, next_id - span.first_id
+    index: int
+
+
+class Template:
+    """A labelled call's records and its nodes' labels, with their id tensors set aside as one flat tensor: moving the
+    call's new ids (``low`` on) for a later call is then one operation, whatever the number of records."""
+
+    def __init__(self, records: dict[str, list], labels: list, low: int):
+        self.low = low
+        self.tensors: list[torch.Tensor] = []
+        self._slots: dict[tuple, _Slot] = {}  # tensors that share one id tensor share its slot
+        self.records = {name: [self._strip(r) for r in found] for name, found in records.items()}
+        self.labels = [self._strip(label) for label in labels]
+        bases = [_base(t) for t in self.tensors]
+        flat = torch.cat([b.reshape(-1) for b in bases] + [torch.empty(0, dtype=torch.long)])
+        self._sizes = [b.numel() for b in bases]
+        self._shapes = [(tuple(b.shape), tuple(t.shape)) for b, t in zip(bases, self.tensors)]
+        self._new = (flat >= low).long()
+        self._flat = flat
+        self._moves = [bool(part.any()) for part in torch.split(self._new, self._sizes)]
+
+    def _strip(self, r: Any) -> Any:
+        if isinstance(r, torch.Tensor):
+            key = (r.untyped_storage().data_ptr(), r.storage_offset(), tuple(r.shape), r.stride(), r.dtype)
+            if key not in self._slots:
+                self._slots[key] = _Slot(len(self.tensors))
+                self.tensors.append(r)
+            return self._slots[key]
+        if isinstance(r, tuple) and hasattr(r, "_fields"):
+            return type(r)(*(self._strip(v) for v in r))
+        if isinstance(r, tuple):
+            return tuple(self._strip(v) for v in r)
+        if dataclasses.is_dataclass(r):
+            return dataclasses.replace(r, **{f.name: self._strip(getattr(r, f.name)) for f in dataclasses.fields(r)})
+        return r
+
+    def moved(self, shift: int) -> list[torch.Tensor]:
+        """The id tensors with the new ids moved by ``shift`` (those without new ids as they are)."""
+        parts = torch.split(self._flat + self._new * shift, self._sizes)
+        return [part.view(base).expand(shape) if moves else t
+                for part, (base, shape), moves, t in zip(parts, self._shapes, self._moves, self.tensors)]
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the dims it repeats by broadcasting (stride 0), which moving its ids need not copy."""
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
+class Translation:
+    """From a template of the first call's records to the later call's: the first's new ids moved to ``next_id``
+    on, its nodes and their names to the later call's matching ones, module paths inside its module to the later
+    module's."""
+
+    def __init__(self, repeat: Repeat, template: Template, next_id: int):
+        self.repeat, self.shift = repeat, next_id - template.low
         self.nodes = dict(zip(repeat.first.nodes, repeat.later.nodes)) | dict(zip(repeat.first.inputs,
                                                                                 repeat.later.inputs))
         self.names = {a.name: b.name for a, b in self.nodes.items()}
-        self.copies: dict[tuple, torch.Tensor] = {}  # values that share one id tensor share its translation
-
-    def ids(self, t: torch.Tensor) -> torch.Tensor:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-        if key not in self.copies:
-            new = (t >= self.low) & (t < self.high)
-            self.copies[key] = torch.where(new, t + self.shift, t) if bool(new.any()) else t
-        return self.copies[key]
+        self.tensors = template.moved(self.shift)
 
     def record(self, r: Any) -> Any:
-        """A record (a NamedTuple of ids, nodes, names and texts), an id tensor, a node or a label, translated."""
-        if isinstance(r, torch.Tensor):
-            return self.ids(r)
+        """A record of a template (a NamedTuple of ids, nodes, names and texts), a node or a label, translated."""
+        if isinstance(r, _Slot):
+            return self.tensors[r.index]
         if isinstance(r, Node):
             return self.nodes.get(r, r)
         if isinstance(r, Space):

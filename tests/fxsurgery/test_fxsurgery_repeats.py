@@ -16,8 +16,9 @@ import fxsurgery.analysis.find as find
 from fxsurgery import Surgeon
 from fxsurgery.analysis.regions import find_regions
 from fxsurgery.capture.calls import buffers_kept
-from fxsurgery.dataflow.labeller import Labeller
-from fxsurgery.dataflow.repeats import LISTS, Call, Repeat, Span, Translation, Untranslatable, find_repeats
+from fxsurgery.dataflow.labeller import Label, Labeller
+from fxsurgery.dataflow.records import Pin
+from fxsurgery.dataflow.repeats import LISTS, Call, Repeat, Template, Translation, Untranslatable, find_repeats
 from fxsurgery.dataflow.rules import RULES
 
 DIM = 8
@@ -114,18 +115,22 @@ def test_a_surgeon_finds_what_it_finds_with_every_block_labelled(name: str, monk
     assert [(g.name, g.count, g.slices) for g in fast.groups] == [(g.name, g.count, g.slices) for g in full.groups]
 
 
-def test_a_node_name_used_as_a_word_is_not_translated() -> None:
+def test_a_translation_moves_new_ids_and_renames_what_it_can_tell_from_words() -> None:
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     first = [graph.call_function(torch.relu, (x,), name="linear")]
     later = [graph.call_function(torch.relu, (first[0],), name="relu_1")]
     repeat = Repeat(Call("a.0", first, [x], first), Call("a.1", later, first, later))
-    translation = Translation(repeat, Span((), (), 10, 12, frozenset()), 20)
-    assert translation.text("linear: reads a.0.fc.weight") == "relu_1: reads a.1.fc.weight"
-    assert translation.text("a.01.fc") == "a.01.fc"
+    pin = Pin(torch.tensor([-1, 3, 10, 11]).expand(2, 4), "linear: reads a.0.fc.weight")
+    template = Template({"pins": [pin]}, [Label(torch.tensor([10]))], 10)
+    translation = Translation(repeat, template, 20)
+    moved, = [translation.record(r) for r in template.records["pins"]]
+    assert torch.equal(moved.ids, torch.tensor([-1, 3, 20, 21]).expand(2, 4)) and moved.ids.stride() == (0, 1)
+    assert moved.reason == "relu_1: reads a.1.fc.weight"
+    assert torch.equal(translation.record(template.labels[0]).ids, torch.tensor([20]))
     assert translation.text("read at a.0.fc.") == "read at a.1.fc."
     assert translation.text("mixed by a.0.fc.weight (relu_1)") == "mixed by a.1.fc.weight (relu_1)"
+    assert translation.text("a.01.fc") == "a.01.fc"
     for text in ("no linear map reads these units", "read at linear."):
         with pytest.raises(Untranslatable):
             translation.text(text)
-    assert torch.equal(translation.ids(torch.tensor([-1, 3, 10, 11, 12])), torch.tensor([-1, 3, 20, 21, 12]))

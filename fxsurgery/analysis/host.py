@@ -86,6 +86,11 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
     return found
 
 
+def _source(graph: torch.fx.Graph) -> str:
+    """The Python code of a graph (generated, not compiled: the graph of a lazy graph module may never run)."""
+    return graph.python_code(root_module="self").src
+
+
 def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple,
                   kwargs: dict, modes: tuple[bool, ...]) -> HostAnalysis:
     graphs, results, tensors = {}, {}, {}
@@ -93,7 +98,7 @@ def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: 
         gm, values, used = front_end(module, host, args, kwargs, mode)
         tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
                         if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)})
-        if mode is False and True in graphs and gm.code == graphs[True].owning_module.code:
+        if mode is False and True in graphs and _source(gm.graph) == _source(graphs[True]):
             graphs[False], results[False] = graphs[True], results[True]
             break
         graphs[mode] = gm.graph

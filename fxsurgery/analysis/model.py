@@ -91,7 +91,9 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     hosts = locate_hosts(model, regions, found.leave_out)
     plan = ModelPlan([], {}, {}, found.left_out, failures, SharedAnalyses())
     if hosts:
-        calls = capture_inputs(model, example, [n for n, _ in model.named_modules() if n])
+        # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller)
+        around = {".".join(host.split(".")[:depth]) for host in hosts for depth in range(1, host.count(".") + 2)}
+        calls = capture_inputs(model, example, sorted(around - {""}))
         calls[""] = example
         # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
         plan.calls = {name: without_objects(call) for name, call in calls.items()}

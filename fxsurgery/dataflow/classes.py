@@ -87,6 +87,17 @@ class ClassIndex:
         # items ascend; a class a tensor holds twice is listed twice, which no answer minds
         self.classes, self.items = found.masked_select(held), items.masked_select(held)
 
+    def by_group(self, group_of: torch.Tensor, count: int) -> list[list[int]]:
+        """For each of ``count`` groups of classes (``group_of``: each class's group, ``NO_ID`` for none), the
+        positions, ascending, of the tensors that hold any of its classes: one pass for all the groups."""
+        group = group_of.index_select(0, self.classes)
+        held = group != NO_ID
+        n = int(self.items[-1]) + 1 if len(self.items) else 1
+        pairs = torch.unique(group.masked_select(held) * n + self.items.masked_select(held))  # by group, then item
+        items = (pairs % n).tolist()
+        bounds = torch.bincount(pairs // n, minlength=count).cumsum(0).tolist()
+        return [items[start:stop] for start, stop in zip([0] + bounds[:-1], bounds)]
+
     def holding(self, wanted: torch.Tensor) -> list[int]:
         """Positions, ascending, of the tensors that hold any of the classes ``wanted`` (all below the bound)."""
         mask = torch.zeros(self.bound, dtype=torch.bool)

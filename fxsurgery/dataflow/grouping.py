@@ -134,6 +134,7 @@ class _Builder:
         self.acts = self.unit_acts(rec.acts)
         self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units
+        self.sinks_by_group: list[list[int]] = []  # group index -> the sinks that read its units (by ``groups``)
 
     @functools.cached_property
     def sink_index(self) -> ClassIndex:
@@ -194,6 +195,7 @@ class _Builder:
         group_of = torch.full((self.rec.next_id,), NO_ID)
         for k, comp in enumerate(comps):
             group_of[comp] = k
+        self.sinks_by_group = self.sink_index.by_group(group_of, len(comps))
         carriers = [act for act in self.acts if act.units.numel()]
         first, alone = _group_of_first(group_of, [act.units for act in carriers])
         for act, k in zip(carriers, first):
@@ -432,15 +434,14 @@ class _Builder:
         that reads them, or by several maps that all read one value (channels fanned out to parallel projections,
         as a query and a key/value map read one input: a channel removed leaves all of them), or heads read by
         several maps of their own layer (``own_reads``); or why there is no such reader."""
-        sinks = self.sinks_reading(ut)
+        sinks = [self.sinks[i] for i in self.sinks_by_group[k]]
         names = sorted({sink.weight for sink in sinks})
         fanned_out = len({sink.input for sink in sinks}) == 1 and sinks[0].input is not None
         if len(names) != 1 and not (fanned_out and not self.head[ut].any()):
             if not names:
                 return "no linear map reads these units"
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            readers = torch.cat([torch.unique(sk.columns[torch.isin(sk.columns, ut)]) for sk in sinks])
-            if len(names) == len(sinks) and torch.unique(readers).numel() == readers.numel():
+            if len(names) == len(sinks) and self.read_apart(sinks, ut):
                 return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
                         f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
             cascade = self.cascade(sinks, ut) if self.head[ut].any() else None
@@ -468,6 +469,14 @@ class _Builder:
             return False
         carriers = {act.node for act in self.acts_of.get(k, []) if not act.param}
         return not any(_is_sum(node) and sum(arg in carriers for arg in node.all_input_nodes) > 1 for node in carriers)
+
+    def read_apart(self, sinks: list[Sink], ut: torch.Tensor) -> bool:
+        """No unit of ``ut`` is read by two of ``sinks`` (columns as classes): one pass over all their columns."""
+        columns = torch.cat([sk.columns for sk in sinks])
+        reader = torch.repeat_interleave(torch.arange(len(sinks)), torch.tensor([sk.columns.numel() for sk in sinks]))
+        read = torch.isin(columns, ut)
+        units = torch.unique(reader[read] * self.rec.next_id + columns[read]) % self.rec.next_id  # once per reader
+        return torch.unique(units).numel() == units.numel()
 
     def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> str | None:
         """Why heads that feed later heads are no units, or None: one map reads every head (their output

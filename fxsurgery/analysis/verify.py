@@ -2,6 +2,7 @@
 the host's outputs unchanged, and a removal must equal masking the unit at its tap point (and keep output shapes)."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -14,12 +15,14 @@ from ..slicing import ParamSlice, by_tensor, clone_unit
 
 
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str | None:
-    """Clone and remove unit 0 on the live host, compare its outputs, and restore everything. A clone must leave the
-    outputs unchanged; a removal must equal zeroing unit 0 at the group's tap point, which must see it at every
+    """Clone and remove units on the live host, compare its outputs, and restore everything. A clone must leave the
+    outputs unchanged; a removal must equal zeroing the unit at the group's tap point, which must see it at every
     point it enters the others (the tap is a hook on the graph's values, the removal slices of tensors: two
-    independent paths). Where no removal is compared (an inexact group, or one at its minimum count, such as a
-    single FFN channel), the tap is compared with masking unit 0 at every output slice instead (the projection's
-    columns, a head-mixing map's read rows). Returns what went wrong, or None."""
+    independent paths). Both are checked in one forward where they can be: unit 0 cloned and unit 1 removed must
+    equal unit 1 zeroed at the tap point; where that differs, each is checked alone to tell which is wrong. Where no
+    removal is compared (an inexact group, or one at its minimum count, such as a single FFN channel), the tap is
+    compared with masking unit 0 at every output slice instead (the projection's columns, a head-mixing map's read
+    rows). Returns what went wrong, or None."""
     module = editor.host(g)
     args, kwargs = materialize(inputs)
     saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
@@ -36,6 +39,23 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
             t.data, t.grad = data, grad
         editor.settle(g, count)
 
+    def tapped(unit: int) -> list[torch.Tensor]:
+        """The outputs with ``unit`` zeroed at the group's tap point."""
+        handle = editor.tap_point(g).add(functools.partial(_zero_unit, unit=unit))
+        try:
+            return run()
+        finally:
+            handle.remove()
+
+    def clone_first() -> None:
+        noise = editor.noise(g, 0, 0.5, None, True)
+        editor.edit(g, g.count + 1, lambda sl, t: clone_unit(t, sl, g.count, 0, noise.get(sl.name)), None)
+
+    def remove(unit: int) -> None:
+        now = g.count
+        rest = torch.tensor([k for k in range(now) if k != unit], dtype=torch.long)
+        editor.edit(g, now - 1, lambda sl, t: sl.keep(t, now, rest), None)
+
     def masked(slices: list[ParamSlice]) -> list[torch.Tensor]:
         """The outputs with unit 0 of ``slices`` zeroed (in copies of their tensors)."""
         for name, group in by_tensor(slices):
@@ -48,46 +68,51 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
         finally:
             restore()
 
+    def one_by_one() -> str | None:
+        """Each property alone, on unit 0."""
+        if g.exact:
+            y0 = run()
+            clone_first()
+            err = max_rel_diff(y0, run())
+            restore()
+            if err > tol:
+                return f"a clone changed the outputs by {err:.2e}"
+        y_tap = tapped(0)
+        removes = count - 1 >= g.min_count
+        if not (g.exact and removes):
+            err = max_rel_diff(masked([sl for sl in g.slices if sl.output]), y_tap)
+            if err > tol:
+                return f"zeroing unit 0 at its tap point differs from masking it by {err:.2e}"
+        if not removes:
+            return None
+        remove(0)
+        y_rm = run()
+        if [y.shape for y in y_rm] != [y.shape for y in y_tap]:
+            return "a removal changed the output shapes"
+        err = max_rel_diff(y_tap, y_rm)
+        return f"a removal differs from masking by {err:.2e}" if g.exact and err > tol else None
+
     try:
         with training_mode(module, False), forked_rng(tree_leaves((args, kwargs))):
-            if g.exact:
-                y0 = run()
-                noise = editor.noise(g, 0, 0.5, None, True)
-                editor.edit(g, count + 1, lambda sl, t: clone_unit(t, sl, count, 0, noise.get(sl.name)), None)
-                err = max_rel_diff(y0, run())
+            if g.exact and count >= 2 and count - 1 >= g.min_count:
+                y_tap = tapped(1)
+                clone_first()
+                remove(1)
+                y_both = run()
                 restore()
-                if err > tol:
-                    return f"a clone changed the outputs by {err:.2e}"
-            handle = editor.tap_point(g).add(_zero_first_unit)
-            try:
-                y_tap = run()
-            finally:
-                handle.remove()
-            removes = count - 1 >= g.min_count
-            if not (g.exact and removes):
-                y_mask = masked([sl for sl in g.slices if sl.output])
-                err = max_rel_diff(y_mask, y_tap)
-                if err > tol:
-                    return f"zeroing unit 0 at its tap point differs from masking it by {err:.2e}"
-            if not removes:
-                return None
-            rest = torch.arange(1, count)
-            editor.edit(g, count - 1, lambda sl, t: sl.keep(t, count, rest), None)
-            y_rm = run()
-            if [y.shape for y in y_rm] != [y.shape for y in y_tap]:
-                return "a removal changed the output shapes"
-            err = max_rel_diff(y_tap, y_rm)
-            if g.exact and err > tol:
-                return f"a removal differs from masking by {err:.2e}"
+                err = max_rel_diff(y_tap, y_both)
+                if err <= tol:
+                    return None
+                return one_by_one() or f"a clone of unit 0 with unit 1 removed differs from masking unit 1 by {err:.2e}"
+            return one_by_one()
     except Exception as e:  # report the group, keep the model usable
         return f"{type(e).__name__}: {e}"
     finally:
         restore()
-    return None
 
 
-def _zero_first_unit(a: torch.Tensor) -> None:
-    a[..., 0, :] = 0
+def _zero_unit(a: torch.Tensor, unit: int) -> None:
+    a[..., unit, :] = 0
 
 
 def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -19,7 +19,7 @@ import torch.fx
 import torch.nn as nn
 from torch.export import Dim
 
-from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, graph_module, pytree_info, tree_leaves, tree_map
+from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from .aten import lower
 from .calls import buffers_kept, forked_rng, materialize, training_mode
@@ -76,7 +76,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
         node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
     _keep_constants(module, exported, graph)
     values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
-    gm = graph_module(module, graph, type(module).__name__)
+    gm = torch.fx.GraphModule(module, graph, type(module).__name__)  # run at once: no lazy code
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
     if replayed:
         _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
@@ -105,9 +105,9 @@ def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwar
             with buffers_kept(module):
                 torch.manual_seed(0)
                 expected = [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
-            with buffers_kept(module):
+            with buffers_kept(module):  # its forward, not its call: fx's call prints a failure to stderr
                 torch.manual_seed(0)
-                got = [t for t in tree_leaves(gm(*args, **kwargs)) if torch.is_tensor(t)]
+                got = [t for t in tree_leaves(gm.forward(*args, **kwargs)) if torch.is_tensor(t)]
     except Exception as e:  # the graph does not even run where the module does
         raise TraceError(f"the graph captured from {label} ({type(module).__name__}) does not run: "
                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

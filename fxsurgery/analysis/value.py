@@ -9,6 +9,7 @@ without it analyses the model again and checks that it finds the same.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,10 +87,34 @@ def working_copy(model: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {id(b): b.clone() for b in model.buffers()}
     memo.update({id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in model.parameters()})
     try:
-        return copy.deepcopy(model, memo)
+        return _copied(model, memo)
     except Exception as err:  # an attribute deepcopy cannot copy (a lock, a file handle)
         raise TypeError(f"fxsurgery analyses a copy of {type(model).__name__} so the model stays untouched, and "
                         f"the model cannot be copied: {type(err).__name__}: {err}") from err
+
+
+def _copied(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy(module, memo)``, with a module's submodules copied alike and its empty tables (most of them
+    hold no hooks) made anew: what copying a deep model spends most of its time on. A module that copies or pickles
+    itself its own way is left to ``deepcopy``."""
+    cls = type(module)
+    if id(module) in memo:
+        return memo[id(module)]
+    if getattr(cls, "__deepcopy__", None) is not None or cls.__reduce_ex__ is not object.__reduce_ex__ \
+            or cls.__reduce__ is not object.__reduce__ or cls.__getstate__ is not nn.Module.__getstate__:
+        return copy.deepcopy(module, memo)
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    state = {}
+    for key, value in module.__getstate__().items():
+        if key == "_modules":
+            state[key] = type(value)((k, None if m is None else _copied(m, memo)) for k, m in value.items())
+        elif type(value) in (dict, OrderedDict, set) and not value:
+            state[key] = type(value)()
+        else:
+            state[key] = copy.deepcopy(value, memo)
+    new.__setstate__(state)
+    return new
 
 
 def structure(model: nn.Module) -> Structure:

@@ -12,6 +12,7 @@ from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
 
 from fxsurgery import Analysis, Surgeon, analyse
 from fxsurgery.analysis import model as model_analysis
+from fxsurgery.analysis.value import working_copy as model_analysis_working_copy
 
 
 def snapshot(model: nn.Module) -> dict:
@@ -52,6 +53,38 @@ def test_analyse_leaves_the_model_untouched() -> None:
     assert_untouched(model, before)
     with torch.no_grad():
         assert torch.equal(model.eval()(x), y)
+
+
+class SelfCopying(nn.Linear):
+    """A module that copies itself its own way (the working copy must leave it to ``deepcopy``)."""
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        copied = nn.Linear.__new__(SelfCopying)
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        copied.copied_its_own_way = True
+        return copied
+
+
+def test_the_working_copy_copies_as_deepcopy_does() -> None:
+    """Submodules shared by two parents or held as plain attributes stay one module, hooks come along, a module with
+    its own ``__deepcopy__`` copies its own way, parameters are new objects over the same storage and buffers are
+    cloned; the model is left as it was."""
+    shared, own = nn.Linear(4, 4), SelfCopying(4, 4)
+    model = nn.Sequential(shared, nn.BatchNorm1d(4), nn.Sequential(shared, own))
+    model.__dict__["alias"] = shared  # a plain attribute naming a submodule
+    calls = []
+    shared.register_forward_hook(lambda *args: calls.append(1))
+    working = model_analysis_working_copy(model)
+    assert working[0] is working[2][0] is working.__dict__["alias"] and working[0] is not shared
+    assert getattr(working[2][1], "copied_its_own_way", False) and not hasattr(own, "copied_its_own_way")
+    for original, copied in zip(model.parameters(), working.parameters()):
+        assert copied is not original and copied.data_ptr() == original.data_ptr()
+    for original, copied in zip(model.buffers(), working.buffers()):
+        assert copied is not original and copied.data_ptr() != original.data_ptr() and torch.equal(copied, original)
+    working(torch.randn(3, 4))
+    assert calls == [1, 1] and working[1].running_mean.abs().sum() > 0 and model[1].running_mean.abs().sum() == 0
+    assert working[1]._forward_hooks is not model[1]._forward_hooks
 
 
 def test_analysis_pickles_copies_and_compares() -> None:

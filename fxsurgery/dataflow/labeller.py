@@ -281,7 +281,7 @@ class Labeller(torch.fx.Interpreter):
 def _label_key(label: Any) -> Any:
     """A label as a comparable value: its ids' shape and contents, and whether it is a parameter's."""
     if isinstance(label, Label):
-        return tuple(label.ids.shape), tuple(label.ids.reshape(-1).tolist()), label.param
+        return tuple(label.ids.shape), label.ids.contiguous().numpy().tobytes(), label.ids.dtype, label.param
     if isinstance(label, tuple):
         return tuple(_label_key(lab) for lab in label)
     return label

@@ -203,10 +203,10 @@ class Labeller(torch.fx.Interpreter):
         for a in call.nodes:
             if a not in self.labels:
                 return False
-            if a.op == "get_attr" or (a not in self.dynamic and any(i in from_state for i in a.all_input_nodes)):
-                if a.op != "get_attr":
-                    return False
+            if a.op == "get_attr":
                 from_state.add(a)
+            elif a not in self.dynamic and any(i in from_state for i in a.all_input_nodes):
+                return False
         return all(a in self.values or (isinstance(self.shapes.get(a), tuple)
                                         and all(isinstance(d, int) for d in self.shapes[a])) for a in call.outputs)
 

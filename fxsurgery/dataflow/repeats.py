@@ -269,8 +269,7 @@ class Translation:
         """A node's name, or a path of a module, parameter or buffer."""
         if name in self.names:
             return self.names[name]
-        first = self.repeat.first.module
-        return self.repeat.later.module + name[len(first):] if within(name, first) else name
+        return self.repeat.renamed(name) if within(name, self.repeat.first.module) else name
 
     def text(self, text: str) -> str:
         """A reason: a node name of the call (leading it, ``"add_3: ..."``, or with a digit or an underscore, as no

@@ -46,7 +46,7 @@ class ParamSlice:
         if not self.start and not self.after:
             return seg
         end = t.shape[self.dim] - self.after
-        return torch.cat([t.narrow(self.dim, 0, self.start), seg, t.narrow(self.dim, end, self.after)], self.dim)
+        return _joined([t.narrow(self.dim, 0, self.start), seg, t.narrow(self.dim, end, self.after)], self.dim)
 
     def keep(self, t: torch.Tensor, count: int, index: torch.Tensor) -> torch.Tensor:
         """Only the units in ``index``, in that order (no zero slots). An index of a few runs of consecutive units
@@ -55,12 +55,11 @@ class ParamSlice:
         runs = _runs(index)
         if runs is None:
             return self.flat(v.index_select(self.dim + 1, index.to(t.device)), t, count)
-        return self.flat(torch.cat([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1),
-                         t, count)
+        return self.flat(_joined([v.narrow(self.dim + 1, start, size) for start, size in runs], self.dim + 1), t, count)
 
     def append(self, t: torch.Tensor, count: int, new: torch.Tensor) -> torch.Tensor:
         """``t`` with one more unit whose slice is ``new`` (shaped like one unit's slice)."""
-        return self.flat(torch.cat([self.units(t, count), new.unsqueeze(self.dim + 1)], self.dim + 1), t, count)
+        return self.flat(_joined([self.units(t, count), new.unsqueeze(self.dim + 1)], self.dim + 1), t, count)
 
     def unit(self, t: torch.Tensor, count: int, i: int) -> torch.Tensor:
         return self.units(t, count).select(self.dim + 1, i)
@@ -150,6 +149,20 @@ def _per_unit(v: torch.Tensor, axis: int) -> torch.Tensor:
     return v.sum(dim=[d for d in range(v.dim()) if d != axis])
 
 
+def _joined(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(pieces, dim)``, each piece copied into its place in one new tensor: on the CPU, cat along an inner
+    dim with a piece one element wide is many times slower (a 768×3072 matrix less one column: 2.7 ms, and 20 ms
+    with much memory in use, against 0.4 ms)."""
+    shape = list(pieces[0].shape)
+    shape[dim] = sum(piece.shape[dim] for piece in pieces)
+    out = pieces[0].new_empty(shape)
+    at = 0
+    for piece in pieces:
+        out.narrow(dim, at, piece.shape[dim]).copy_(piece)
+        at += piece.shape[dim]
+    return out
+
+
 MAX_RUNS = 8  # more runs of consecutive units than this: one gather
 
 
@@ -157,15 +170,13 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int]] | None:
     """(start, size) of each run of consecutive units in a host-side ``index``, if it has at most ``MAX_RUNS``."""
     if index.device.type != "cpu" or not index.numel():
         return None
-    runs: list[tuple[int, int]] = []
-    for k in index.tolist():
-        if runs and runs[-1][0] + runs[-1][1] == k:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        elif len(runs) == MAX_RUNS:
-            return None
-        else:
-            runs.append((k, 1))
-    return runs
+    breaks = (torch.diff(index) != 1).nonzero().flatten() + 1  # where a new run starts
+    if len(breaks) >= MAX_RUNS:
+        return None
+    starts = [0, *breaks.tolist()]
+    ends = [*starts[1:], len(index)]
+    first = index[starts].tolist()
+    return [(k, end - start) for k, start, end in zip(first, starts, ends)]
 
 
 def state_tensors(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> list[tuple[dict, str]]:

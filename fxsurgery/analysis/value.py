@@ -16,6 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..capture.call_signature import describe
+from ..capture.meta_memo import shared_layouts
 from ..editing import Editor
 from ..groups import LeftOut, UnitGroup
 from .model import ModelPlan, install_model, plan_model
@@ -75,8 +76,9 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     if not args and not kwargs:
         raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
     working = working_copy(model)
-    plan = plan_model(working, (args, kwargs))
-    found = install_model(working, plan, Editor(working), describe_alike=True)
+    with shared_layouts():
+        plan = plan_model(working, (args, kwargs))
+        found = install_model(working, plan, Editor(working), describe_alike=True)
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
 

@@ -2,7 +2,9 @@
 meta kernels are Python code (layer norm, attention, the elementwise prims), so a meta run of a deep model spends
 most of its time working out shapes it has already worked out. ``MetaMemo`` remembers, within one run, the
 shapes, strides and dtypes each op returned for its inputs' metadata, and hands later calls new meta tensors of
-that layout without running the kernel again.
+that layout without running the kernel again. Inside ``shared_layouts`` (one analysis, which runs the same blocks'
+ops several times: labelling the whole model, capturing the hosts' calls, labelling each host) every run shares
+what the runs before it worked out.
 
 Only ops that return new tensors (no view, nothing written in place) on meta inputs alone are remembered: their
 result is a function of the inputs' metadata and the plain arguments. Anything else runs as it would without
@@ -11,7 +13,9 @@ the memo.
 from __future__ import annotations
 
 import functools
-from typing import Any, Hashable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Hashable, Iterator
 
 import torch
 import torch.nn as nn
@@ -21,6 +25,17 @@ from ..compat import DispatchMode, returns_new_tensors
 # plain arguments an op's result may depend on; each is keyed with its type (``2`` and ``2.0`` promote apart)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _TENSOR_TYPES = (torch.Tensor, nn.Parameter)
+_SHARED: ContextVar[dict[Hashable, Any] | None] = ContextVar("fxsurgery_shared_layouts", default=None)
+
+
+@contextmanager
+def shared_layouts() -> Iterator[None]:
+    """Every ``MetaMemo`` made inside shares one table of layouts (a nested use keeps the outer table)."""
+    token = _SHARED.set({} if _SHARED.get() is None else _SHARED.get())
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 class Unkeyable(Exception):
@@ -32,7 +47,9 @@ class MetaMemo(DispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.known: dict[Hashable, Any] = {}  # (op, arguments' metadata) -> the layout of what it returned
+        shared = _SHARED.get()
+        # (op, arguments' metadata) -> the layout of what it returned
+        self.known: dict[Hashable, Any] = {} if shared is None else shared
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxsurgery.capture.meta_memo import MetaMemo
+from fxsurgery.capture.meta_memo import MetaMemo, shared_layouts
 
 
 class Block(nn.Module):
@@ -59,3 +59,16 @@ def test_scalars_of_another_type_promote_apart():
     with MetaMemo():
         assert (x * 2).dtype == torch.int64
         assert (x * 2.0).dtype == torch.float32
+
+
+def test_memos_inside_shared_layouts_share_one_table_and_others_do_not():
+    x = torch.empty(3, 4, device="meta")
+    with shared_layouts():
+        with MetaMemo() as first:
+            torch.exp(x)
+        with shared_layouts(), MetaMemo() as second:  # a nested use keeps the outer table
+            known = len(second.known)
+            assert layout(torch.exp(x)) == layout(torch.empty(3, 4))
+        assert second.known is first.known and known == len(first.known) > 0
+    with MetaMemo() as outside:
+        assert not outside.known

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import statistics
 import time
 import warnings
@@ -47,7 +48,8 @@ def main() -> None:
     xb = torch.randn(args.batch, *base.pretrained_cfg["input_size"])
 
     # analysis: each on a fresh copy made beforehand (neither times a copy), after one untimed run each (warm
-    # caches), in alternating rounds so that a change in the machine's load reaches both alike
+    # caches), in alternating rounds so that a change in the machine's load reaches both alike, each after a full
+    # garbage collection (neither pays for collecting what the other left)
     def build_dependency(model: torch.nn.Module) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -60,6 +62,7 @@ def main() -> None:
     for k in range(args.repeat + 1):
         for fn, times in rounds.items():
             model = copy.deepcopy(base)
+            gc.collect()
             t = time.perf_counter()
             fn(model)
             if k:

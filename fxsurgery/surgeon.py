@@ -31,18 +31,19 @@ class Surgeon:
             if example_kwargs:
                 raise ValueError("pass an Analysis or an example call, not both: the analysis holds its call")
             analysis = example_inputs
-        else:
+            now = structure(model)
+            if now != analysis.structure:
+                raise ValueError(f"the analysis is of another model than this {type(model).__name__}: "
+                                 f"{structure_difference(analysis.structure, now)}")
+            if analysis._plan is None:  # unpickled or copied: analyse again and check it finds the same
+                fresh = analyse(model, analysis.example_inputs, analysis.example_kwargs)
+                if fresh != analysis:
+                    raise ValueError(f"analysing this {type(model).__name__} again finds other groups than the "
+                                     f"analysis given: {[g.name for g in fresh.groups]} against "
+                                     f"{[g.name for g in analysis.groups]}")
+                analysis = fresh
+        else:  # analysed here and now: of this model
             analysis = analyse(model, example_inputs, example_kwargs)
-        now = structure(model)
-        if now != analysis.structure:
-            raise ValueError(f"the analysis is of another model than this {type(model).__name__}: "
-                             f"{structure_difference(analysis.structure, now)}")
-        if analysis._plan is None:  # unpickled or copied: analyse again and check it finds the same
-            fresh = analyse(model, analysis.example_inputs, analysis.example_kwargs)
-            if fresh != analysis:
-                raise ValueError(f"analysing this {type(model).__name__} again finds other groups than the analysis "
-                                 f"given: {[g.name for g in fresh.groups]} against {[g.name for g in analysis.groups]}")
-            analysis = fresh
         self.model = model
         # without its install plan: the plan's graphs hold the analysed copy, whose parameters share the storage
         # the model had before any edit, and would keep it alive beside the compact model

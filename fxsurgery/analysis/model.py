@@ -51,6 +51,15 @@ class SharedAnalyses:
     own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
     recaptured: Analyses = field(default_factory=dict)
     bound: dict[tuple, BoundGraphs] = field(default_factory=dict)
+    keys: dict[str, tuple[nn.Module, tuple, tuple]] = field(default_factory=dict)  # host -> (module, call, key)
+
+    def key_of(self, module: nn.Module, host: str, inputs: tuple[tuple, dict]) -> tuple:
+        """The host's fingerprint, worked out once for the module and call it was worked out for (installing the
+        model planned asks again for each host; a model built alike has modules of its own)."""
+        known = self.keys.get(host)
+        if known is None or known[0] is not module or known[1] is not inputs:
+            known = self.keys[host] = (module, inputs, fingerprint(module, *inputs))
+        return known[2]
 
 
 @dataclass
@@ -145,12 +154,11 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
     return hosts
 
 
-def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict], shared: SharedAnalyses,
-                  key: tuple | None = None) -> HostAnalysis | str:
-    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed;
-    ``key``: the host's fingerprint, where the caller has it."""
+def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
+                  shared: SharedAnalyses) -> HostAnalysis | str:
+    """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
     module = model.get_submodule(host) if host else model
-    key = fingerprint(module, *inputs) if key is None else key
+    key = shared.key_of(module, host, inputs)
     if key not in shared.templates:
         try:
             shared.templates[key] = analyse_host(module, host, *inputs)
@@ -172,8 +180,8 @@ class _Installer:
         """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
         object is served by its own forward: where that cannot run a group with no units, the group keeps one."""
         module = self.model.get_submodule(host) if host else self.model
-        key = fingerprint(module, *inputs)
-        template = host_analysis(self.model, host, inputs, self.shared, key)
+        key = self.shared.key_of(module, host, inputs)
+        template = host_analysis(self.model, host, inputs, self.shared)
         if isinstance(template, str):
             self.findings.leave_out(host, [template])
             return

@@ -9,9 +9,11 @@ without it analyses the model again and checks that it finds the same.
 from __future__ import annotations
 
 import copy
+import gc
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch.nn as nn
 
@@ -75,12 +77,27 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
         raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
-    working = working_copy(model)
-    with shared_layouts():
-        plan = plan_model(working, (args, kwargs))
-        found = install_model(working, plan, Editor(working), describe_alike=True)
+    with collector_paused():
+        working = working_copy(model)
+        with shared_layouts():
+            plan = plan_model(working, (args, kwargs))
+            found = install_model(working, plan, Editor(working), describe_alike=True)
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused, then put back as it was: an analysis makes many objects that live
+    until it ends (graphs, records), and each collection would walk every object of the process, the model's too.
+    The cycles it leaves are collected later."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def working_copy(model: nn.Module) -> nn.Module:

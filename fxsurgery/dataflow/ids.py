@@ -77,6 +77,15 @@ def reshape_ids(ids: torch.Tensor, in_shape: Sequence[int], out_shape: Sequence[
     return ids.expand(src).reshape(dst)
 
 
+def broadcast_base(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the dims it repeats by broadcasting (stride 0, size over 1): ``t`` is it expanded to ``t``'s
+    shape."""
+    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        if stride == 0 and size > 1:
+            t = t.narrow(d, 0, 1)
+    return t
+
+
 def broadcast(*ids: torch.Tensor) -> list[torch.Tensor]:
     ndim = max(t.dim() for t in ids)
     return list(torch.broadcast_tensors(*(align(t, ndim) for t in ids)))

@@ -19,6 +19,7 @@ from ..capture.calls import meta_state
 from ..capture.meta_memo import MetaMemo
 from ..compat import running_node, tree_leaves, tree_map
 from ..errors import AnalysisError
+from .ids import broadcast_base
 from .records import Act, Records
 from .repeats import LISTS, Repeat, Span, Template, Translation, Untranslatable, lengths
 
@@ -102,6 +103,7 @@ class Labeller(torch.fx.Interpreter):
         self._spans: dict[str, tuple[Span, tuple]] = {}  # -> what labelling it recorded, and its surroundings
         self._replaying: dict[Node, Any] = {}  # the values of the nodes of a call being replayed
         self._templates: dict[str, Template] = {}  # a labelled call's module -> its records, ready to replay
+        self._told_so_far = [(0, torch.zeros(1, dtype=torch.bool)) for _ in _TOLD]  # see ``_told``
 
     def run_node(self, n: Node) -> Any:
         if n in self.repeats:
@@ -215,16 +217,29 @@ class Labeller(torch.fx.Interpreter):
         what the records say of them (sizes read; ids in products, applied or contracted)."""
         def ids_of(label: Any) -> list[torch.Tensor]:
             return [lab.ids for lab in (label if isinstance(label, tuple) else (label,)) if isinstance(lab, Label)]
-        told = [torch.cat([t.reshape(-1) for t in ts] + [torch.empty(0, dtype=torch.long)])
-                for ts in (self.rec.products, self.rec.applied, self.rec.contracted)]
+        told = self._told()
         rows = []
         for a in call.inputs:
             label = self.labels.get(a)
             ids = ids_of(label)
             rows.append((_label_key(label), self.shapes.get(a), self.dtypes.get(a), _plain_key(self.values, a),
                          a in self.dynamic, a in self.rec.size_reads,
-                         tuple(bool(torch.isin(t, known).any()) for t in ids for known in told)))
+                         tuple(bool(known[broadcast_base(t) + 1].any()) for t in ids for known in told)))
         return tuple(rows)
+
+    def _told(self) -> list[torch.Tensor]:
+        """Which ids the products, applied and contracted records so far hold: per list, a flag at ``1 + id`` (0 for
+        ``NO_ID``). The lists are only ever appended to: a new record's ids are added to the flags, which grow by
+        doubling."""
+        for k, name in enumerate(_TOLD):
+            found = getattr(self.rec, name)
+            have, flags = self._told_so_far[k]
+            if len(flags) <= self.rec.next_id:
+                flags = torch.cat([flags, torch.zeros(max(self.rec.next_id + 1, len(flags)), dtype=torch.bool)])
+            for ids in found[have:]:
+                flags[broadcast_base(ids) + 1] = True
+            self._told_so_far[k] = (len(found), flags)
+        return [flags for _, flags in self._told_so_far]
 
     def _label(self, step: Step) -> Any:
         """The node's label from its rule. A rule that fails refuses what reaches the node, naming it and the
@@ -278,10 +293,15 @@ class Labeller(torch.fx.Interpreter):
                     self.rec.acts.append(Act(n, i, lab.ids, lab.param))
 
 
+_TOLD = ("products", "applied", "contracted")  # the records whose ids a later call's labelling reads
+
+
 def _label_key(label: Any) -> Any:
-    """A label as a comparable value: its ids' shape and contents, and whether it is a parameter's."""
+    """A label as a comparable value: its ids' shape and contents (those of the dims it does not broadcast: equal keys
+    are equal ids), and whether it is a parameter's."""
     if isinstance(label, Label):
-        return tuple(label.ids.shape), label.ids.contiguous().numpy().tobytes(), label.ids.dtype, label.param
+        base = broadcast_base(label.ids)
+        return tuple(label.ids.shape), tuple(base.shape), base.contiguous().numpy().tobytes(), base.dtype, label.param
     if isinstance(label, tuple):
         return tuple(_label_key(lab) for lab in label)
     return label

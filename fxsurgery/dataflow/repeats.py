@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx
 import torch.nn as nn
 from torch.fx.node import Node
 
+from .ids import broadcast_base
 from .records import Records, Space
 
 
@@ -178,23 +179,21 @@ class Untranslatable(Exception):
 _TOKEN = re.compile(r"[\w.]+")
 
 
-class _Slot(NamedTuple):
-    """Where an id tensor of a template's records stood."""
-
-    index: int
+Builder = Callable[["Translation"], Any]  # a template's record (or a part of it), built for a later call
 
 
 class Template:
-    """A labelled call's records and its nodes' labels, with their id tensors set aside as one flat tensor: moving the
+    """A labelled call's records and its nodes' labels, each kept as how to build it for a later call (``Builder``;
+    a part with nothing to translate is kept as it is), with their id tensors set aside as one flat tensor: moving the
     call's new ids (``low`` on) for a later call is then one operation, whatever the number of records."""
 
     def __init__(self, records: dict[str, list], labels: list, low: int):
         self.low = low
         self.tensors: list[torch.Tensor] = []
-        self._slots: dict[tuple, _Slot] = {}  # tensors that share one id tensor share its slot
-        self.records = {name: [self._strip(r) for r in found] for name, found in records.items()}
-        self.labels = [self._strip(label) for label in labels]
-        bases = [_base(t) for t in self.tensors]
+        self._slots: dict[tuple, int] = {}  # tensors that share one id tensor share its slot
+        self.records = {name: [self._builder(r) for r in found] for name, found in records.items()}
+        self.labels = [self._builder(label) for label in labels]
+        bases = [broadcast_base(t) for t in self.tensors]  # moving ids need not copy repeats
         flat = torch.cat([b.reshape(-1) for b in bases] + [torch.empty(0, dtype=torch.long)])
         self._sizes = [b.numel() for b in bases]
         self._shapes = [(tuple(b.shape), tuple(t.shape)) for b, t in zip(bases, self.tensors)]
@@ -202,20 +201,37 @@ class Template:
         self._flat = flat
         self._moves = [bool(part.any()) for part in torch.split(self._new, self._sizes)]
 
-    def _strip(self, r: Any) -> Any:
+    def _builder(self, r: Any) -> Builder:
+        part = self._part(r)
+        return (lambda translation: r) if part is None else part
+
+    def _part(self, r: Any, field: str | None = None) -> Builder | None:
+        """How to build ``r`` for a later call, or None where it is the same for every call. ``field``: the name of
+        the record's field that holds ``r`` (a string there is a text or a name, anywhere else it is kept)."""
         if isinstance(r, torch.Tensor):
             key = (r.untyped_storage().data_ptr(), r.storage_offset(), tuple(r.shape), r.stride(), r.dtype)
-            if key not in self._slots:
-                self._slots[key] = _Slot(len(self.tensors))
+            index = self._slots.setdefault(key, len(self.tensors))
+            if index == len(self.tensors):
                 self.tensors.append(r)
-            return self._slots[key]
+            return lambda translation: translation.tensors[index]
+        if isinstance(r, Node):
+            return lambda translation: translation.nodes.get(r, r)
+        if isinstance(r, Space):
+            return lambda translation: Space(r.start + translation.shift, r.stop + translation.shift,
+                                             translation.name(r.node))
+        if isinstance(r, str) and field is not None:
+            return (lambda translation: translation.text(r)) if field in _TEXTS else \
+                (lambda translation: translation.name(r))
         if isinstance(r, tuple) and hasattr(r, "_fields"):
-            return type(r)(*(self._strip(v) for v in r))
+            return _rebuilt(lambda values: type(r)(*values), r, [self._part(v, k) for k, v in zip(r._fields, r)])
         if isinstance(r, tuple):
-            return tuple(self._strip(v) for v in r)
+            return _rebuilt(tuple, r, [self._part(v) for v in r])
         if dataclasses.is_dataclass(r):
-            return dataclasses.replace(r, **{f.name: self._strip(getattr(r, f.name)) for f in dataclasses.fields(r)})
-        return r
+            names = [f.name for f in dataclasses.fields(r)]
+            values = [getattr(r, name) for name in names]
+            return _rebuilt(lambda built: dataclasses.replace(r, **dict(zip(names, built))), values,
+                            [self._part(v) for v in values])
+        return None
 
     def moved(self, shift: int) -> list[torch.Tensor]:
         """The id tensors with the new ids moved by ``shift`` (those without new ids as they are)."""
@@ -224,12 +240,12 @@ class Template:
                 for part, (base, shape), moves, t in zip(parts, self._shapes, self._moves, self.tensors)]
 
 
-def _base(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without the dims it repeats by broadcasting (stride 0), which moving its ids need not copy."""
-    for d, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        if stride == 0 and size > 1:
-            t = t.narrow(d, 0, 1)
-    return t
+def _rebuilt(make: Callable[[list], Any], values: Any, parts: list[Builder | None]) -> Builder | None:
+    """Build a record from its ``values``, those with a builder in ``parts`` built; None where none has one."""
+    if all(part is None for part in parts):
+        return None
+    pairs = list(zip(values, parts))
+    return lambda translation: make([v if part is None else part(translation) for v, part in pairs])
 
 
 class Translation:
@@ -244,26 +260,9 @@ class Translation:
         self.names = {a.name: b.name for a, b in self.nodes.items()}
         self.tensors = template.moved(self.shift)
 
-    def record(self, r: Any) -> Any:
+    def record(self, built: Builder) -> Any:
         """A record of a template (a NamedTuple of ids, nodes, names and texts), a node or a label, translated."""
-        if isinstance(r, _Slot):
-            return self.tensors[r.index]
-        if isinstance(r, Node):
-            return self.nodes.get(r, r)
-        if isinstance(r, Space):
-            return Space(r.start + self.shift, r.stop + self.shift, self.name(r.node))
-        if isinstance(r, tuple) and hasattr(r, "_fields"):
-            return type(r)(*(self._field(k, v) for k, v in zip(r._fields, r)))
-        if isinstance(r, tuple):
-            return tuple(self.record(v) for v in r)
-        if dataclasses.is_dataclass(r):
-            return dataclasses.replace(r, **{f.name: self.record(getattr(r, f.name)) for f in dataclasses.fields(r)})
-        return r
-
-    def _field(self, key: str, value: Any) -> Any:
-        if isinstance(value, str):
-            return self.text(value) if key in _TEXTS else self.name(value)
-        return self.record(value)
+        return built(self)
 
     def name(self, name: str) -> str:
         """A node's name, or a path of a module, parameter or buffer."""

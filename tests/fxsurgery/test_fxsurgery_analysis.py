@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 
 import pytest
@@ -13,6 +14,7 @@ from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
 from fxsurgery import Analysis, Surgeon, analyse
 from fxsurgery.analysis import model as model_analysis
 from fxsurgery.analysis.value import working_copy as model_analysis_working_copy
+from fxsurgery.errors import AnalysisError
 
 
 def snapshot(model: nn.Module) -> dict:
@@ -53,6 +55,24 @@ def test_analyse_leaves_the_model_untouched() -> None:
     assert_untouched(model, before)
     with torch.no_grad():
         assert torch.equal(model.eval()(x), y)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_analyse_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
+    """The analysis pauses Python's cyclic collector while it runs, and puts it back as the caller had it, also when
+    the analysis fails."""
+    torch.manual_seed(0)
+    model, x = ConvTransformer(), torch.randn(2, 3, 8, 8)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        analyse(model, (x,))
+        assert gc.isenabled() is enabled
+        with pytest.raises(AnalysisError):
+            analyse(model, (torch.randn(2, 5),))  # a call the model cannot take
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 class SelfCopying(nn.Linear):

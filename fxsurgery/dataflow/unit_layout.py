@@ -10,9 +10,8 @@ def layout(u: torch.Tensor, n: int) -> tuple[int, int] | None:
     size = u.numel()
     if n == 0 or size % n or (u < 0).any():
         return None
-    inner = 1
-    while inner < size and u[inner] == u[0]:
-        inner += 1
+    changes = (u != u[0]).nonzero()
+    inner = int(changes[0]) if len(changes) else size  # the run of the first unit index
     if size % (n * inner):
         return None
     expected = (torch.arange(size) // inner) % n

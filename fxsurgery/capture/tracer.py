@@ -69,6 +69,9 @@ def _instructions(code: types.CodeType) -> tuple[list[int], list[dis.Instruction
     return [inst.offset for inst in found], found
 
 
+_PLAIN_ARGUMENTS = (int, float, bool, str, type(None))
+
+
 class Tracer(torch.fx.Tracer):
     """A symbolic tracer that keeps registered leaf modules opaque, traces torch.nn modules that have
     parts of their own through (their decomposition where they have one), and drops what a decomposition
@@ -99,6 +102,19 @@ class Tracer(torch.fx.Tracer):
             return super().call_module(m, functools.partial(decomposition, m), args, kwargs)
         finally:
             self.decomposing -= 1
+
+    def create_arg(self, a: Any) -> Any:
+        """fx's, with its most common arguments (proxies, plain numbers and strings) answered first: fx asks every
+        argument whether it is a parameter, a tensor or a module before it gets to them."""
+        if isinstance(a, torch.fx.Proxy):
+            return a.node
+        if type(a) in _PLAIN_ARGUMENTS:
+            return a
+        if type(a) is tuple:  # a call's arguments
+            return tuple(self.create_arg(v) for v in a)
+        if type(a) is dict and all(type(k) is str for k in a):  # a call's keyword arguments
+            return {k: self.create_arg(v) for k, v in a.items()}
+        return super().create_arg(a)
 
     def proxy(self, node: torch.fx.Node) -> torch.fx.Proxy:
         return _Proxy(node, self)

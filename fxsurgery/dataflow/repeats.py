@@ -202,6 +202,7 @@ class Template:
         self._moves = [bool(part.any()) for part in torch.split(self._new, self._sizes)]
 
     def _builder(self, r: Any) -> Builder:
+        """How to build the record or label ``r`` for a later call (itself, where nothing in it changes)."""
         part = self._part(r)
         return (lambda translation: r) if part is None else part
 

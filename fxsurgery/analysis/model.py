@@ -102,7 +102,7 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     if hosts:
         # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller)
         around = {".".join(host.split(".")[:depth]) for host in hosts for depth in range(1, host.count(".") + 2)}
-        calls = capture_inputs(model, example, sorted(around - {""}))
+        calls = capture_inputs(model, example, sorted(around - {""})) if around - {""} else {}
         calls[""] = example
         # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
         plan.calls = {name: without_objects(call) for name, call in calls.items()}

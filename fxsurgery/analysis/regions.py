@@ -84,8 +84,11 @@ def _submodule_regions(model: nn.Module, example: tuple[tuple, dict],
 def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -> list[str]:
     """The outermost modules that host a candidate group (each is traced again on its own), in the order
     the model runs them (the order their groups appear in the traced graphs). A host inside a module that another
-    host's graph keeps opaque (a region of its own) is kept: that graph does not see its groups."""
+    host's graph keeps opaque (a region of its own) is kept: that graph does not see its groups. Where the model's
+    own graph locates none and refuses some (a module it keeps whole meets them: a call with no rule), the model is
+    the one host, so that its analysis may try the concrete-shape capture, which sees into such modules."""
     found: dict[str, str] = {}  # host -> the region it was found in
+    refused_whole = False  # the model's own graph was labelled, located nothing and refused something
     for prefix, gm, values in regions:
         try:
             result = find_groups(gm, values, prefix, locate=True)
@@ -96,6 +99,9 @@ def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -
             found.setdefault(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))), prefix)
         for r in result.refusals:
             leave_out(join_path(prefix, common_module(r.modules)), r.reasons)
+        refused_whole |= not prefix and not result.located and bool(result.refusals)
+    if not found and refused_whole:
+        return [""]
     return [h for h, region in found.items()
             if not any(_within(h, o) and not (_within(region, o) and region != o) for o in found if o != h)]
 

@@ -403,6 +403,64 @@ def test_bilinear_attention_heads_are_a_group_masked_at_both_reads(training: boo
     assert (model.conv_p.out_channels, model.conv_q.out_channels) == (BLOCK * BLOCK,) * 2
 
 
+@register_notrace_module
+class KeptWholeTransform(nn.Module):
+    """The transform of a bilinear attention as timm keeps it: whole (a call its caller's symbolic graph has no rule
+    for), reading heads its caller makes. ``zero`` as in ``BilinearTransform``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(CHANNELS * GROUPS, 3, 1)
+        self.conv_p = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (BLOCK, 1))
+        self.conv_q = nn.Conv2d(3, BLOCK * BLOCK * GROUPS, (1, BLOCK))
+        self.conv2 = nn.Conv2d(CHANNELS * GROUPS, DIM, 1)
+
+    transform = BilinearTransform.transform
+
+    def forward(self, h: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        head = slice(CHANNELS * zero, CHANNELS * (zero + 1)) if zero is not None else slice(0)
+        read = h.clone()
+        read[:, head] = 0
+        stats = torch.relu(self.conv1(read))
+        p = self.transform(self.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
+        q = self.transform(self.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
+        y = p.matmul(h).matmul(q)
+        y[:, head] = 0
+        return self.conv2(y)
+
+
+class BilinearCaller(nn.Module):
+    """A bilinear attention block whose heads are made here (``reduce``) and transformed and read inside a module the
+    symbolic trace keeps whole: no group of it can be located in the symbolic graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduce = nn.Conv2d(DIM, CHANNELS * GROUPS, 1)
+        self.attn = KeptWholeTransform()
+
+    def forward(self, x: torch.Tensor, zero: int | None = None) -> torch.Tensor:
+        return x + self.attn(torch.relu(self.reduce(x)), zero=zero)
+
+
+def test_a_model_whose_symbolic_graph_locates_no_group_is_analysed_whole() -> None:
+    """Where the symbolic graph locates no group (the heads are inside a module it keeps whole), the model is analysed
+    whole and the concrete-shape capture sees into that module: its heads are a group, exact under both oracles."""
+    torch.manual_seed(0)
+    model = BilinearCaller().double()
+    x = torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
+    original = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert "torch.export" in s.explain(), s.explain()
+    (g,) = s.groups
+    assert (g.kind, g.count, g.exact) == ("head", GROUPS, True), s.explain()
+
+    def zero_head_1(copied: nn.Module) -> None:
+        zero_bilinear_head_1(copied.attn)
+
+    assert_clone_and_removal_of_unit_1(original, model, s, x, clone=0, zero_weights=zero_head_1)
+    assert (model.attn.conv1.in_channels, model.attn.conv2.in_channels) == (CHANNELS, CHANNELS)
+
+
 def test_adam_state_follows_a_bilinear_attention_head() -> None:
     model, x = bilinear(), torch.randn(2, DIM, BLOCK, BLOCK, dtype=torch.double)
     s = Surgeon(model, (x,))

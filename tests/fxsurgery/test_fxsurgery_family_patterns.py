@@ -356,17 +356,22 @@ class BilinearTransform(nn.Module):
         return t.expand(b, GROUPS, CHANNELS, BLOCK, BLOCK).reshape(b, CHANNELS * GROUPS, BLOCK, BLOCK)
 
     def forward(self, x: torch.Tensor, zero: int | None = None, only_conv2: bool = False) -> torch.Tensor:
-        h = torch.relu(self.norm(self.reduce(x)))
-        head = slice(CHANNELS * zero, CHANNELS * (zero + 1)) if zero is not None else slice(0)
-        read = h.clone()
-        if not only_conv2:
-            read[:, head] = 0
-        stats = torch.relu(self.conv1(read))
-        p = self.transform(self.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
-        q = self.transform(self.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
-        y = p.matmul(h).matmul(q)
-        y[:, head] = 0
-        return x + self.conv2(y)
+        return x + self.conv2(transformed(self, torch.relu(self.norm(self.reduce(x))), zero, only_conv2))
+
+
+def transformed(m: nn.Module, h: torch.Tensor, zero: int | None, only_conv2: bool = False) -> torch.Tensor:
+    """The heads of ``h`` transformed by ``m``'s pairs (``p @ h @ q``, made by ``m.conv1`` from every head), head
+    ``zero`` zeroed where ``m.conv1`` reads it (unless ``only_conv2``) and once transformed."""
+    head = slice(CHANNELS * zero, CHANNELS * (zero + 1)) if zero is not None else slice(0)
+    read = h.clone()
+    if not only_conv2:
+        read[:, head] = 0
+    stats = torch.relu(m.conv1(read))
+    p = m.transform(m.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
+    q = m.transform(m.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
+    y = p.matmul(h).matmul(q)
+    y[:, head] = 0
+    return y
 
 
 def bilinear() -> nn.Module:
@@ -418,15 +423,7 @@ class KeptWholeTransform(nn.Module):
     transform = BilinearTransform.transform
 
     def forward(self, h: torch.Tensor, zero: int | None = None) -> torch.Tensor:
-        head = slice(CHANNELS * zero, CHANNELS * (zero + 1)) if zero is not None else slice(0)
-        read = h.clone()
-        read[:, head] = 0
-        stats = torch.relu(self.conv1(read))
-        p = self.transform(self.conv_p, F.adaptive_avg_pool2d(stats, (BLOCK, 1)), 3)
-        q = self.transform(self.conv_q, F.adaptive_avg_pool2d(stats, (1, BLOCK)), 2)
-        y = p.matmul(h).matmul(q)
-        y[:, head] = 0
-        return self.conv2(y)
+        return self.conv2(transformed(self, h, zero))
 
 
 class BilinearCaller(nn.Module):

@@ -18,7 +18,6 @@ from typing import Any, Iterator
 import torch.nn as nn
 
 from ..capture.call_signature import describe
-from ..capture.meta_memo import shared_layouts
 from ..editing import Editor
 from ..groups import LeftOut, UnitGroup
 from .model import ModelPlan, install_model, plan_model
@@ -79,9 +78,8 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
         raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
     with collector_paused():
         working = working_copy(model)
-        with shared_layouts():
-            plan = plan_model(working, (args, kwargs))
-            found = install_model(working, plan, Editor(working), describe_alike=True)
+        plan = plan_model(working, (args, kwargs))
+        found = install_model(working, plan, Editor(working), describe_alike=True)
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
 

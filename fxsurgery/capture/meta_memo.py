@@ -1,21 +1,19 @@
 """Meta runs that repeat themselves: the blocks of a model built alike run the same ops on the same shapes, and many
 meta kernels are Python code (layer norm, attention, the elementwise prims), so a meta run of a deep model spends
-most of its time working out shapes it has already worked out. ``MetaMemo`` remembers, within one run, the
-shapes, strides and dtypes each op returned for its inputs' metadata, and hands later calls new meta tensors of
-that layout without running the kernel again. Inside ``shared_layouts`` (one analysis, which runs the same blocks'
-ops several times: labelling the whole model, capturing the hosts' calls, labelling each host) every run shares
-what the runs before it worked out.
+most of its time working out shapes it has already worked out. ``MetaMemo`` remembers the shapes, strides and
+dtypes each op returned for its inputs' metadata, and hands later calls new meta tensors of that layout without
+running the kernel again. One table serves the whole process: an analysis runs the same blocks' ops several times
+(labelling the whole model, capturing the hosts' calls, labelling each host), and analyses of models built alike
+(a model analysed again for another call) run them again.
 
 Only ops that return new tensors (no view, nothing written in place) on meta inputs alone are remembered: their
-result is a function of the inputs' metadata and the plain arguments. Anything else runs as it would without
-the memo.
+result is a function of the inputs' metadata, the plain arguments and the default dtype (an integer tensor times a
+float, a factory call without a dtype), all of which the key holds. Anything else runs as it would without the memo.
 """
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
-from contextvars import ContextVar
-from typing import Any, Hashable, Iterator
+from typing import Any, Hashable
 
 import torch
 import torch.nn as nn
@@ -25,17 +23,9 @@ from ..compat import DispatchMode, returns_new_tensors
 # plain arguments an op's result may depend on; each is keyed with its type (``2`` and ``2.0`` promote apart)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _TENSOR_TYPES = (torch.Tensor, nn.Parameter)
-_SHARED: ContextVar[dict[Hashable, Any] | None] = ContextVar("fxsurgery_shared_layouts", default=None)
-
-
-@contextmanager
-def shared_layouts() -> Iterator[None]:
-    """Every ``MetaMemo`` made inside shares one table of layouts (a nested use keeps the outer table)."""
-    token = _SHARED.set({} if _SHARED.get() is None else _SHARED.get())
-    try:
-        yield
-    finally:
-        _SHARED.reset(token)
+# (op, arguments' metadata, default dtype) -> the layout of what it returned; emptied when it reaches the bound
+LAYOUTS: dict[Hashable, Any] = {}
+MAX_LAYOUTS = 1 << 16
 
 
 class Unkeyable(Exception):
@@ -47,9 +37,7 @@ class MetaMemo(DispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        shared = _SHARED.get()
-        # (op, arguments' metadata) -> the layout of what it returned
-        self.known: dict[Hashable, Any] = {} if shared is None else shared
+        self.known = LAYOUTS
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -60,6 +48,8 @@ class MetaMemo(DispatchMode):
         if key is not None:
             layout = _layout(out, {id(t) for t in _tensors((args, kwargs))})
             if layout is not None:
+                if len(self.known) >= MAX_LAYOUTS:
+                    self.known.clear()
                 self.known[key] = layout
         return out
 
@@ -70,9 +60,9 @@ def _returns_new_tensors(func: Any) -> bool:
 
 
 def _call_key(func: Any, args: tuple, kwargs: dict) -> Hashable | None:
-    """The op and its arguments' metadata, or None where the result may depend on more than that."""
+    """The op, its arguments' metadata and the default dtype, or None where the result may depend on more."""
     try:
-        return func, _key(args), _key(tuple(sorted(kwargs.items())))
+        return func, _key(args), _key(tuple(sorted(kwargs.items()))), torch.get_default_dtype()
     except Unkeyable:
         return None
 

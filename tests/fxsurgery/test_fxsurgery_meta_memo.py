@@ -1,12 +1,21 @@
 """The memo of meta runs: the same shapes, strides and dtypes as a plain meta run, each new-tensor op's kernel run
-once per metadata of its arguments, and views, in-place ops and real data left to run as they are."""
+once per metadata of its arguments (and default dtype) in the process, and views, in-place ops and real data left to
+run as they are."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fxsurgery.capture.meta_memo import MetaMemo, shared_layouts
+from fxsurgery.capture import meta_memo
+from fxsurgery.capture.meta_memo import MetaMemo
+
+
+@pytest.fixture(autouse=True)
+def empty_table():
+    """Each test starts from an empty process-wide table."""
+    meta_memo.LAYOUTS.clear()
 
 
 class Block(nn.Module):
@@ -61,14 +70,34 @@ def test_scalars_of_another_type_promote_apart():
         assert (x * 2.0).dtype == torch.float32
 
 
-def test_memos_inside_shared_layouts_share_one_table_and_others_do_not():
+def test_a_later_memo_reuses_what_an_earlier_one_worked_out():
     x = torch.empty(3, 4, device="meta")
-    with shared_layouts():
-        with MetaMemo() as first:
-            torch.exp(x)
-        with shared_layouts(), MetaMemo() as second:  # a nested use keeps the outer table
-            known = len(second.known)
-            assert layout(torch.exp(x)) == layout(torch.empty(3, 4))
-        assert second.known is first.known and known == len(first.known) > 0
-    with MetaMemo() as outside:
-        assert not outside.known
+    with MetaMemo() as first:
+        torch.exp(x)
+    known = len(first.known)
+    with MetaMemo() as second:  # another run: a later analysis of a model built alike
+        assert layout(torch.exp(x)) == layout(torch.empty(3, 4))
+    assert second.known is first.known and len(second.known) == known > 0
+
+
+def test_the_default_dtype_is_part_of_the_key():
+    x = torch.empty(3, dtype=torch.int64, device="meta")
+    default = torch.get_default_dtype()
+    with MetaMemo():
+        assert (x * 2.0).dtype == torch.float32 and torch.arange(3.0, device="meta").dtype == torch.float32
+        torch.set_default_dtype(torch.float64)
+        try:
+            assert (x * 2.0).dtype == torch.float64 and torch.arange(3.0, device="meta").dtype == torch.float64
+        finally:
+            torch.set_default_dtype(default)
+
+
+def test_the_table_is_emptied_at_its_bound(monkeypatch):
+    monkeypatch.setattr(meta_memo, "MAX_LAYOUTS", 2)
+    x = torch.empty(3, 4, device="meta")
+    with MetaMemo() as memo:
+        torch.exp(x)
+        torch.sin(x)
+        assert len(memo.known) == 2
+        assert layout(torch.cos(x)) == layout(torch.empty(3, 4))
+        assert len(memo.known) == 1

@@ -97,12 +97,19 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     """Trace ``model`` called as ``example`` (args, kwargs), locate the hosts and analyse each kind of host."""
     found = Findings()
     regions, failures = find_regions(model, example, found.leave_out)
-    hosts = locate_hosts(model, regions, found.leave_out)
+    hosts, traced_calls = locate_hosts(model, regions, found.leave_out)
     plan = ModelPlan([], {}, {}, found.left_out, failures, SharedAnalyses())
     if hosts:
-        # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller)
+        # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller):
+        # as the labelling of the traced graphs made them, else captured from a meta run of the model
         around = {".".join(host.split(".")[:depth]) for host in hosts for depth in range(1, host.count(".") + 2)}
-        calls = capture_inputs(model, example, sorted(around - {""})) if around - {""} else {}
+        calls, missing = {}, []
+        for name in sorted(around - {""}):
+            try:
+                calls[name] = traced_calls[name].values()
+            except LookupError:  # not called in a traced graph, or with a value the labelling did not keep
+                missing.append(name)
+        calls.update(capture_inputs(model, example, missing) if missing else {})
         calls[""] = example
         # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
         plan.calls = {name: without_objects(call) for name, call in calls.items()}

@@ -13,7 +13,7 @@ from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
 from ..dataflow.paths import common_module
 from ..errors import AnalysisError, TraceError
-from .find import find_groups
+from .find import TracedCall, locate_groups
 
 LeaveOut = Callable[[str, list[str]], None]  # report a module as left out, with reasons
 
@@ -81,29 +81,40 @@ def _submodule_regions(model: nn.Module, example: tuple[tuple, dict],
     return regions, failures
 
 
-def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -> list[str]:
+class Located(NamedTuple):
+    """The hosts, and each module's first call in the traced graphs (by its path in the model)."""
+
+    hosts: list[str]
+    calls: dict[str, TracedCall]
+
+
+def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -> Located:
     """The outermost modules that host a candidate group (each is traced again on its own), in the order
     the model runs them (the order their groups appear in the traced graphs). A host inside a module that another
     host's graph keeps opaque (a region of its own) is kept: that graph does not see its groups. Where the model's
     own graph locates none and refuses some (a module it keeps whole meets them: a call with no rule), the model is
     the one host, so that its analysis may try the concrete-shape capture, which sees into such modules."""
     found: dict[str, str] = {}  # host -> the region it was found in
+    calls: dict[str, TracedCall] = {}
     refused_whole = False  # the model's own graph was labelled, located nothing and refused something
     for prefix, gm, values in regions:
         try:
-            result = find_groups(gm, values, prefix, locate=True)
+            result, region_calls = locate_groups(gm, values, prefix)
         except AnalysisError as err:  # this region is left out; the others go on
             leave_out(prefix, [str(err)])
             continue
+        for path, call in region_calls.items():
+            calls.setdefault(join_path(prefix, path), call)
         for modules in result.located:
             found.setdefault(join_path(prefix, _host_within(model, prefix, gm, common_module(modules))), prefix)
         for r in result.refusals:
             leave_out(join_path(prefix, common_module(r.modules)), r.reasons)
         refused_whole |= not prefix and not result.located and bool(result.refusals)
     if not found and refused_whole:
-        return [""]
-    return [h for h, region in found.items()
-            if not any(_within(h, o) and not (_within(region, o) and region != o) for o in found if o != h)]
+        return Located([""], calls)
+    return Located([h for h, region in found.items()
+                    if not any(_within(h, o) and not (_within(region, o) and region != o) for o in found if o != h)],
+                   calls)
 
 
 def _within(name: str, ancestor: str) -> bool:

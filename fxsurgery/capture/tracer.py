@@ -17,7 +17,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from ..compat import graph_module, pytree_info, tree_leaves
+from ..compat import graph_module, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from ..taps import strip_tap_points
 from .calls import training_mode
@@ -26,6 +26,8 @@ from .graph_forward import GraphForward
 
 # torch.fx names the tensors a traced module's code made (not its parameters or buffers) so; the capture too
 CODE_CONSTANT = "_tensor_constant"
+# a symbolic trace's ``GraphModule.meta`` key: each module's first call in the trace, (args, kwargs) with nodes
+MODULE_CALLS = "fxsurgery_module_calls"
 
 
 def tracer_options() -> tuple[tuple[type, ...], tuple[Any, ...]]:
@@ -85,6 +87,7 @@ class Tracer(torch.fx.Tracer):
         self.decomposed: list[torch.fx.Node] = []
         self._names_of: nn.Module | None = None  # the root whose tensor names ``_tensor_names`` holds
         self._names: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        self.module_calls: dict[str, tuple[tuple, dict]] = {}  # each module's first call: (args, kwargs), proxies
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if type(m) in DECOMPOSITIONS:
@@ -94,6 +97,7 @@ class Tracer(torch.fx.Tracer):
         return super().is_leaf_module(m, qualname) and next(m.children(), None) is None
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        self.module_calls.setdefault(self.path_of_module(m), (args, kwargs))
         decomposition = DECOMPOSITIONS.get(type(m))
         if decomposition is None:
             return super().call_module(m, forward, args, kwargs)
@@ -208,7 +212,26 @@ def trace(module: nn.Module, name: str, args: tuple, kwargs: dict, training: boo
         label = name or "the model"
         raise TraceError(f"cannot trace {label} ({type(module).__name__}): {type(e).__name__}: {e}") from e
     values = _name_placeholders(graph, {**traced, **concrete})
-    return graph_module(module, graph, type(module).__name__), values
+    gm = graph_module(module, graph, type(module).__name__)
+    gm.meta[MODULE_CALLS] = _as_nodes(tracer.module_calls)
+    return gm, values
+
+
+def _as_nodes(calls: dict[str, tuple[tuple, dict]]) -> dict[str, tuple[tuple, dict]]:
+    """The calls whose proxies stand for nodes (an attribute read, ``x.shape``, makes its node only when used: a
+    call that passes one is left out), with their nodes in place of the proxies."""
+    def node(value: Any) -> Any:
+        if isinstance(value, torch.fx.proxy.Attribute):
+            raise LookupError
+        return value.node if isinstance(value, torch.fx.Proxy) else value
+
+    found = {}
+    for path, call in calls.items():
+        try:
+            found[path] = tree_map(node, call)
+        except LookupError:
+            continue
+    return found
 
 
 def _with_literal_counts(graph: torch.fx.Graph, module: nn.Module) -> torch.fx.Graph:

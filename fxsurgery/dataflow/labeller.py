@@ -92,6 +92,7 @@ class Labeller(torch.fx.Interpreter):
         self.labels: dict[Node, Any] = {}
         self.shapes: dict[Node, Any] = {}
         self.dtypes: dict[Node, Any] = {}  # beside ``shapes``: what a value is made of, to re-run a node on meta
+        self.strides: dict[Node, Any] = {}  # beside ``shapes``: how a value is laid out, to make it again on meta
         self.values: dict[Node, Any] = {}  # non-tensor values (ints, sizes), for constants
         self.repeats = repeats if meta and repeats else {}
         self.replayed: list[Repeat] = []
@@ -137,10 +138,11 @@ class Labeller(torch.fx.Interpreter):
             self.dynamic.discard(n)                    # from sizes on x.device are computed for real
             out = torch.device("cpu") if isinstance(out, torch.device) and out.type == "meta" else out
         if torch.is_tensor(out):
-            self.shapes[n], self.dtypes[n] = tuple(out.shape), out.dtype
+            self.shapes[n], self.dtypes[n], self.strides[n] = tuple(out.shape), out.dtype, out.stride()
         elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out):
             self.shapes[n] = tuple(tuple(o.shape) for o in out)
             self.dtypes[n] = tuple(o.dtype for o in out)
+            self.strides[n] = tuple(o.stride() for o in out)
         elif out is None or isinstance(out, (int, float, bool, torch.Size, tuple, list, torch.device, torch.dtype)):
             self.values[n] = out
         label = self._label(Step(self, n, out))
@@ -188,7 +190,7 @@ class Labeller(torch.fx.Interpreter):
         self._replaying = dict.fromkeys(later.nodes)
         for a, b in zip(first.nodes, later.nodes):
             self.labels[b] = labels[b]
-            for table in (self.shapes, self.dtypes, self.values):
+            for table in (self.shapes, self.dtypes, self.strides, self.values):
                 if a in table:
                     table[b] = table[a]
             if a in self.dynamic:

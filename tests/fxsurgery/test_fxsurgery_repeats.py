@@ -100,7 +100,7 @@ def test_replayed_records_equal_a_full_labelling(name: str) -> None:
         assert same(getattr(fast.rec, records), getattr(full.rec, records)), records
     for node in gm.graph.nodes:
         assert same(fast.labels.get(node), full.labels.get(node)), node.name
-    assert fast.shapes == full.shapes and fast.dtypes == full.dtypes
+    assert fast.shapes == full.shapes and fast.dtypes == full.dtypes and fast.strides == full.strides
 
 
 @pytest.mark.parametrize("name", ["vit", "residual"])

@@ -42,8 +42,9 @@ class Surgeon:
                                      f"analysis given: {[g.name for g in fresh.groups]} against "
                                      f"{[g.name for g in analysis.groups]}")
                 analysis = fresh
-        else:  # analysed here and now: of this model
+        else:  # analysed here and now: of this model, whose hosts' fingerprints are its copy's
             analysis = analyse(model, example_inputs, example_kwargs)
+            analysis._plan.shared.adopt(model)
         self.model = model
         # without its install plan: the plan's graphs hold the analysed copy, whose parameters share the storage
         # the model had before any edit, and would keep it alive beside the compact model

@@ -10,11 +10,12 @@ from typing import Callable
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.fx.node import map_arg
 
 from ..capture.calls import training_mode
 from ..capture.front_ends import SYMBOLIC, Recording, record, record_concrete
 from ..capture.tracer import CODE_CONSTANT
-from ..compat import tree_leaves
+from ..compat import pytree_info, tree_leaves
 from ..dataflow.constants import ConstantSpec
 from ..dataflow.grouping import GroupSpec, Refusal, TapSite
 from ..errors import AnalysisError, TraceError
@@ -86,9 +87,24 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
     return found
 
 
-def _source(graph: torch.fx.Graph) -> str:
-    """The Python code of a graph (generated, not compiled: the graph of a lazy graph module may never run)."""
-    return graph.python_code(root_module="self").src
+def same_graphs(a: torch.fx.Graph, b: torch.fx.Graph) -> bool:
+    """The graphs make the same code: node for node the same names, ops, targets, types and arguments (nodes by
+    name), and the same flattening of inputs and outputs. Read from the nodes, not from generated code."""
+    if len(a.nodes) != len(b.nodes) or pytree_info(a) != pytree_info(b):
+        return False
+    for x, y in zip(a.nodes, b.nodes):
+        if (x.name, x.op, x.target, x.type) != (y.name, y.op, y.target, y.type):
+            return False
+        try:
+            if map_arg((x.args, x.kwargs), _name) != map_arg((y.args, y.kwargs), _name):
+                return False
+        except RuntimeError:  # a tensor among the arguments: told apart
+            return False
+    return True
+
+
+def _name(node: torch.fx.Node) -> str:
+    return node.name
 
 
 def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple,
@@ -98,7 +114,7 @@ def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: 
         gm, values, used = front_end(module, host, args, kwargs, mode)
         tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
                         if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)})
-        if mode is False and True in graphs and _source(gm.graph) == _source(graphs[True]):
+        if mode is False and True in graphs and same_graphs(gm.graph, graphs[True]):
             graphs[False], results[False] = graphs[True], results[True]
             break
         graphs[mode] = gm.graph

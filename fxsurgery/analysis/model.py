@@ -61,6 +61,12 @@ class SharedAnalyses:
             known = self.keys[host] = (module, inputs, fingerprint(module, *inputs))
         return known[2]
 
+    def adopt(self, model: nn.Module) -> None:
+        """Hand each host's fingerprint to the same host of ``model``, the model the analysed copy was made from just
+        before (the copy is ``model`` as it was then: the fingerprints are its own)."""
+        self.keys = {host: (model.get_submodule(host) if host else model, inputs, key)
+                     for host, (_, inputs, key) in self.keys.items()}
+
 
 @dataclass
 class BoundGraphs:

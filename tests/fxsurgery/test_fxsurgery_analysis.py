@@ -147,6 +147,25 @@ def test_surgeon_installs_an_analysis_without_analysing_again(monkeypatch) -> No
         assert (model(x) - reference(x)).abs().max() <= 1e-9
 
 
+def test_each_host_is_fingerprinted_once_when_analysed_and_installed_in_one_step(monkeypatch) -> None:
+    """`Surgeon(model, example)` installs on ``model`` the hosts its analysis fingerprinted on the copy of ``model``
+    it made: none is fingerprinted again. Given an analysis made before, the model's hosts are (it may have changed
+    since)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3)).eval()
+    x = torch.randn(2, 4, 5)
+    real, seen = model_analysis.fingerprint, []
+    monkeypatch.setattr(model_analysis, "fingerprint", lambda module, *call: seen.append(module) or real(module, *call))
+    surgeon = Surgeon(model, (x,))
+    own = set(map(id, model.modules()))
+    assert seen and not any(id(m) in own for m in seen)
+    assert len(seen) == len({id(m) for m in seen})  # each host of the copy once
+    seen.clear()
+    given = Surgeon(model, analyse(model, (x,)))
+    assert any(id(m) in own for m in seen)
+    assert [g.name for g in given.groups] == [g.name for g in surgeon.groups]
+
+
 def test_surgeon_refuses_an_analysis_of_another_model() -> None:
     x = torch.randn(2, 4, 5)
     analysis = analyse(TinyTransformer(Style(heads=3)), (x,))

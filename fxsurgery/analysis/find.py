@@ -55,9 +55,10 @@ class TracedCall(NamedTuple):
 
 def locate_groups(gm: torch.fx.GraphModule, values: list, where: str) -> tuple[GraphGroups, dict[str, TracedCall]]:
     """Only where the candidate groups are (a whole model, whose blocks built alike are labelled once and their
-    records replayed: see ``dataflow.repeats``), and each module's first call in the trace."""
+    records replayed: see ``dataflow.repeats``), and each module's first call in the trace: none where the graph
+    was labelled for real (data-dependent code), whose calls a run of the model must record with their data."""
     lab = _labelled(gm, values, where, locate=True)
-    calls = {path: TracedCall(call, lab) for path, call in gm.meta.get(MODULE_CALLS, {}).items()}
+    calls = {path: TracedCall(call, lab) for path, call in gm.meta.get(MODULE_CALLS, {}).items()} if lab.meta else {}
     return analyse(lab, locate=True), calls
 
 

@@ -150,3 +150,35 @@ def test_an_analysis_finds_the_same_with_the_calls_captured(monkeypatch) -> None
     for other in (told, captured):
         assert other.explain() == fast.explain() and other.left_out == fast.left_out
         assert [(g.name, g.count, g.slices) for g in other.groups] == [(g.name, g.count, g.slices) for g in fast.groups]
+
+
+@torch.fx.wrap
+def kept_tokens(x: torch.Tensor) -> torch.Tensor:
+    """The tokens up to the last whose first feature is finite: read from the data (no meta run can)."""
+    return x[:, :int(torch.isfinite(x[0, :, 0]).sum())]
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = Attention(8, 2), Mlp(8, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = kept_tokens(x)
+        x = x + self.attn(x, context=x)
+        return x + self.mlp(x)
+
+
+def test_a_graph_labelled_for_real_tells_no_call_and_the_model_s_run_records_them(monkeypatch) -> None:
+    """Where the labelling runs for real (data-dependent code), a call's tensors would need their data: the run of
+    the model records them."""
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(2, 5, 8)
+    regions, _ = find_regions(model, ((x,), {}), lambda *a: None)
+    _, traced = locate_hosts(model, regions, lambda *a: None)
+    assert traced == {}
+    recorded = []
+    real_capture = model_plan.capture_inputs
+    monkeypatch.setattr(model_plan, "capture_inputs", lambda *a: recorded.append(a[2]) or real_capture(*a))
+    surgeon = Surgeon(model, (x,))
+    assert recorded == [["attn", "mlp"]] and {g.module for g in surgeon.groups} == {"attn", "mlp"}

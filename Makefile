@@ -30,7 +30,8 @@ test: $(STAMP)
 
 # The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py).
 soak: $(STAMP)
-	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py \
+		tests/fxsurgery/test_fxsurgery_module_calls.py
 
 clean:
 	rm -rf $(VENV)

@@ -132,10 +132,14 @@ def test_a_call_the_labelling_cannot_tell_is_captured() -> None:
     assert described(told["attn"]) == described(captured["attn"])
 
 
+def tiny_vit() -> nn.Module:
+    return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=3, num_heads=2,
+                             num_classes=5)
+
+
 def test_an_analysis_finds_the_same_with_the_calls_captured(monkeypatch) -> None:
     torch.manual_seed(0)
-    make = lambda: timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=3,  # noqa: E731
-                                     num_heads=2, num_classes=5)
+    make = tiny_vit
     x = torch.randn(2, 3, 32, 32)
     captures = []
     fast = Surgeon(make(), (x,))

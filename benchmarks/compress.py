@@ -21,7 +21,11 @@ Every model is fine-tuned with the same optimizer (AdamW, decoupled weight decay
 smoothing, steps and data order per seed. The table gives test accuracy and macro-F1 (mean ± sd over seeds), the
 accuracy right after compression, parameters, fine-tuning F_total (FLOPs counted from the executed shapes) and the
 median step time; below it, the per-seed paired differences with a sign test and a paired-t 95% interval
-(`barter.training.paired`). The table goes to stdout and to OUT/compress.md.
+(`barter.training.paired`), over the seeds where both methods ran. torch-pruning's search widens before it gives
+up (channel ratio up to 0.95, then up to 0.99, then uniform instead of global pruning; the row says which one was
+used); a seed where it cannot reach the budget is reported in the row with the nearest parameter count reached, not
+fatal. Each seed's rows are appended to OUT/compress.jsonl as they finish and the dense model is saved to OUT/dense
+with its sha256 (manifest.json); `--resume` skips what is there. The table goes to stdout and to OUT/compress.md.
 
     .venv/bin/python benchmarks/compress.py --quick      # tiny sizes, seconds
     .venv/bin/python benchmarks/compress.py              # the README's table (minutes on two cores)
@@ -30,11 +34,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +49,7 @@ from torch.utils.data import Dataset, Subset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter  # noqa: E402
 from barter.rebuild import timm_with_models  # noqa: E402
+from barter.serialization import verify_files, write_manifest  # noqa: E402
 from barter.training import TrainConfig  # noqa: E402
 from barter.training.batches import epoch_batches  # noqa: E402
 from barter.training.evaluation import evaluate  # noqa: E402
@@ -98,6 +104,28 @@ class Outcome:
     step_s: float
     widths: tuple[list[int], list[int]]  # heads and FFN channels per layer
     transfers: int = 0
+    search: str = ""  # torch-pruning: the search that reached the budget
+
+
+@dataclass
+class Unreached:
+    """A method that could not reach the budget at a seed: reported in its row, not fatal."""
+
+    method: str
+    seed: int
+    nearest: int  # the smallest parameter count any search reached
+
+
+class BudgetUnreachable(RuntimeError):
+    """torch-pruning's every search stayed above the budget."""
+
+    def __init__(self, budget: int, nearest: int) -> None:
+        super().__init__(f"torch-pruning cannot reach {budget} parameters (nearest {nearest})")
+        self.nearest = nearest
+
+
+# torch-pruning's searches, tried in turn: (global pruning, largest channel ratio); near 1 it may leave a layer whole
+SEARCHES = ((True, 0.95), (True, 0.99), (False, 0.99))
 
 
 def build_model(setup: Setup, data: Data) -> nn.Module:
@@ -134,9 +162,9 @@ def parameters(model: nn.Module) -> int:
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, config: TrainConfig, *, epochs: int,
-          lr: float, seed: int) -> tuple[int, float]:
+          lr: float, seed: int, label: str | None = None) -> tuple[int, float]:
     """`epochs` of the recipe (warmup for the first tenth of the steps, then a cosine); returns the training FLOPs and
-    the median step time (s)."""
+    the median step time (s). With a `label`, a line per epoch."""
     steps = epochs * len(epoch_batches(len(data.train), config, False, torch.Generator()))
     schedule = WarmupCosine(lr, lr / 100, max(1, steps // 10), steps)
     criterion = build_criterion(config.label_smoothing, False)
@@ -152,6 +180,8 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: Data, config
             optimizer.step()
             times.append(time.perf_counter() - started)
             step += 1
+        if label:
+            print(f"{label}: epoch {epoch + 1}/{epochs} ({sum(times):.0f}s)", flush=True)
     return meter.total_flops, statistics.median(times[1:] or times)  # the first step also counts FLOPs
 
 
@@ -162,9 +192,9 @@ def calibration_batches(data: Data, config: TrainConfig, setup: Setup, seed: int
 
 
 def tp_pruned(dense: nn.Module, example: torch.Tensor, *, ratio: float, head_ratio: float, importance: str,
-              calibration: list) -> nn.Module:
+              calibration: list, global_pruning: bool = True) -> nn.Module:
     """A copy of `dense` pruned by torch-pruning's ViT recipe at channel ratio `ratio` and head ratio `head_ratio`
-    (both ranked globally)."""
+    (ranked globally, or per layer when `global_pruning` is off)."""
     import torch_pruning as tp
     from timm.models.vision_transformer import Attention, Mlp
 
@@ -184,8 +214,8 @@ def tp_pruned(dense: nn.Module, example: torch.Tensor, *, ratio: float, head_rat
         scorer = tp.importance.GroupMagnitudeImportance(p=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pruner = tp.pruner.MetaPruner(model, example, importance=scorer, global_pruning=True, pruning_ratio=ratio,
-                                      num_heads=heads, prune_num_heads=True, prune_head_dims=False,
+        pruner = tp.pruner.MetaPruner(model, example, importance=scorer, global_pruning=global_pruning,
+                                      pruning_ratio=ratio, num_heads=heads, prune_num_heads=True, prune_head_dims=False,
                                       head_pruning_ratio=head_ratio, ignored_layers=ignored)
         for group in pruner.step(interactive=True):
             group.prune()
@@ -198,29 +228,33 @@ def tp_pruned(dense: nn.Module, example: torch.Tensor, *, ratio: float, head_rat
 
 
 def tp_within_budget(dense: nn.Module, example: torch.Tensor, budget: int, kept_heads: int, importance: str,
-                     calibration: list, search: tuple[int, int]) -> nn.Module:
-    """The largest torch-pruning model within `budget` parameters: the head ratio (on a grid) that keeps the
-    number of heads closest to `kept_heads` (torch-pruning leaves a layer whole rather than remove all its heads, so
-    heads kept do not fall steadily with the ratio), then a bisection on the channel ratio."""
-    def heads_off(head_ratio: float) -> tuple[int, float]:
-        model = tp_pruned(dense, example, ratio=0.5, head_ratio=head_ratio, importance=importance,
-                          calibration=calibration)
-        return abs(sum(widths(model)[0]) - kept_heads), head_ratio
+                     calibration: list, search: tuple[int, int]) -> tuple[nn.Module, str]:
+    """The largest torch-pruning model within `budget` parameters and the search that found it. Each of SEARCHES in
+    turn: the head ratio (on a grid) that keeps the number of heads closest to `kept_heads` (torch-pruning leaves a
+    layer whole rather than remove all its heads, so heads kept do not fall steadily with the ratio), then a bisection
+    on the channel ratio. BudgetUnreachable with the nearest count when none gets within the budget."""
+    nearest = None
+    for global_pruning, top in SEARCHES:
+        def pruned(ratio: float, head_ratio: float, flag: bool = global_pruning) -> nn.Module:
+            return tp_pruned(dense, example, ratio=ratio, head_ratio=head_ratio, importance=importance,
+                             calibration=calibration, global_pruning=flag)
 
-    head_ratio = min(heads_off(k / search[0]) for k in range(1, search[0]))[1]
-    low, high = 0.0, 0.95  # near 1 torch-pruning may leave a layer whole
-    best = tp_pruned(dense, example, ratio=high, head_ratio=head_ratio, importance=importance, calibration=calibration)
-    if parameters(best) > budget:
-        raise RuntimeError(f"torch-pruning cannot reach {budget} parameters ({parameters(best)} at ratio {high})")
-    for _ in range(search[1]):
-        middle = (low + high) / 2
-        model = tp_pruned(dense, example, ratio=middle, head_ratio=head_ratio, importance=importance,
-                          calibration=calibration)
-        if parameters(model) <= budget:
-            high, best = middle, model
-        else:
-            low = middle
-    return best
+        head_ratio = min((abs(sum(widths(pruned(0.5, k / search[0]))[0]) - kept_heads), k / search[0])
+                         for k in range(1, search[0]))[1]
+        low, high = 0.0, top
+        best = pruned(high, head_ratio)
+        nearest = min(parameters(best), nearest or parameters(best))
+        if parameters(best) > budget:
+            continue
+        for _ in range(search[1]):
+            middle = (low + high) / 2
+            model = pruned(middle, head_ratio)
+            if parameters(model) <= budget:
+                high, best = middle, model
+            else:
+                low = middle
+        return best, f"{'global' if global_pruning else 'uniform'}, ratio <= {top}"
+    raise BudgetUnreachable(budget, nearest)
 
 
 def compress_and_tune(method: str, dense: nn.Module, data: Data, config: TrainConfig, setup: Setup, seed: int,
@@ -230,10 +264,10 @@ def compress_and_tune(method: str, dense: nn.Module, data: Data, config: TrainCo
     calibration = calibration_batches(data, config, setup, seed)
     example = calibration[0][0][:2]
     steps = setup.tune_epochs * len(epoch_batches(len(data.train), config, False, torch.Generator()))
-    controller = None
+    controller, search = None, ""
     if method.startswith("tp-"):
-        model = tp_within_budget(dense, example, budget, kept_heads, method.removeprefix("tp-"), calibration,
-                                 setup.search)
+        model, search = tp_within_budget(dense, example, budget, kept_heads, method.removeprefix("tp-"),
+                                         calibration, setup.search)
         optimizer = build_optimizer(model.parameters(), lr=setup.tune_lr, weight_decay=config.weight_decay,
                                     decay="before")
     else:
@@ -251,7 +285,30 @@ def compress_and_tune(method: str, dense: nn.Module, data: Data, config: TrainCo
         transfers = sum(e["skipped"] is None for e in controller.events)
         controller.close()
     return Outcome(method, seed, parameters(model), before, after["acc"], after["macro_f1"], flops, step_s,
-                   widths(model), transfers)
+                   widths(model), transfers, search)
+
+
+def read_records(file: Path) -> list[dict]:
+    """The rows of compress.jsonl, one per method and seed (none when the file is absent)."""
+    return [json.loads(line) for line in file.read_text().splitlines() if line] if file.exists() else []
+
+
+class Progress:
+    """Methods x seeds done and the time left (at the mean time per run so far): a line rewritten in place on a
+    terminal, plain lines otherwise."""
+
+    def __init__(self, total: int, done: int) -> None:
+        self.total, self.done, self.ran, self.started = total, done, 0, time.perf_counter()
+
+    def advance(self, line: str) -> None:
+        self.done, self.ran = self.done + 1, self.ran + 1
+        elapsed = time.perf_counter() - self.started
+        left = elapsed / self.ran * (self.total - self.done)
+        status = f"[{self.done}/{self.total} methods x seeds, {elapsed:.0f}s, ~{left:.0f}s left]"
+        if sys.stdout.isatty():
+            print(f"\r\033[K{line}\n{status}", end="", flush=True)
+        else:
+            print(f"{line} {status}", flush=True)
 
 
 def mean_sd(values: list[float], scale: float = 100.0) -> str:
@@ -261,9 +318,10 @@ def mean_sd(values: list[float], scale: float = 100.0) -> str:
     return f"{statistics.mean(values) * scale:.2f} ± {statistics.stdev(values) * scale:.2f}"
 
 
-def report(outcomes: list[Outcome], dense: dict, setup: Setup, density: float, allocation: str, budget: int,
-           command: str) -> str:
-    """The markdown table and the paired differences."""
+def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, setup: Setup, density: float,
+           allocation: str, budget: int, command: str) -> str:
+    """The markdown table (a method's row names the seeds where it could not reach the budget) and the paired
+    differences."""
     lines = [f"`{command}`", "",
              f"Dense ViT ({setup.model}, {dense['parameters']:,} parameters) trained {setup.dense_epochs} epochs: "
              f"test accuracy {dense['acc'] * 100:.2f}%, macro-F1 {dense['macro_f1'] * 100:.2f}, training F_total "
@@ -274,16 +332,20 @@ def report(outcomes: list[Outcome], dense: dict, setup: Setup, density: float, a
              "(fine-tuning) | step (ms) | transfers | heads / channels per layer |", "|---" * 9 + "|"]
     for method in METHODS:
         runs = [o for o in outcomes if o.method == method]
+        notes = [f"search {s}" for s in sorted({o.search for o in runs if o.search})]
+        notes += [f"budget not reached at seed {u.seed} (nearest {u.nearest:,})"
+                  for u in unreached if u.method == method]
+        cell = "/".join(f"{p:,}" for p in sorted({o.parameters for o in runs})) + "".join(f"; {n}" for n in notes)
         if not runs:
+            lines.append(f"| {method} | {cell.removeprefix('; ')} |" + " — |" * 7)
             continue
-        params = sorted({o.parameters for o in runs})
-        lines.append(f"| {method} | {'/'.join(f'{p:,}' for p in params)} | {mean_sd([o.acc_before for o in runs])} | "
+        lines.append(f"| {method} | {cell} | {mean_sd([o.acc_before for o in runs])} | "
                      f"{mean_sd([o.acc for o in runs])} | {mean_sd([o.macro_f1 for o in runs])} | "
                      f"{statistics.mean(o.flops for o in runs):.3e} | "
                      f"{statistics.mean(o.step_s for o in runs) * 1e3:.1f} | "
                      f"{statistics.mean(o.transfers for o in runs):g} | {widths_cell(runs)} |")
     lines += ["", "Paired differences (method − reference, percentage points; per seed, mean [paired-t 95% interval], "
-              "exact sign test p, paired t-test p):", "",
+              "exact sign test p, paired t-test p; only the seeds where both methods ran):", "",
               "| method | reference | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | Δ F1 per seed | "
               "Δ F1 mean [95% CI] | sign p | t p |", "|---|---|---|---|---|---|---|---|---|---|"]
     for method, reference in PAIRS:
@@ -307,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="BARTER's initial widths (the budget is the uniform one's either way)")
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the form's)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--out", default="runs/compress", help="folder of compress.md")
+    parser.add_argument("--out", default="runs/compress", help="folder of compress.md, compress.jsonl and dense/")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse OUT/dense and skip the methods and seeds already in OUT/compress.jsonl")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     setup = QUICK if args.quick else FULL
@@ -319,32 +383,59 @@ def main(argv: list[str] | None = None) -> int:
     data = build_data(config)
     if setup.train_images:
         data = replace(data, train=sample(data.train, setup.train_images), test=sample(data.test, setup.test_images))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     dense = build_model(setup, data)
-    optimizer = build_optimizer(dense.parameters(), lr=setup.dense_lr, weight_decay=config.weight_decay,
-                                decay="before")
-    flops, _ = train(dense, optimizer, data, config, epochs=setup.dense_epochs, lr=setup.dense_lr, seed=0)
-    scores = evaluate(dense, data.test, data.num_classes, torch.device("cpu"), 0)
-    summary = {"parameters": parameters(dense), "acc": scores["acc"], "macro_f1": scores["macro_f1"], "flops": flops}
-    print(f"dense: {summary['parameters']:,} parameters, test acc {scores['acc']:.4f} "
+    if args.resume and (out / "dense" / "manifest.json").exists():
+        verify_files(out / "dense")  # the saved dense model, checked against its sha256
+        dense.load_state_dict(torch.load(out / "dense" / "dense.pt", weights_only=True))
+        summary = json.loads((out / "dense" / "dense.json").read_text())
+    else:
+        optimizer = build_optimizer(dense.parameters(), lr=setup.dense_lr, weight_decay=config.weight_decay,
+                                    decay="before")
+        flops, _ = train(dense, optimizer, data, config, epochs=setup.dense_epochs, lr=setup.dense_lr, seed=0,
+                         label="dense")
+        scores = evaluate(dense, data.test, data.num_classes, torch.device("cpu"), 0)
+        summary = {"parameters": parameters(dense), "acc": scores["acc"], "macro_f1": scores["macro_f1"],
+                   "flops": flops}
+        (out / "dense").mkdir(exist_ok=True)
+        torch.save(dense.state_dict(), out / "dense" / "dense.pt")
+        (out / "dense" / "dense.json").write_text(json.dumps(summary))
+        write_manifest(out / "dense")
+    print(f"dense: {summary['parameters']:,} parameters, test acc {summary['acc']:.4f} "
           f"({time.perf_counter() - started:.0f}s)", flush=True)
     probe = barter.wrap(copy.deepcopy(dense), total_steps=1, density=args.density, method="static",
                         example_inputs=(torch.zeros(2, data.in_chans, setup.img_size, setup.img_size),))
     budget, kept_heads = parameters(probe.model), sum(k.get("head", 0) for k in probe.topology().values())
     probe.close()
-    outcomes = []
+    records = read_records(out / "compress.jsonl") if args.resume else []
+    done = {(r["method"], r["seed"]) for r in records}
+    if not args.resume:
+        (out / "compress.jsonl").write_text("")
+    progress = Progress(len(METHODS) * len(setup.seeds), done=len(done))
     for seed in setup.seeds:
         for method in METHODS:
-            outcome = compress_and_tune(method, dense, data, config, setup, seed, args.density, args.allocation,
-                                        budget, kept_heads)
-            outcomes.append(outcome)
-            print(f"{method:>13} seed {seed}: {outcome.parameters:,} parameters, acc {outcome.acc_before:.4f} -> "
-                  f"{outcome.acc:.4f}, macro-F1 {outcome.macro_f1:.4f}, {outcome.transfers} transfers "
-                  f"({time.perf_counter() - started:.0f}s)", flush=True)
+            if (method, seed) in done:
+                continue
+            try:
+                outcome = compress_and_tune(method, dense, data, config, setup, seed, args.density, args.allocation,
+                                            budget, kept_heads)
+                record = {"kind": "outcome", **asdict(outcome)}
+                line = (f"{method:>13} seed {seed}: {outcome.parameters:,} parameters, acc {outcome.acc_before:.4f} "
+                        f"-> {outcome.acc:.4f}, macro-F1 {outcome.macro_f1:.4f}, {outcome.transfers} transfers")
+            except BudgetUnreachable as error:
+                record = {"kind": "unreached", **asdict(Unreached(method, seed, error.nearest))}
+                line = f"{method:>13} seed {seed}: {error}"
+            with (out / "compress.jsonl").open("a") as log:
+                log.write(json.dumps(record) + "\n")
+            records.append(record)
+            progress.advance(line)
+    outcomes = [Outcome(**{**r, "widths": tuple(r["widths"])}) for r in records if r.pop("kind") == "outcome"]
+    unreached = [Unreached(**r) for r in records if "nearest" in r]
     command = "python benchmarks/compress.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    table = report(outcomes, summary, setup, args.density, args.allocation, budget, command.strip())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    table = report(sorted(outcomes, key=lambda o: o.seed), unreached, summary, setup, args.density, args.allocation,
+                   budget, command.strip())
     (out / "compress.md").write_text(table)
     print(f"\n{table}\nwrote {out / 'compress.md'} ({time.perf_counter() - started:.0f}s)")
     return 0

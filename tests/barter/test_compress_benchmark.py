@@ -30,3 +30,53 @@ def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch
     pair = re.compile(r"\| (static|barter) \| (static|tp-\w+) \| [+-]")
     paired = [line for line in paired_table.splitlines() if pair.match(line)]
     assert len(paired) == len(module.PAIRS)
+
+
+def load_benchmark(monkeypatch):
+    spec = importlib.util.spec_from_file_location("compress_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_budget_unreachable_at_one_seed_marks_its_row_and_keeps_the_others(tmp_path, monkeypatch):
+    module = load_benchmark(monkeypatch)
+    real = module.compress_and_tune
+
+    def tight_at_seed_1(method, dense, data, config, setup, seed, density, allocation, budget, kept_heads):
+        budget = 10 if (method, seed) == ("tp-magnitude", 1) else budget  # no search reaches 10 parameters
+        return real(method, dense, data, config, setup, seed, density, allocation, budget, kept_heads)
+
+    monkeypatch.setattr(module, "compress_and_tune", tight_at_seed_1)
+    assert module.main(["--quick", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "compress.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| tp-magnitude |"))
+    assert "budget not reached at seed 1 (nearest" in row
+    for method in ("tp-taylor", "static", "barter"):
+        assert "not reached" not in next(line for line in table.splitlines() if line.startswith(f"| {method} |"))
+    assert "| static | tp-magnitude | +" in table or "| static | tp-magnitude | -" in table
+
+
+def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, monkeypatch):
+    module = load_benchmark(monkeypatch)
+
+    def comparable(table):  # the command line and step times differ between runs
+        return [line.split(" | ")[:6] for line in table.splitlines()[1:]]
+
+    assert module.main(["--quick", "--out", str(tmp_path / "whole")]) == 0
+    real = module.compress_and_tune
+
+    def cut_at_seed_1(method, dense, data, config, setup, seed, *rest):
+        if seed == 1:
+            raise KeyboardInterrupt
+        return real(method, dense, data, config, setup, seed, *rest)
+
+    monkeypatch.setattr(module, "compress_and_tune", cut_at_seed_1)
+    with pytest.raises(KeyboardInterrupt):
+        module.main(["--quick", "--out", str(tmp_path / "cut")])
+    assert len((tmp_path / "cut" / "compress.jsonl").read_text().splitlines()) == len(module.METHODS)
+    monkeypatch.setattr(module, "compress_and_tune", real)
+    assert module.main(["--quick", "--resume", "--out", str(tmp_path / "cut")]) == 0
+    assert comparable((tmp_path / "cut" / "compress.md").read_text()) == comparable(
+        (tmp_path / "whole" / "compress.md").read_text())

@@ -189,7 +189,7 @@ def _is_checkpoint(path: Path) -> bool:
 
 def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
                   ) -> dict[str, dict[str, list[tuple[int, int]]]]:
-    """{kind: {module: [(step, width), ...]}} from the final topology and the executed transfers.
+    """{kind: {group name: [(step, width), ...]}} from the final topology and the executed transfers.
 
     Replaying the transfers backwards from the final widths gives the initial ones; each executed transfer
     then moves one unit of its kind from the donor layer to the receiver layer at its step.

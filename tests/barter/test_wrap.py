@@ -16,15 +16,21 @@ def build(depth=4):
                              depth=depth, mlp_ratio=1.0)
 
 
+def host(group_name):
+    """The host module of a timm ViT's group, named '<host>:<kind>'."""
+    return group_name.rpartition(":")[0]
+
+
 def mask_donors(model, events):
     """Zero each event's donor output slice in `model` (timm ViT names; head_dim 64); returns `model`."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for e in events:
             if e["kind"] == "head":
-                params[f"{e['donor_layer']}.proj.weight"][:, 64 * e["donor_index"]:64 * (e["donor_index"] + 1)] = 0
+                i = e["donor_index"]
+                params[f"{host(e['donor_layer'])}.proj.weight"][:, 64 * i:64 * (i + 1)] = 0
             else:
-                params[f"{e['donor_layer']}.fc2.weight"][:, e["donor_index"]] = 0
+                params[f"{host(e['donor_layer'])}.fc2.weight"][:, e["donor_index"]] = 0
     return model
 
 
@@ -271,3 +277,36 @@ def test_a_layer_whose_tap_did_not_run_is_an_error_not_a_zero_score():
     torch.nn.functional.cross_entropy(ctl.model(x), y).backward()
     with pytest.raises(RuntimeError, match=r"blocks\.1\.mlp:channel did not run"):
         opt.step()
+
+
+class TwoConvolutions(torch.nn.Module):
+    """A small CNN whose two channel groups (c1's 8, c2's 16) are both hosted at the root module ''."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.c3 = torch.nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        return self.c3(torch.relu(self.c2(torch.relu(self.c1(x))))).mean((2, 3))
+
+
+def test_topology_and_events_name_each_group_when_two_share_a_host():
+    torch.manual_seed(0)
+    model = TwoConvolutions()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3, 8, 8)
+    ctl = barter.wrap(model, optimizer, total_steps=6, density=0.5, example_inputs=(x,), method="random_pair",
+                      window=(0.0, 1.0))
+    for _ in range(6):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    names = [g.name for g in ctl.surgeon.groups]
+    assert len(names) == 2 and {g.module for g in ctl.surgeon.groups} == {""}
+    # two oracles: the groups' counts, and the convolutions' output channels
+    assert ctl.topology() == {g.name: {"channel": g.count} for g in ctl.surgeon.groups}
+    assert sorted(n["channel"] for n in ctl.topology().values()) == sorted(
+        [model.c1.weight.shape[0], model.c2.weight.shape[0]])
+    done = [e for e in ctl.events if e["skipped"] is None]
+    assert done and all({e["donor_layer"], e["receiver_layer"]} == set(names) for e in done)

@@ -222,9 +222,11 @@ class Controller:
         prop = propose(table.D, table.S, table.counts, self.initial[kind], self.maximum[kind],
                        table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng)
         event = {"step": self.step_count, "kind": kind,
-                 "donor_layer": None if prop.donor_layer is None else groups[prop.donor_layer].name,
+                 "donor_layer": None if prop.donor_layer is None else groups[prop.donor_layer].module,
+                 "donor_group": None if prop.donor_layer is None else groups[prop.donor_layer].name,
                  "donor_index": prop.donor_index,
-                 "receiver_layer": None if prop.receiver is None else groups[prop.receiver].name,
+                 "receiver_layer": None if prop.receiver is None else groups[prop.receiver].module,
+                 "receiver_group": None if prop.receiver is None else groups[prop.receiver].name,
                  "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped}
         if prop.skipped is None:
             self._prepare_edits()

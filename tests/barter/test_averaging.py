@@ -21,9 +21,9 @@ def mask_donor(model, event):
     with torch.no_grad():
         if event["kind"] == "head":
             i = event["donor_index"]
-            params[f"{event['donor_layer'].rpartition(':')[0]}.proj.weight"][:, HEAD_DIM * i:HEAD_DIM * (i + 1)] = 0
+            params[f"{event['donor_layer']}.proj.weight"][:, HEAD_DIM * i:HEAD_DIM * (i + 1)] = 0
         else:
-            params[f"{event['donor_layer'].rpartition(':')[0]}.fc2.weight"][:, event["donor_index"]] = 0
+            params[f"{event['donor_layer']}.fc2.weight"][:, event["donor_index"]] = 0
     return model
 
 

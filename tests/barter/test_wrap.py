@@ -16,21 +16,15 @@ def build(depth=4):
                              depth=depth, mlp_ratio=1.0)
 
 
-def host(group_name):
-    """The host module of a timm ViT's group, named '<host>:<kind>'."""
-    return group_name.rpartition(":")[0]
-
-
 def mask_donors(model, events):
     """Zero each event's donor output slice in `model` (timm ViT names; head_dim 64); returns `model`."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for e in events:
             if e["kind"] == "head":
-                i = e["donor_index"]
-                params[f"{host(e['donor_layer'])}.proj.weight"][:, 64 * i:64 * (i + 1)] = 0
+                params[f"{e['donor_layer']}.proj.weight"][:, 64 * e["donor_index"]:64 * (e["donor_index"] + 1)] = 0
             else:
-                params[f"{host(e['donor_layer'])}.fc2.weight"][:, e["donor_index"]] = 0
+                params[f"{e['donor_layer']}.fc2.weight"][:, e["donor_index"]] = 0
     return model
 
 
@@ -309,4 +303,4 @@ def test_topology_and_events_name_each_group_when_two_share_a_host():
     assert sorted(n["channel"] for n in ctl.topology().values()) == sorted(
         [model.c1.weight.shape[0], model.c2.weight.shape[0]])
     done = [e for e in ctl.events if e["skipped"] is None]
-    assert done and all({e["donor_layer"], e["receiver_layer"]} == set(names) for e in done)
+    assert done and all({e["donor_group"], e["receiver_group"]} == set(names) for e in done)

@@ -223,8 +223,10 @@ class Controller:
                        table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng)
         event = {"step": self.step_count, "kind": kind,
                  "donor_layer": None if prop.donor_layer is None else groups[prop.donor_layer].module,
+                 "donor_group": None if prop.donor_layer is None else groups[prop.donor_layer].name,
                  "donor_index": prop.donor_index,
                  "receiver_layer": None if prop.receiver is None else groups[prop.receiver].module,
+                 "receiver_group": None if prop.receiver is None else groups[prop.receiver].name,
                  "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped}
         if prop.skipped is None:
             self._prepare_edits()
@@ -261,11 +263,9 @@ class Controller:
             self.model.__dict__.pop("__deepcopy__", None)
 
     def topology(self) -> dict[str, dict[str, int]]:
-        """{host module: {kind: current unit count}} for every unit group of the model."""
-        out: dict[str, dict[str, int]] = {}
-        for g in self.surgeon.groups:
-            out.setdefault(g.module, {})[g.kind] = g.count
-        return out
+        """{group name: {kind: current unit count}} for every unit group of the model (by name: one host module may
+        hold several groups, as a block of two convolutions holds two of channels)."""
+        return {g.name: {g.kind: g.count} for g in self.surgeon.groups}
 
     def metrics(self) -> dict[str, Any]:
         """What a training run logs of the controller each epoch: the backwards whose scores were not finite."""

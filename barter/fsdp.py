@@ -123,16 +123,23 @@ def gathered_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse what BARTER cannot resize (`check_supported`) and, under FSDP2, an optimizer that does not step the
-    sharded parameters (one built before `fully_shard` steps stale ones)."""
+    """Refuse what BARTER cannot resize (`check_supported`), an optimizer that does not step all the model's
+    trainable parameters (the transfers would train nothing) and, under FSDP2, one that steps stale parameters
+    (one built before `fully_shard`)."""
     check_supported(model)
-    if not is_sharded(model):
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if is_sharded(model):
+        stale = len(stepped - {id(p) for p in model.parameters()})
+        if stale:
+            raise UnsupportedSharding(f"the optimizer steps {stale} parameter(s) that are not the model's: under "
+                                      "FSDP2 build it after fully_shard, on model.parameters(), then "
+                                      "ctl.attach_optimizer")
         return
-    own = {id(p) for p in model.parameters()}
-    stale = sum(id(p) not in own for group in optimizer.param_groups for p in group["params"])
-    if stale:
-        raise UnsupportedSharding(f"the optimizer steps {stale} parameter(s) that are not the model's: under FSDP2 "
-                                  "build it after fully_shard, on model.parameters(), then ctl.attach_optimizer")
+    lacking = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
+    if lacking:
+        shown = ", ".join(lacking[:8]) + (f" and {len(lacking) - 8} more" if len(lacking) > 8 else "")
+        raise ValueError(f"the optimizer does not step {len(lacking)} of the wrapped model's trainable parameters "
+                         f"({shown}): build it on this model's parameters, e.g. optimizer(model.parameters())")
 
 
 def shard(model: nn.Module, **fully_shard_options: Any) -> nn.Module:

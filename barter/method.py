@@ -46,7 +46,7 @@ class TrainingMethod(Protocol):
         """The entries the method adds to a run's per-epoch metrics record (JSON values)."""
 
     def topology(self) -> dict[str, dict[str, int]] | None:
-        """{host module: {kind: unit count}} for a method that changes the model's widths; None otherwise."""
+        """{group name: {kind: unit count}} for a method that changes the model's widths; None otherwise."""
 
     def export(self, weights: dict[str, Tensor], state: dict[str, Any],
                example_inputs: tuple | None = None) -> nn.Module | None:

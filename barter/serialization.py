@@ -41,6 +41,7 @@ WEIGHTS = "model.safetensors"
 TOPOLOGY = "topology.json"
 PROGRAM = "model.pt2"
 MANIFEST = "manifest.json"
+RUN_CONFIG = "config.json"  # what a training run directory holds beside its checkpoints (best/, last/)
 TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "groups", "parameters", "sha256")
 
 
@@ -167,6 +168,10 @@ def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     from safetensors.torch import load_file
 
     topology_file, weights_file = path / TOPOLOGY, path / WEIGHTS
+    if (path / RUN_CONFIG).is_file():
+        raise ExportError(f"{path} is a training run, not an export: load its checkpoint, "
+                          f"barter.load('{path / 'best'}') (or '{path / 'last'}'), or write a standalone export "
+                          f"with `barter export {path} OUT`")
     if not topology_file.is_file():
         raise ExportError(f"no barter export at {path} (no {TOPOLOGY})")
     if (path / MANIFEST).exists():  # exports written before manifests are checked by the weights' sha256 alone

@@ -14,11 +14,13 @@ from .analysis import ModelBase, default_example_inputs, keep_base
 from .calibration import Batch, LossFn, calibrated_scores
 from .compact_init import compact
 from .controller import Controller
-from .fsdp import refuse_sharded
+from .fsdp import check_optimizer, refuse_sharded
 from .loss_scale import Scaler
 from .options import Options
 from .schedule import KINDS, make_schedule, transfer_count
 from .selection import METHODS
+
+WRAPPED_ATTRIBUTE = "_barter_wrapped"  # set on a model `wrap` made compact: a second wrap is refused
 
 
 def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, total_steps: int,
@@ -51,6 +53,10 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     opts = Options.from_kwargs(**options)
     refuse_sharded(model)
+    if model.__dict__.get(WRAPPED_ATTRIBUTE):
+        raise ValueError(f"{type(model).__name__} is wrapped by barter.wrap already (compact, its layers installed): "
+                         "keep using the controller that wrap returned (ctl.close() stops it following the "
+                         "optimizer and collecting scores); to wrap anew, build the model afresh and wrap that")
     if (opts.init == "score") != (calibration is not None):
         raise ValueError("init='score' measures D on calibration batches: pass calibration=<loader>"
                          if calibration is None else f"calibration is read by init='score' only (init={opts.init!r})")
@@ -61,12 +67,14 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     analysis = analyse(model, () if example_inputs is None else example_inputs, example_kwargs)
     keep_base(model, ModelBase(analysis, architecture=None, model_kwargs={}, call=None))
     surgeon = Surgeon(model, analysis)
+    model.__dict__[WRAPPED_ATTRIBUTE] = True
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}
     inexact = [g.name for g in surgeon.groups if not g.exact]
     if inexact:
         warnings.warn(f"barter keeps these unit groups dense and fixed, their surgery is not exact: {inexact}",
                       stacklevel=2)
     if optimizer is not None:
+        check_optimizer(model, optimizer)
         surgeon.attach_optimizer(optimizer)
     select_rng = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device

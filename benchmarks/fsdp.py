@@ -95,9 +95,7 @@ def state_of(optimizer, params) -> list[torch.Tensor]:
 def touched_bytes(ctl, model, optimizer, event) -> int:
     """The bytes a transfer touches: its donor's and receiver's parameters and optimizer state, whole (at their
     widths after the step)."""
-    groups = {(g.kind, g.module): g for kind in ctl.layers for g in ctl.layers[kind]}
-    names = {sl.name for layer in ("donor_layer", "receiver_layer")
-             for sl in groups[(event["kind"], event[layer])].slices}
+    names = {sl.name for layer in ("donor_group", "receiver_group") for sl in ctl.surgeon.group(event[layer]).slices}
     mine = [p for name, p in model.named_parameters() if name in names]
     return whole_bytes(mine) + whole_bytes(state_of(optimizer, mine))
 

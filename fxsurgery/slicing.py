@@ -179,21 +179,41 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int]] | None:
     return [(k, end - start) for k, start, end in zip(first, starts, ends)]
 
 
+# torch.optim optimizers whose per-parameter state is tensors shaped like their parameter, plus scalars: surgery
+# slices and clones that state along with the parameter. The others keep state it cannot follow (LBFGS a flat
+# history over all parameters, Adafactor factored row/column moments, SparseAdam sparse ones).
+SHAPED_STATE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD", "Rprop"))
+SUPPORTED_STATE = (f"supported: {', '.join(cls.__name__ for cls in SHAPED_STATE_OPTIMIZERS)}, and any optimizer "
+                   "whose per-parameter state tensors all have their parameter's shape")
+
+
+def check_optimizer_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer built on a torch.optim one outside ``SHAPED_STATE_OPTIMIZERS`` (its state cannot follow
+    a resize); one built on `torch.optim.Optimizer` alone is checked by the state it keeps."""
+    torch_class = next(c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim"))
+    if torch_class is not torch.optim.Optimizer and not issubclass(torch_class, SHAPED_STATE_OPTIMIZERS):
+        raise OptimizerStateError(f"{type(optimizer).__name__} keeps state that surgery cannot resize with the "
+                                  f"parameters; {SUPPORTED_STATE}")
+
+
 def state_tensors(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> list[tuple[dict, str]]:
     """(state dict, key) of every per-element state tensor of ``p``; refuses state it cannot map."""
     out = []
     for opt in optimizers:
+        check_optimizer_layout(opt)
         st = opt.state.get(p)
         if not st:
             continue
         for k, v in st.items():
-            if not torch.is_tensor(v) or v.dim() == 0:
+            held = v if isinstance(v, (list, tuple)) else [v]
+            if not any(torch.is_tensor(t) and t.dim() > 0 for t in held):
                 continue  # step counters and scalars stay as they are
-            if v.shape != p.shape:
+            if not torch.is_tensor(v) or v.shape != p.shape:
+                layout = f"shape {tuple(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__} of tensors"
                 raise OptimizerStateError(
-                    f"{type(opt).__name__} state '{k}' has shape {tuple(v.shape)} for a parameter of shape "
-                    f"{tuple(p.shape)}; only state shaped like its parameter (Adam, AdamW, SGD momentum, ...) "
-                    "can be resized")
+                    f"{type(opt).__name__} state '{k}' has {layout} for a parameter of shape {tuple(p.shape)}; "
+                    f"only state shaped like its parameter can be resized ({SUPPORTED_STATE})")
             out.append((st, k))
     return out
 

@@ -78,13 +78,13 @@ def run(config: TrainConfig) -> RunResult:
 
 
 def compact_widths(run_dir: Path) -> dict[str, dict[str, int]] | None:
-    """Per-module unit counts of a run's compact export (`<run>/compact/topology.json`), as topology.json has them."""
+    """Per-group unit counts of a run's compact export (`<run>/compact/topology.json`), as topology.json has them."""
     topology = run_dir / "compact" / "topology.json"
     if not topology.is_file():
         return None
     widths: dict[str, dict[str, int]] = {}
     for group in json.loads(topology.read_text())["groups"]:
-        widths.setdefault(group["module"], {})[group["kind"]] = group["count"]
+        widths[group["name"]] = {group["kind"]: group["count"]}
     return widths
 
 

@@ -189,7 +189,7 @@ def _is_checkpoint(path: Path) -> bool:
 
 def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
                   ) -> dict[str, dict[str, list[tuple[int, int]]]]:
-    """{kind: {module: [(step, width), ...]}} from the final topology and the executed transfers.
+    """{kind: {group name: [(step, width), ...]}} from the final topology and the executed transfers.
 
     Replaying the transfers backwards from the final widths gives the initial ones; each executed transfer
     then moves one unit of its kind from the donor layer to the receiver layer at its step.
@@ -197,13 +197,13 @@ def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
     done = [e for e in events if e["skipped"] is None]
     width = {(module, kind): n for module, kinds in final.items() for kind, n in kinds.items()}
     for e in done:
-        width[(e["donor_layer"], e["kind"])] += 1
-        width[(e["receiver_layer"], e["kind"])] -= 1
+        width[(e["donor_group"], e["kind"])] += 1
+        width[(e["receiver_group"], e["kind"])] -= 1
     history: dict[str, dict[str, list[tuple[int, int]]]] = {}
     for (module, kind), n in width.items():
         history.setdefault(kind, {})[module] = [(0, n)]
     for e in done:
-        for module, change in ((e["donor_layer"], -1), (e["receiver_layer"], 1)):
+        for module, change in ((e["donor_group"], -1), (e["receiver_group"], 1)):
             series = history[e["kind"]][module]
             series.append((e["step"], series[-1][1] + change))
     return history

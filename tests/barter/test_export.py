@@ -307,3 +307,13 @@ def test_the_base_travels_with_the_model(tmp_path, monkeypatch):
             topology = read_topology(barter.export(made, tmp_path / f"{label}-{way}", program=False))
             assert {k: v for k, v in topology.items() if k != "program"} == {
                 k: v for k, v in expected.items() if k != "program"}, (label, way)
+
+
+def test_loading_a_run_directory_says_it_is_a_run_and_points_to_its_checkpoint(tmp_path):
+    run = tmp_path / "runs" / "vit"
+    model, _, _ = compact_timm(*VIT)
+    barter.export(model, run / "best", program=False)
+    (run / "config.json").write_text("{}")
+    with pytest.raises(ExportError, match=rf"is a training run.*{run / 'best'}.*barter export {run} OUT"):
+        barter.load(run)
+    assert parameters(barter.load(run / "best")) == parameters(model)

@@ -91,8 +91,7 @@ def held_whole(model, optimizer) -> list[str]:
 def check_moments_follow(ctl, event, before, after) -> None:
     """Over the donor's and receiver's tensors: the kept units' moments are the ones before the transfer; the new
     unit's (and its parent's, which restarts with it) are zero; every other tensor's moments are unchanged."""
-    groups = {(g.kind, g.module): g for g in ctl.layers[event["kind"]]}
-    donor, receiver = groups[(event["kind"], event["donor_layer"])], groups[(event["kind"], event["receiver_layer"])]
+    donor, receiver = ctl.surgeon.group(event["donor_group"]), ctl.surgeon.group(event["receiver_group"])
     touched = {sl.name for g in (donor, receiver) for sl in g.slices}
     for name in after:
         if name not in touched:

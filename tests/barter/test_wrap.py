@@ -184,6 +184,71 @@ def test_optimizer_state_that_cannot_be_resized_is_refused():
         barter.wrap(model, opt, total_steps=10)
 
 
+def test_an_optimizer_of_another_model_or_of_some_parameters_is_refused_naming_what_it_lacks():
+    model = build(depth=2)
+    with pytest.raises(ValueError, match=r"does not step \d+ of the wrapped model's trainable parameters"):
+        barter.wrap(model, torch.optim.SGD(build(depth=2).parameters(), lr=0.1), total_steps=10)
+    model = build(depth=2)
+    head_only = torch.optim.SGD(model.head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"blocks\.0\."):
+        barter.wrap(model, head_only, total_steps=10)
+    ctl = barter.wrap(build(depth=2), total_steps=10)
+    with pytest.raises(ValueError, match="does not step"):
+        ctl.attach_optimizer(torch.optim.SGD(ctl.model.head.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.LBFGS(params),
+    lambda params: torch.optim.SparseAdam(params),
+])
+def test_an_optimizer_whose_state_surgery_cannot_follow_is_refused_with_the_supported_list(make):
+    from fxsurgery import OptimizerStateError
+
+    model = build(depth=2)
+    optimizer = make(list(model.parameters()))
+    with pytest.raises(OptimizerStateError, match=rf"{type(optimizer).__name__}.*supported: SGD, Adam"):
+        barter.wrap(model, optimizer, total_steps=10)
+
+
+def test_a_custom_optimizer_with_state_of_another_layout_is_refused_and_one_shaped_like_its_parameters_accepted():
+    from fxsurgery import OptimizerStateError
+
+    class History(torch.optim.Optimizer):
+        """Keeps per-parameter tensors under its own key: a list, or tensors shaped like the parameter."""
+        def __init__(self, params, as_list):
+            super().__init__(params, {"lr": 0.1})
+            self.as_list = as_list
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        trace = torch.zeros_like(p)
+                        self.state[p]["trace"] = [trace] if self.as_list else trace
+                        p.data.add_(p.grad, alpha=-group["lr"])
+
+    for as_list in (True, False):
+        model = build(depth=2)
+        optimizer = History(model.parameters(), as_list)
+        x, y = batch(0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if as_list:
+            with pytest.raises(OptimizerStateError, match=r"'trace' has a list of tensors.*supported: SGD"):
+                barter.wrap(model, optimizer, total_steps=10)
+        else:
+            ctl = barter.wrap(model, optimizer, total_steps=10)
+            width = {n: p.shape for n, p in ctl.model.named_parameters()}
+            assert all(optimizer.state[p]["trace"].shape == width[n] for n, p in ctl.model.named_parameters()
+                       if p in optimizer.state)
+
+
+def test_wrapping_a_wrapped_model_says_so_and_how_to_start_over():
+    ctl = barter.wrap(build(depth=2), total_steps=10)
+    with pytest.raises(ValueError, match=r"wrapped by barter.wrap already.*ctl.close\(\).*build the model afresh"):
+        barter.wrap(ctl.model, total_steps=10)
+
+
 def test_magnitude_init_keeps_the_largest_units():
     from fxsurgery import Surgeon
 
@@ -206,3 +271,36 @@ def test_a_layer_whose_tap_did_not_run_is_an_error_not_a_zero_score():
     torch.nn.functional.cross_entropy(ctl.model(x), y).backward()
     with pytest.raises(RuntimeError, match=r"blocks\.1\.mlp:channel did not run"):
         opt.step()
+
+
+class TwoConvolutions(torch.nn.Module):
+    """A small CNN whose two channel groups (c1's 8, c2's 16) are both hosted at the root module ''."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 16, 3, padding=1)
+        self.c3 = torch.nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        return self.c3(torch.relu(self.c2(torch.relu(self.c1(x))))).mean((2, 3))
+
+
+def test_topology_and_events_name_each_group_when_two_share_a_host():
+    torch.manual_seed(0)
+    model = TwoConvolutions()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3, 8, 8)
+    ctl = barter.wrap(model, optimizer, total_steps=6, density=0.5, example_inputs=(x,), method="random_pair",
+                      window=(0.0, 1.0))
+    for _ in range(6):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    names = [g.name for g in ctl.surgeon.groups]
+    assert len(names) == 2 and {g.module for g in ctl.surgeon.groups} == {""}
+    # two oracles: the groups' counts, and the convolutions' output channels
+    assert ctl.topology() == {g.name: {"channel": g.count} for g in ctl.surgeon.groups}
+    assert sorted(n["channel"] for n in ctl.topology().values()) == sorted(
+        [model.c1.weight.shape[0], model.c2.weight.shape[0]])
+    done = [e for e in ctl.events if e["skipped"] is None]
+    assert done and all({e["donor_group"], e["receiver_group"]} == set(names) for e in done)

@@ -184,6 +184,12 @@ def paired_markdown(rows: list[Row]) -> list[str]:
     for method, reference in comparisons({m for m, _ in results}):
         for density in sorted({d for m, d in results if m == method}):
             ours, theirs = results[(method, density)], results.get((reference, density), {})
+            unequal = sorted(s for s in ours.keys() & theirs.keys() if ours[s].steps != theirs[s].steps)
+            if unequal:  # different budgets are not a paired difference
+                lines.append(f"| {method} | {reference} | {density:g} | {len(unequal)} | budgets differ: "
+                             + ", ".join(f"{ours[s].steps} vs {theirs[s].steps} steps" for s in unequal)
+                             + " | | | | | | | |")
+                ours = {s: r for s, r in ours.items() if s not in unequal}
             acc = paired_difference({s: r.acc for s, r in ours.items()}, {s: r.acc for s, r in theirs.items()})
             if acc is None:
                 continue

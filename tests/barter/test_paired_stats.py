@@ -62,3 +62,16 @@ def test_compare_md_pairs_each_method_with_static_and_the_baselines():
     assert "+0.90 -0.50 +1.70 +4.10 +0.90" in line  # the per-seed differences, percentage points
     assert sum(x.startswith("| ") and " | rigl | 0.3 |" in x for x in table.splitlines()) == 2
     assert not any(x.startswith("| dense | ") and "static" in x for x in table.splitlines())
+
+
+def test_compare_md_never_pairs_runs_of_different_budgets():
+    """A matched-compute run (113 steps) beside a 63-step reference is reported as budgets differing, never as
+    a paired difference; seeds with equal budgets are still paired."""
+    def row(method, seed, steps, acc):
+        return Row(method, 0.3, seed, RunResult(Path("runs") / method, 1, steps, acc, acc, acc, 1, 1e9, 1.0, 0), None)
+    rows = [row("barter", 0, 113, 0.9), row("static", 0, 63, 0.6), row("barter", 1, 63, 0.7), row("static", 1, 63, 0.6)]
+    lines = [x for x in markdown(rows, preset("mnist5k_quick"), None).splitlines() if x.startswith("| barter | static")]
+    assert any("budgets differ: 113 vs 63 steps" in x for x in lines)
+    paired = [x for x in lines if "budgets differ" not in x]
+    assert len(paired) == 1 and paired[0].startswith("| barter | static | 0.3 | 1 |") and "+10.00" in paired[0]
+    assert "+30.00" not in "\n".join(lines)

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test soak clean
+.PHONY: install run test soak conformance clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,7 @@ soak: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Every row of the README's timm families table against the oracle run on its model; fails on any row that differs.
+conformance: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m slow tests/conformance/test_families_table.py

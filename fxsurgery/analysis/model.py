@@ -3,7 +3,6 @@ and offer every group that passes the self-check."""
 from __future__ import annotations
 
 import itertools
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -120,8 +119,7 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
         calls[""] = example
         # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
         plan.calls = {name: without_objects(call) for name, call in calls.items()}
-        # a host that is a container never called itself (a ModuleList whose blocks share a value) is its caller
-        plan.hosts = _callers_of_returned_heads(model, _called(hosts, plan.calls), plan)
+        plan.hosts = _callers_of_returned_heads(model, hosts, plan)
         plan.passes_objects = {host: holds_objects(calls[host]) for host in plan.hosts}
     return plan
 
@@ -150,19 +148,6 @@ def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_al
     return findings
 
 
-def _nearest_called(name: str, calls: dict[str, tuple[tuple, dict]]) -> str:
-    """Module ``name`` or its nearest ancestor that was called (containers such as ModuleList never are)."""
-    while name and name not in calls:
-        name = name.rpartition(".")[0]
-    return name
-
-
-def _called(hosts: list[str], calls: dict[str, tuple[tuple, dict]]) -> list[str]:
-    """The hosts, each replaced by its nearest called module, in order, without repeats or hosts inside another."""
-    called = list(dict.fromkeys(_nearest_called(host, calls) for host in hosts))
-    return [host for host in called if not any(_inside(host, outer) for outer in called)]
-
-
 def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPlan) -> list[str]:
     """The hosts, each one whose heads reach its outputs (an attention module that returns its per-head
     attention weights) replaced by its nearest calling module, where the weights may be dropped."""
@@ -173,7 +158,11 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
         if host not in hosts or isinstance(found, str) or found.groups or not found.refusals \
                 or not all(r.at_output for r in found.refusals):
             continue
-        caller = _nearest_called(host.rpartition(".")[0], inputs)
+        caller = host
+        while caller:
+            caller = caller.rpartition(".")[0]
+            if caller in inputs:  # containers such as ModuleList are never called themselves
+                break
         hosts = [h for h in hosts if not (h == caller or h.startswith(caller + ".") or not caller)] + [caller]
     return hosts
 
@@ -188,9 +177,6 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
             shared.templates[key] = analyse_host(module, host, *inputs)
         except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
             shared.templates[key] = str(err)
-        except Exception as err:  # an unforeseen failure refuses this host, naming it, the error and where it arose
-            shared.templates[key] = (f"analysing {host or 'the model'} ({type(module).__name__}) failed: "
-                                     f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
     return shared.templates[key]
 
 

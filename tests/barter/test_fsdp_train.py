@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from forked import WORLD, fork_processes, free_ports
 from interrupted import cut_at_second_epoch_and_resume
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import barter
+from barter.fsdp import gathered_state_dict, shard
 from barter.training import TrainConfig, train
 from barter.training.runlog import RunDir, load_checkpoint
 
@@ -47,6 +49,24 @@ def worker(rank, ports, out_dir, make_config):
                       MASTER_PORT=str(ports[0]))
     train(make_config(out_dir, "whole"))
     cut_at_second_epoch_and_resume(make_config(out_dir, "cut"), ports[1:])
+
+
+def fine_tune_worker(rank, init_file, export, out_dir):
+    """The export loaded, sharded by `barter.fsdp.shard` and trained for two Adam steps: the gathered parameters."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model = shard(barter.load(export))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+            torch.nn.functional.cross_entropy(model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.save(gathered_state_dict(model), os.path.join(out_dir, f"tuned{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
 
 
 def run_cut_and_whole(out_dir, make_config) -> tuple[dict, dict]:
@@ -89,6 +109,13 @@ def test_fsdp_pipeline_with_a_layer_emptied_of_heads(tmp_path):
         torch.testing.assert_close(p, shards[name], rtol=0, atol=0, msg=name)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(compact.eval()(x)).all()
+    # the export, with its empty layer, sharded and trained on: every rank steps the same finite parameters
+    fork_processes(fine_tune_worker, str(tmp_path / "init"), tmp_path / "cut" / "last", tmp_path)
+    tuned = [torch.load(tmp_path / f"tuned{r}.pt", weights_only=True) for r in range(WORLD)]
+    assert {k: v.shape for k, v in tuned[0].items()} == {k: v.shape for k, v in shards.items()}
+    assert not torch.equal(tuned[0]["head.weight"], shards["head.weight"])  # it trained
+    for name, p in tuned[0].items():
+        assert torch.isfinite(p).all() and torch.equal(p, tuned[1][name]), name
 
 
 def test_barter_train_fsdp_under_torchrun_on_the_default_preset(tmp_path):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .averaging import AveragedCopy
-from .fsdp import check_optimizer, sharded_access
+from .fsdp import check_optimizer, hold_empty_parameters, sharded_access
 from .loss_scale import Scaler, current_scale
 from .options import Options
 from .schedule import KINDS, Schedule
@@ -163,6 +163,7 @@ class Controller:
         """Keep `optimizer`'s state in step with surgery; with `auto`, run `step` after each of its steps."""
         if optimizer is not self._optimizer:
             check_optimizer(self.model, optimizer)
+            hold_empty_parameters(self.model)
             self.surgeon.attach_optimizer(optimizer)
             self.follow_optimizer(optimizer)
 

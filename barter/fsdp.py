@@ -21,6 +21,10 @@ Transfers. Every rank makes the same decision at the same step from all-reduced 
 (`ShardedAccess.values`), edits them with fxsurgery's engine, and shards them again on the same mesh: a parameter
 through its FSDP2 record (`fxsurgery.compat.reshard_resized`, the same Parameter object), an optimizer state
 tensor as a DTensor laid out like the parameter. No rank holds more than the edited group's tensors whole.
+
+Empty layers. A layer may lose every head: its parameters then have no elements. FSDP2 keeps them sharded (and
+all-gathers them, empty) but stops their gradients, which its reduce-scatter refuses (`hold_empty_parameters`):
+after each edit, in `shard`, and when an optimizer is attached (a model loaded with an empty layer, then sharded).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_s
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fxsurgery import Surgeon, TensorAccess
-from fxsurgery.compat import fsdp_records, reshard_resized
+from fxsurgery.compat import fsdp_records, hold_empty, reshard_resized
 from fxsurgery.editing import replace_data
 
 from .analysis import keep_base, model_base
@@ -116,6 +120,15 @@ def sharded_access(model: nn.Module) -> ShardedAccess | None:
     return ShardedAccess(model) if is_sharded(model) else None
 
 
+def hold_empty_parameters(model: nn.Module) -> None:
+    """Make every parameter with no elements that fully_shard holds in `model` one FSDP2 can gather and step
+    (`fxsurgery.compat.hold_empty`): sharded as its DTensor says, without a gradient."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for record in fsdp_records(module):
+                hold_empty(record)
+
+
 def gathered_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """`model.state_dict()` with every sharded tensor gathered whole (collective under FSDP2: every rank calls)."""
     return {name: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
@@ -154,6 +167,7 @@ def shard(model: nn.Module, **fully_shard_options: Any) -> nn.Module:
     for block in blocks:
         fully_shard(block, **fully_shard_options)
     fully_shard(model, **fully_shard_options)
+    hold_empty_parameters(model)
     return model
 
 

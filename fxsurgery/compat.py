@@ -27,7 +27,7 @@ __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
            "feed_forward_block", "dynamo_config", "foreach_mul_", "device_scale", "DispatchMode",
-           "returns_new_tensors", "fsdp_records", "reshard_resized", "graph_module", "is_fake",
+           "returns_new_tensors", "fsdp_records", "reshard_resized", "hold_empty", "graph_module", "is_fake",
            "outside_traces"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
@@ -69,6 +69,7 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "._setattr_on_modules": "reshard_resized",
     "._unsharded_param": "reshard_resized",
     "._unsharded_inner_tensors": "reshard_resized",
+    "._local_tensor": "hold_empty",
     "torch._subclasses.fake_tensor.is_fake": "is_fake",
     "torch._C._len_torch_function_stack": "outside_traces",
     "torch.overrides._pop_mode_temporarily": "outside_traces",
@@ -228,3 +229,36 @@ def reshard_resized(record: Any, values: torch.Tensor) -> None:
         del record._unsharded_param
     record._unsharded_inner_tensors = []
     record.unsharded_accumulated_grad = None
+    hold_empty(record)
+
+
+def hold_empty(record: Any) -> None:
+    """Make FSDP2's ``record`` of a parameter with no elements (a layer emptied of its heads) one FSDP2 can gather
+    and step: its shard shaped as its DTensor says (torch gives the shard of a tensor with no elements the shape
+    (0, ...) whatever its dim 0, which ``full_tensor``, state dicts and checkpoints refuse) and no gradient (FSDP2's
+    reduce-scatter refuses an empty one: ``_chunk_cat expects non-empty tensor``; nothing in it can learn). A
+    parameter with elements is left as it is. The record must be sharded. After a ``load_state_dict`` or
+    ``module.to``, torch pads a shard again (``FSDPParam.reset_sharded_param``), which fails on a shard shaped as
+    its DTensor says with fewer rows than the padded one: an empty one, with nothing to pad, is held instead."""
+    param = record.sharded_param
+    if param.numel():
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    if "reset_sharded_param" not in vars(record):
+        reset = record.reset_sharded_param
+
+        def reset_and_hold() -> None:
+            if record.sharded_param.numel():
+                reset()
+            else:
+                hold_empty(record)
+
+        record.reset_sharded_param = reset_and_hold
+
+    whole = torch.empty(param.shape, dtype=param.dtype, device=record.device)
+    local = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    param._local_tensor = local
+    record.sharded_size = local.shape
+    record.contiguous_sharded_stride = local.stride()
+    param.requires_grad_(False)

@@ -7,6 +7,7 @@ import ast
 import importlib
 import logging
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -462,6 +463,40 @@ def test_reshard_resized(one_process_group):
     torch.testing.assert_close(y, expected)
     y.sum().backward()
     assert weight.grad.shape == (4, 2) and out.grad.shape == (2, 4)
+
+
+def test_hold_empty(one_process_group):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)))
+    records = {id(r.sharded_param): r for r in compat.fsdp_records(model)}
+    model(torch.randn(4, 2)).sum().backward()  # lazy init and a first all-gather at the old sizes
+    compat.reshard_resized(records[id(model[0].weight)], torch.empty(0, 2))  # reshard_resized holds what it empties
+    compat.reshard_resized(records[id(model[0].bias)], torch.empty(0))
+    compat.reshard_resized(records[id(model[1].weight)], torch.empty(2, 0))
+
+    def empty_layer() -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # initialising tensors with no elements does nothing
+            return fully_shard(nn.Sequential(nn.Linear(2, 0), nn.Linear(0, 2)))  # empty when sharded
+
+    unheld = empty_layer()
+    assert unheld[1].weight.to_local().shape == (0, 0)  # torch's shard of a (2, 0) tensor
+    with pytest.raises(RuntimeError, match="non-empty"):
+        unheld(torch.randn(4, 2)).sum().backward()
+    fresh = empty_layer()
+    for record in compat.fsdp_records(fresh):
+        compat.hold_empty(record)
+    for m in (model, fresh):
+        assert [p.requires_grad for p in m.parameters()] == [False, False, False, True]
+        assert m[1].weight.to_local().shape == (2, 0) and m[1].weight.full_tensor().shape == (2, 0)
+        bias = m[1].bias.full_tensor().detach()
+        m.zero_grad()
+        y = m(torch.randn(4, 2))
+        torch.testing.assert_close(y, bias.expand(4, 2))
+        y.sum().backward()
+        assert m[1].bias.grad.full_tensor().tolist() == [4.0, 4.0] and m[0].weight.grad is None
 
 
 def test_graph_module():

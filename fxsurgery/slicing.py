@@ -201,7 +201,6 @@ def state_tensors(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> l
     """(state dict, key) of every per-element state tensor of ``p``; refuses state it cannot map."""
     out = []
     for opt in optimizers:
-        check_optimizer_layout(opt)
         st = opt.state.get(p)
         if not st:
             continue

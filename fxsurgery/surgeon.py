@@ -13,7 +13,7 @@ from .capture.graph_forward import GraphForward
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
 from .report import explain
-from .slicing import by_tensor, state_tensors, unit_squares
+from .slicing import by_tensor, check_optimizer_layout, state_tensors, unit_squares
 
 
 class Surgeon:
@@ -68,6 +68,7 @@ class Surgeon:
         """Keep ``optimizer``'s per-parameter state in step with every remove and clone."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        check_optimizer_layout(optimizer)  # once: an optimizer's class, so its state's layout, never changes
         for g in self.groups:
             for sl in g.slices:
                 state_tensors([optimizer], self._editor.tensor(sl.name))

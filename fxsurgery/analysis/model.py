@@ -119,7 +119,8 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
         calls[""] = example
         # an object argument (a key/value cache) is no graph input: the analysis reads the call without it
         plan.calls = {name: without_objects(call) for name, call in calls.items()}
-        plan.hosts = _callers_of_returned_heads(model, hosts, plan)
+        # a host that is a container never called itself (a ModuleList whose blocks share a value) is its caller
+        plan.hosts = _callers_of_returned_heads(model, _called(hosts, plan.calls), plan)
         plan.passes_objects = {host: holds_objects(calls[host]) for host in plan.hosts}
     return plan
 
@@ -148,6 +149,19 @@ def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_al
     return findings
 
 
+def _nearest_called(name: str, calls: dict[str, tuple[tuple, dict]]) -> str:
+    """Module ``name`` or its nearest ancestor that was called (containers such as ModuleList never are)."""
+    while name and name not in calls:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _called(hosts: list[str], calls: dict[str, tuple[tuple, dict]]) -> list[str]:
+    """The hosts, each replaced by its nearest called module, in order, without repeats or hosts inside another."""
+    called = list(dict.fromkeys(_nearest_called(host, calls) for host in hosts))
+    return [host for host in called if not any(_inside(host, outer) for outer in called)]
+
+
 def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPlan) -> list[str]:
     """The hosts, each one whose heads reach its outputs (an attention module that returns its per-head
     attention weights) replaced by its nearest calling module, where the weights may be dropped."""
@@ -158,11 +172,7 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
         if host not in hosts or isinstance(found, str) or found.groups or not found.refusals \
                 or not all(r.at_output for r in found.refusals):
             continue
-        caller = host
-        while caller:
-            caller = caller.rpartition(".")[0]
-            if caller in inputs:  # containers such as ModuleList are never called themselves
-                break
+        caller = _nearest_called(host.rpartition(".")[0], inputs)
         hosts = [h for h in hosts if not (h == caller or h.startswith(caller + ".") or not caller)] + [caller]
     return hosts
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import torch
 import torch.nn as nn
 
 from ..capture.call_signature import describe
@@ -78,10 +79,19 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
         raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
     with collector_paused():
         working = working_copy(model)
+        run_once(working, args, kwargs)
         plan = plan_model(working, (args, kwargs))
         found = install_model(working, plan, Editor(working), describe_alike=True)
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
+
+
+def run_once(working: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Call the working copy once before capturing it: a module that fills its state on its first call (a buffer
+    computed lazily) is then captured as the model serves every later call, so an analysis does not depend on
+    whether the model ran before."""
+    with torch.no_grad():
+        working(*args, **kwargs)
 
 
 @contextmanager

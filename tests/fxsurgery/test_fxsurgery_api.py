@@ -399,3 +399,35 @@ def test_a_compact_model_analysed_again_has_exact_single_head_groups() -> None:
             masked.blocks[i].attn.proj.weight.zero_()
         assert [g.count for g in heads] == [0, 0, 0]
         assert (model(x) - masked(x)).abs().max().item() <= 1e-9
+
+
+def _group_names(analysis) -> list[tuple[str, int]]:
+    return [(group.name, group.count) for group in analysis.groups]
+
+
+def test_analysis_of_a_model_never_called_equals_one_called_once():
+    """ConViT's attention fills a placeholder buffer on its first call: the analysis of a model never called finds
+    the same groups as one called before (it failed to run the captured graph on the placeholder)."""
+    from fxsurgery import analyse
+    torch.manual_seed(0)
+    model = timm.create_model("convit_tiny", depth=2, img_size=64, num_classes=4).eval()
+    x = torch.randn(1, 3, 64, 64)
+    fresh = analyse(model, (x,))
+    model(x)
+    called = analyse(model, (x,))
+    assert _group_names(fresh) == _group_names(called)
+    assert sum(group.kind == "head" for group in fresh.groups) == 2
+
+
+def test_t5_whose_heads_span_a_module_list_gets_groups():
+    """T5's relative position bias, computed in the first block, reaches every block: the heads' host is the
+    stack's ModuleList, which is never called itself; the analysis uses its caller instead of raising KeyError."""
+    transformers = pytest.importorskip("transformers")
+    from fxsurgery import analyse
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(0, 64, (1, 8))
+    found = analyse(model, (), {"input_ids": ids, "labels": ids})
+    assert any(group.kind == "head" for group in found.groups)

@@ -3,6 +3,7 @@ and offer every group that passes the self-check."""
 from __future__ import annotations
 
 import itertools
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -187,6 +188,9 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
             shared.templates[key] = analyse_host(module, host, *inputs)
         except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
             shared.templates[key] = str(err)
+        except Exception as err:  # an unforeseen failure refuses this host, naming it, the error and where it arose
+            shared.templates[key] = (f"analysing {host or 'the model'} ({type(module).__name__}) failed: "
+                                     f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
     return shared.templates[key]
 
 

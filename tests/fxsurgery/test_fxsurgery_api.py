@@ -431,3 +431,21 @@ def test_t5_whose_heads_span_a_module_list_gets_groups():
     ids = torch.randint(0, 64, (1, 8))
     found = analyse(model, (), {"input_ids": ids, "labels": ids})
     assert any(group.kind == "head" for group in found.groups)
+
+
+def test_an_unforeseen_error_in_a_host_is_a_refusal_naming_it_with_its_traceback(monkeypatch):
+    """An exception other than AnalysisError inside the analysis of a host is no raw exception: that host is left
+    out with a reason naming the module and the original error, and explain() shows the traceback."""
+    import fxsurgery.analysis.model as model_analysis
+    from fxsurgery import analyse
+
+    def broken(module, host, *args, **kwargs):
+        raise KeyError("an unforeseen key")
+
+    monkeypatch.setattr(model_analysis, "analyse_host", broken)
+    torch.manual_seed(0)
+    with pytest.raises(AnalysisError) as raised:
+        analyse(timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, num_classes=3).eval(),
+                (torch.randn(1, 3, 32, 32),))
+    message = str(raised.value)
+    assert "failed: KeyError: 'an unforeseen key'" in message and "Traceback" in message

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..capture.call_signature import describe
+from ..capture.calls import forked_rng
 from ..editing import Editor
 from ..groups import LeftOut, UnitGroup
 from .model import ModelPlan, install_model, plan_model
@@ -90,7 +91,7 @@ def run_once(working: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """Call the working copy once before capturing it: a module that fills its state on its first call (a buffer
     computed lazily) is then captured as the model serves every later call, so an analysis does not depend on
     whether the model ran before."""
-    with torch.no_grad():
+    with torch.no_grad(), forked_rng([*working.parameters(), *working.buffers()]):
         working(*args, **kwargs)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from .analysis.model import install_model
-from .analysis.value import Analysis, analyse, check_installed, structure, structure_difference
+from .analysis.value import Analysis, analyse, check_installed, run_once, structure, structure_difference
 from .capture.graph_forward import GraphForward
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
@@ -52,6 +52,7 @@ class Surgeon:
         self.example_inputs = analysis.example_inputs
         self.example_kwargs = analysis.example_kwargs
         self._editor = Editor(model)
+        run_once(model, self.example_inputs, self.example_kwargs)  # its first-call state, as the analysed copy's
         found = install_model(model, analysis._plan, self._editor)
         check_installed(analysis, found.groups)
         self.groups: list[UnitGroup] = found.groups

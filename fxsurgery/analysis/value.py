@@ -21,6 +21,7 @@ import torch.nn as nn
 from ..capture.call_signature import describe
 from ..capture.calls import forked_rng
 from ..editing import Editor
+from ..errors import AnalysisError
 from ..groups import LeftOut, UnitGroup
 from .model import ModelPlan, install_model, plan_model
 
@@ -87,12 +88,25 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
                     found.front_ends, args, kwargs, plan)
 
 
-def run_once(working: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Call the working copy once before capturing it: a module that fills its state on its first call (a buffer
-    computed lazily) is then captured as the model serves every later call, so an analysis does not depend on
-    whether the model ran before."""
-    with torch.no_grad(), forked_rng([*working.parameters(), *working.buffers()]):
-        working(*args, **kwargs)
+def run_once(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Call ``model`` once, in eval mode, without gradients, on a forked random stream, then put each module's mode
+    back: a module that fills its state on its first call (a buffer computed lazily) is then captured, and
+    installed, as it serves every later call, so an analysis does not depend on whether the model ran before. Eval
+    mode leaves running statistics as they were: only state made on a first call changes."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):  # a model on the meta device computes nothing a first call could keep
+        return
+    modes = {module: module.training for module in model.modules()}
+    try:
+        with torch.no_grad(), forked_rng(tensors):
+            model.eval()
+            model(*args, **kwargs)
+    except Exception as err:
+        raise AnalysisError(f"{type(model).__name__} cannot be called with the example call (in eval mode, "
+                            f"without gradients): {type(err).__name__}: {err}") from err
+    finally:
+        for module, training in modes.items():
+            module.training = training
 
 
 @contextmanager

@@ -449,3 +449,19 @@ def test_an_unforeseen_error_in_a_host_is_a_refusal_naming_it_with_its_traceback
                 (torch.randn(1, 3, 32, 32),))
     message = str(raised.value)
     assert "failed: KeyError: 'an unforeseen key'" in message and "Traceback" in message
+
+
+def test_a_model_whose_example_call_fails_is_refused_naming_the_error() -> None:
+    """The analysis calls the model once first: a call that fails there is an AnalysisError naming the model and
+    the original error, not a raw exception from deep inside a capture."""
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.view(3, -1))
+
+    with pytest.raises(AnalysisError, match=r"Broken cannot be called with the example call .*RuntimeError"):
+        Surgeon(Broken(), (torch.randn(2, 4),))

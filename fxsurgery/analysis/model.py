@@ -158,9 +158,8 @@ def _nearest_called(name: str, calls: dict[str, tuple[tuple, dict]]) -> str:
 
 
 def _called(hosts: list[str], calls: dict[str, tuple[tuple, dict]]) -> list[str]:
-    """The hosts, each replaced by its nearest called module, in order, without repeats or hosts inside another."""
-    called = list(dict.fromkeys(_nearest_called(host, calls) for host in hosts))
-    return [host for host in called if not any(_inside(host, outer) for outer in called)]
+    """The hosts, each replaced by its nearest called module, in order, without repeats."""
+    return list(dict.fromkeys(_nearest_called(host, calls) for host in hosts))
 
 
 def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPlan) -> list[str]:

@@ -119,7 +119,7 @@ def test_analysis_pickles_copies_and_compares() -> None:
     assert [(g.name, g.count, g.slices) for g in restored.groups] == [(g.name, g.count, g.slices)
                                                                         for g in analysis.groups]
     assert analysis != analyse(TinyTransformer(Style(heads=2)).double(), (x,))  # other widths
-    assert analysis != analyse(model, (torch.randn(3, 4, 5, dtype=torch.double),))  # another size of the call
+    assert analysis != analyse(copy.deepcopy(model).float(), (x.float(),))  # another dtype of the call
 
 
 def test_surgeon_installs_an_analysis_without_analysing_again(monkeypatch) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..capture.call_signature import describe
+from ..capture.call_signature import describe, without_objects
 from ..capture.calls import forked_rng
 from ..editing import Editor
 from ..errors import AnalysisError
@@ -93,6 +93,7 @@ def run_once(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     back: a module that fills its state on its first call (a buffer computed lazily) is then captured, and
     installed, as it serves every later call, so an analysis does not depend on whether the model ran before. Eval
     mode leaves running statistics as they were: only state made on a first call changes."""
+    args, kwargs = without_objects((args, kwargs))
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta for t in tensors):  # a model on the meta device computes nothing a first call could keep
         return
@@ -100,7 +101,7 @@ def run_once(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     try:
         with torch.no_grad(), forked_rng(tensors):
             model.eval()
-            model(*args, **kwargs)
+            model(*args, **kwargs)  # the call as the analysis reads it: without objects, a cache the call would fill
     except Exception as err:
         raise AnalysisError(f"{type(model).__name__} cannot be called with the example call (in eval mode, "
                             f"without gradients): {type(err).__name__}: {err}") from err

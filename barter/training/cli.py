@@ -26,6 +26,7 @@ from .config import (
     coerce_barter_options,
     coerce_fields,
     field_types,
+    infer_dataset,
     read_config_file,
     read_run_config,
 )
@@ -127,7 +128,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     else:
         base = _preset_or_defaults(given.get("preset", DEFAULT_PRESET))
     barter_options = {**given.pop("barter_options", base.barter_options), **options}  # option flags add to it
-    return replace(base, **given, barter_options=barter_options), False
+    return infer_dataset(replace(base, **given, barter_options=barter_options), given), False
 
 
 def _preset_or_defaults(name: str) -> TrainConfig:

@@ -71,6 +71,7 @@ SPECS: dict[str, DatasetSpec] = {
 }
 FOLDER = "folder"  # a data set whose spec is read from its files (`folder_spec`)
 DATASETS: tuple[str, ...] = (*SPECS, FOLDER)
+READS_NO_FILES: tuple[str, ...] = ("mnist5k", "fake")  # data sets that never read data_dir
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -393,6 +394,12 @@ def folder_spec(root: Path) -> DatasetSpec:
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if chans == 3 else ((float(np.mean(IMAGENET_MEAN)),),
                                                                    (float(np.mean(IMAGENET_STD)),))
     return DatasetSpec(FOLDER, len(classes), chans, size, mean, std, "light", True)
+
+
+def is_folder_tree(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` is laid out as a ``folder`` data set: ``train/`` beside ``val/`` (or ``test/``)."""
+    root = Path(root)
+    return (root / "train").is_dir() and ((root / "val").is_dir() or (root / "test").is_dir())
 
 
 def _folder_classes(root: Path, split: str) -> list[str]:

@@ -12,6 +12,19 @@ TINY = ["--dataset", "fake", "--fake-size", "32", "--batch-size", "16", "--epoch
         "--model", "cct_2_3x1_32_tiny", "--device", "cpu"]
 
 
+def image_tree(root, sizes, val=1, mode="RGB"):
+    """root/train/<class>/<i>.png of the given (width, height) per class, and `val` 4x4 images per class in val/."""
+    from PIL import Image
+
+    for c, (name, shapes) in enumerate(sizes.items()):
+        for split, split_shapes in (("train", shapes), ("val", [(4, 4)] * val)):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i, shape in enumerate(split_shapes):
+                Image.new(mode, shape, (80 * c, 20 * i, 0) if mode == "RGB" else 80 * c).save(
+                    root / split / name / f"{i}.png")
+    return root
+
+
 def parse(*argv):
     return config_from_args(build_parser().parse_args(["train", *argv]))
 
@@ -49,7 +62,9 @@ def test_tiny_run_then_resume_and_continue(tmp_path, capsys):
     (["--epochs", "0"], "must be >= 1"),
     (["--preset", "cct_cifar100", "--data-dir", "/nonexistent/data"], "CIFAR-100 not found"),
     (["--preset", "vit_finetune_cifar100"], "--init-from"),
-    (["--resume", "/nonexistent/run"], "not a run directory"),
+    (["--resume", "/nonexistent/run"], "/nonexistent/run does not exist"),
+    (["--data-dir", "/nonexistent/data"], "has no train/ and val/ folders"),
+    (["--dataset", "fake", "--data-dir", "/nonexistent/data"], "pass --dataset folder"),
     (["--flop-budget", "/nonexistent/run"], "neither a number nor a run directory"),
 ])
 def test_bad_input_exits_with_a_message(tmp_path, capsys, argv, message):
@@ -59,6 +74,23 @@ def test_bad_input_exits_with_a_message(tmp_path, capsys, argv, message):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_resume_of_a_directory_that_is_no_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--resume", str(tmp_path)])
+    assert "is not a run directory (no config.json)" in capsys.readouterr().err
+
+
+def test_data_dir_of_an_image_tree_is_the_folder_data_set(tmp_path, capsys):
+    image_tree(tmp_path, {"ant": [(8, 8)], "bee": [(8, 8)]})
+    config, _ = parse("--data-dir", str(tmp_path))
+    assert (config.dataset, config.data_dir, config.img_size) == ("folder", str(tmp_path), None)
+    assert "training on that image folder (--dataset folder)" in capsys.readouterr().err
+    config, _ = parse("--data-dir", str(tmp_path), "--img-size", "24")
+    assert (config.dataset, config.img_size) == ("folder", 24)
+    config, _ = parse("--preset", "cct_cifar100", "--data-dir", str(tmp_path))
+    assert config.dataset == "cifar100"  # a data set that reads data_dir keeps it
 
 
 def test_resume_refuses_other_settings(tmp_path, capsys):

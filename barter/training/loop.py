@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, TrainConfig
 from .evaluation import evaluate
+from .header import describe_run, widths_text
 from .loading import batches_of
 from .recipe import WarmupCosine, build_criterion
 from .runlog import CheckpointError, RunDir, plot_widths
@@ -52,8 +54,9 @@ class RunResult:
     transfers: int
 
 
-def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
+def train(config: TrainConfig, *, resume: bool = False, header: Callable[[str], None] | None = None) -> RunResult:
     """Train `config`; with `resume`, continue the run directory `out_dir/name` from its last checkpoint.
+    `header` (`barter train`: print) gets the run's description (`barter.training.header`) before the first step.
 
     Under torchrun every process joins the process group (`barter.training.processes`) and trains a
     DistributedDataParallel replica on its share of every global batch; rank 0 evaluates and writes the run
@@ -62,10 +65,11 @@ def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
     config.validate()
     device = resolve_device(config.device)
     with processes.process_group(device):
-        return _train(config, resume, device)
+        return _train(config, resume, device, header)
 
 
-def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult:
+def _train(config: TrainConfig, resume: bool, device: torch.device,
+           header: Callable[[str], None] | None) -> RunResult:
     torch.backends.cuda.matmul.allow_tf32 = False  # the paper trains in full FP32
     torch.backends.cudnn.allow_tf32 = False
     data = build_data(config)
@@ -89,6 +93,8 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
             if resume:
                 repair_run(session, run, source)
             run.write_json("config.json", config.to_dict())
+            if header is not None:
+                header(describe_run(config, data, session, run.path, resumed=resume))
         criterion = build_criterion(config.label_smoothing, data.mixup is not None)
         started = time.perf_counter() - session.wall_s
         while not session.finished:
@@ -204,14 +210,6 @@ def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, de
     bar.close()
     loss_total, correct_total, seen_total = processes.sum_over_ranks([loss_sum.item(), correct.item(), seen])
     return done, loss_total / max(1, seen_total), correct_total / max(1, seen_total)
-
-
-def widths_text(topology: dict[str, dict[str, int]] | None) -> str:
-    """Per-layer widths for the progress bar, e.g. " | heads 1-2 | channels 38-39" (none without a topology)."""
-    if topology is None:
-        return ""
-    return "".join(f" | {label} " + "-".join(str(t[kind]) for t in topology.values() if kind in t)
-                   for kind, label in (("head", "heads"), ("channel", "channels")))
 
 
 def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, device: torch.device,

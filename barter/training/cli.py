@@ -103,6 +103,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
     result = train(config, resume=resume, header=print)
+    if is_main() and result.already_finished:
+        print(f"{result.run_dir} has finished (epoch {result.epochs:g}): nothing to resume, no file changed; "
+              f"--continue-from {result.run_dir} --flop-budget FLOPS trains it further")
     if is_main():
         print(f"{result.run_dir}: test acc {result.acc:.4f}, macro-F1 {result.macro_f1:.4f} after {result.epochs:g} "
               f"epochs ({result.steps} steps); best (epoch {result.best_epoch:g}) {result.best_acc:.4f}; "

@@ -52,6 +52,7 @@ class RunResult:
     flops: int
     wall_s: float
     transfers: int
+    already_finished: bool = False  # resumed after it had finished: nothing trained, no file written
 
 
 def train(config: TrainConfig, *, resume: bool = False, header: Callable[[str], None] | None = None) -> RunResult:
@@ -80,6 +81,8 @@ def _train(config: TrainConfig, resume: bool, device: torch.device,
     processes.barrier()  # every process has checked the run directory before rank 0 creates it
     config = replace(config, name=run.path.name)
     source = source_checkpoint(config, run, resume)
+    if resume and source["finished"] and _complete(run, source):
+        return _finished_result(run, source)
     batches_per_epoch = steps_per_epoch(len(data.train), config, data.mixup is not None)
     total_steps = config.epochs * batches_per_epoch
     seed_all(config.seed)
@@ -116,6 +119,22 @@ def _train(config: TrainConfig, resume: bool, device: torch.device,
                            session.best_epoch, session.meter.total_flops, session.wall_s,
                            sum(e["skipped"] is None for e in session.method.events))
     return processes.broadcast_from_main(result)
+
+
+def _complete(run: RunDir, state: dict) -> bool:
+    """Whether the run of the finished checkpoint `state` wrote everything after it: its last metrics line and,
+    for a method with a topology, widths.png (its last file); a run cut before them is repaired on resume."""
+    metrics = run.metrics()
+    return bool(metrics) and metrics[-1]["epoch"] == state["epoch"] and (
+        not (run.path / "topology.json").exists() or (run.path / "widths.png").exists())
+
+
+def _finished_result(run: RunDir, state: dict) -> RunResult:
+    """The result of a finished run, read from its last checkpoint `state` and its files, none of them written."""
+    last = run.metrics()[-1]
+    return RunResult(run.path, state["epoch"], state["step"], last["acc"], last["macro_f1"], state["best"]["acc"],
+                     state["best"]["epoch"], last["flops"], state["wall_s"],
+                     sum(e["skipped"] is None for e in run.events()), already_finished=True)
 
 
 def _open_run(config: TrainConfig, resume: bool) -> RunDir:

@@ -141,6 +141,11 @@ class RunDir:
         """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""
         _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
 
+    def events(self) -> list[dict[str, Any]]:
+        """events.jsonl's records (none for a method that moves no units)."""
+        path = self.path / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def save_checkpoint(self, model: nn.Module, state: dict[str, Any], **export_options: Any) -> None:
         """Make `last` an export of `model` (`export_options`: those of `barter.export`) with the trainer `state`
         beside its weights; the one it replaces becomes `previous`."""

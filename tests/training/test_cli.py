@@ -47,8 +47,10 @@ def test_tiny_run_then_resume_and_continue(tmp_path, capsys):
     assert "test acc" in capsys.readouterr().out
     run = tmp_path / "run"
     assert json.loads((run / "config.json").read_text())["dataset"] == "fake"
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0  # finished: nothing left to train
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert f"{run} has finished (epoch 1): nothing to resume, no file changed" in capsys.readouterr().out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == files
     config, resume = parse("--continue-from", str(run), "--flop-budget", str(run))
     assert not resume and config.continue_from == str(run) and config.name is None
     assert config.flop_budget == json.loads((run / "metrics.jsonl").read_text())["flops"]

@@ -211,7 +211,7 @@ FIELD_HELP: dict[str, str] = {
     "continue_from": "finished run to continue with its topology fixed (matched compute)",
     "out_dir": "parent of run directories",
     "name": "run directory name (default: preset-method-rho-seed)",
-    "progress": "progress bar and per-epoch lines",
+    "progress": "per-epoch lines, and a progress bar when stderr is a terminal",
 }
 
 

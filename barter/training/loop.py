@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -197,8 +198,9 @@ def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, de
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     seen = done = 0
+    # a bar on a terminal only: a log file gets the plain per-epoch line of `_end_epoch` alone, no \r updates
     bar = tqdm(total=batches_per_epoch, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True,
-               disable=not (config.progress and processes.is_main()))
+               disable=not (config.progress and processes.is_main() and sys.stderr.isatty()))
     for batch, (images, labels) in zip(batches, loader):
         if not _budget_allows(session, config.flop_budget):
             break

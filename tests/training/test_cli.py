@@ -43,8 +43,10 @@ def test_overrides():
 
 
 def test_tiny_run_then_resume_and_continue(tmp_path, capsys):
-    assert main(["train", *TINY, "--out-dir", str(tmp_path), "--name", "run"]) == 0
-    assert "test acc" in capsys.readouterr().out
+    assert main(["train", *TINY, "--progress", "--out-dir", str(tmp_path), "--name", "run"]) == 0
+    out, err = capsys.readouterr()
+    assert "test acc" in out and "\r" not in out + err  # not a terminal: plain lines, no progress bar
+    assert [line for line in out.splitlines() if line.startswith("epoch ")][0].startswith("epoch 1: loss ")
     run = tmp_path / "run"
     assert json.loads((run / "config.json").read_text())["dataset"] == "fake"
     files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}

@@ -114,7 +114,8 @@ def _train(config: TrainConfig, resume: bool, device: torch.device,
     if processes.is_main():
         topology = session.method.topology()
         if topology is not None:
-            plot_widths(run.path / "widths.png", topology, session.method.events, batches_per_epoch, session.step)
+            plot_widths(run.path / "widths.png", topology, session.method.events, batches_per_epoch, session.step,
+                        title=f"{run.path.name}: units per layer ({config.method}, density {config.density:g})")
         last = run.metrics()[-1]
         result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
                            session.best_epoch, session.meter.total_flops, session.wall_s,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..baselines import METHODS as BASELINES
-from .config import METHODS, ConfigError, TrainConfig
+from .config import METHODS, ConfigError, TrainConfig, infer_dataset
 from .data import DatasetNotFoundError
 from .figures import legend_beside, pyplot
 from .loop import RunResult, train
@@ -301,8 +301,8 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError(f"--matched-to {matched_to} needs {matched_to} among --methods (or --matched-to none)")
     overrides = {k: v for k, v in (("epochs", args.epochs), ("dataset", args.dataset), ("data_dir", args.data_dir),
                                    ("init_from", args.init_from), ("workers", args.workers)) if v is not None}
-    base = replace(preset(args.preset), device=args.device, progress=False, out_dir=str(Path(args.out) / "runs"),
-                   **overrides)
+    base = infer_dataset(replace(preset(args.preset), device=args.device, progress=False,
+                                 out_dir=str(Path(args.out) / "runs"), **overrides), overrides)
     base.validate()
     rows = study(base, args.methods, args.densities, args.seeds, matched_to)
     table = markdown(rows, base, matched_to)

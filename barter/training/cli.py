@@ -26,6 +26,7 @@ from .config import (
     coerce_barter_options,
     coerce_fields,
     field_types,
+    infer_dataset,
     read_config_file,
     read_run_config,
 )
@@ -101,7 +102,10 @@ def run_train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    result = train(config, resume=resume)
+    result = train(config, resume=resume, header=print)
+    if is_main() and result.already_finished:
+        print(f"{result.run_dir} has finished (epoch {result.epochs:g}): nothing to resume, no file changed; "
+              f"--continue-from {result.run_dir} --flop-budget FLOPS trains it further")
     if is_main():
         print(f"{result.run_dir}: test acc {result.acc:.4f}, macro-F1 {result.macro_f1:.4f} after {result.epochs:g} "
               f"epochs ({result.steps} steps); best (epoch {result.best_epoch:g}) {result.best_acc:.4f}; "
@@ -127,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     else:
         base = _preset_or_defaults(given.get("preset", DEFAULT_PRESET))
     barter_options = {**given.pop("barter_options", base.barter_options), **options}  # option flags add to it
-    return replace(base, **given, barter_options=barter_options), False
+    return infer_dataset(replace(base, **given, barter_options=barter_options), given), False
 
 
 def _preset_or_defaults(name: str) -> TrainConfig:

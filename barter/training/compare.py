@@ -30,16 +30,18 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..baselines import METHODS as BASELINES
-from .config import METHODS, ConfigError, TrainConfig
+from .config import METHODS, ConfigError, TrainConfig, infer_dataset
 from .data import DatasetNotFoundError
+from .figures import legend_beside, pyplot
 from .loop import RunResult, train
 from .paired import difference_cells, paired_difference
 from .presets import DEFAULT_PRESET, PRESETS, preset
-from .runlog import CheckpointError, RunDir
+from .runlog import CheckpointError, RunDir, save_figure
 
 DEFAULT_METHODS = ("dense", "static", "barter", *BASELINES)
 DEFAULT_DENSITIES = (0.1, 0.3, 0.5, 0.7)
@@ -217,17 +219,18 @@ def write(out: Path, rows: list[Row], table: str) -> None:
 
 
 def plot(path: Path, rows: list[Row]) -> None:
-    """compare.png: test accuracy against cumulative training FLOPs, one curve per (method, density), the mean
-    over seeds at each epoch with a ± std band."""
-    import matplotlib
+    """compare.png: `compare_figure`."""
+    save_figure(compare_figure(rows), path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def compare_figure(rows: list[Row]) -> Any:
+    """Test accuracy against cumulative training FLOPs, one curve per (method, density): the mean over seeds at
+    each epoch with a ± std band; a curve of one epoch is a point labelled with its accuracy (± std as an error
+    bar). The legend sits beside the axes, off the data."""
     groups: dict[tuple[str, float], list[list[dict]]] = {}
     for r in rows:
         groups.setdefault((r.method, r.density), []).append(RunDir(r.result.run_dir).metrics())
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for (method, density), curves in sorted(groups.items(), key=lambda kv: (ROW_ORDER.index(kv[0][0]), kv[0][1])):
         epochs = min(len(c) for c in curves)
         if epochs == 0:
@@ -235,19 +238,23 @@ def plot(path: Path, rows: list[Row]) -> None:
         flops = torch.tensor([[c[i]["flops"] for i in range(epochs)] for c in curves], dtype=torch.float64)
         acc = torch.tensor([[c[i]["acc"] for i in range(epochs)] for c in curves], dtype=torch.float64)
         x, y = flops.mean(0).numpy(), acc.mean(0).numpy()
+        std = acc.std(0).numpy() if len(curves) > 1 else None
         label = method if method == "dense" else f"{method} ρ={density:g}"
-        (line,) = ax.plot(x, y, marker="o", markersize=3, label=label)
-        if len(curves) > 1:
-            std = acc.std(0).numpy()
+        (line,) = ax.plot(x, y, marker="o", markersize=3 if epochs > 1 else 7, label=label)
+        if epochs == 1:
+            if std is not None:
+                ax.errorbar(x, y, yerr=std, color=line.get_color(), capsize=3)
+            ax.annotate(f"{y[0]:.3f}", (x[0], y[0]), xytext=(6, 4), textcoords="offset points", fontsize=8,
+                        color=line.get_color())
+        elif std is not None:
             ax.fill_between(x, y - std, y + std, color=line.get_color(), alpha=0.2)
     ax.set_xlabel("cumulative training FLOPs (F_total)")
     ax.set_ylabel("test accuracy")
     ax.set_xscale("log")
+    ax.set_title("test accuracy against training compute (mean ± std over seeds)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    legend_beside(ax, "method")
+    return fig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -294,8 +301,8 @@ def run_study(args: argparse.Namespace) -> int:
         raise ConfigError(f"--matched-to {matched_to} needs {matched_to} among --methods (or --matched-to none)")
     overrides = {k: v for k, v in (("epochs", args.epochs), ("dataset", args.dataset), ("data_dir", args.data_dir),
                                    ("init_from", args.init_from), ("workers", args.workers)) if v is not None}
-    base = replace(preset(args.preset), device=args.device, progress=False, out_dir=str(Path(args.out) / "runs"),
-                   **overrides)
+    base = infer_dataset(replace(preset(args.preset), device=args.device, progress=False,
+                                 out_dir=str(Path(args.out) / "runs"), **overrides), overrides)
     base.validate()
     rows = study(base, args.methods, args.densities, args.seeds, matched_to)
     table = markdown(rows, base, matched_to)

@@ -7,8 +7,10 @@ and the baselines of `barter.baselines` ("rigl", "set", "snfs", "srigl", "s2vite
 from __future__ import annotations
 
 import json
+import sys
 import typing
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Collection
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from ..baselines import baseline_options
 from ..options import Options
 from ..rebuild import timm_with_models
 from ..selection import METHODS as WRAP_METHODS
-from .data import DATASETS, RECIPES
+from .data import DATASETS, FOLDER, READS_NO_FILES, RECIPES, is_folder_tree
 from .fieldtypes import FieldValueError, coerce
 from .precision import AMP_MODES
 from .recipe import DECAYS
@@ -209,7 +211,7 @@ FIELD_HELP: dict[str, str] = {
     "continue_from": "finished run to continue with its topology fixed (matched compute)",
     "out_dir": "parent of run directories",
     "name": "run directory name (default: preset-method-rho-seed)",
-    "progress": "progress bar and per-epoch lines",
+    "progress": "per-epoch lines, and a progress bar when stderr is a terminal",
 }
 
 
@@ -249,6 +251,8 @@ def coerce_barter_options(data: dict[str, Any]) -> dict[str, Any]:
 def read_run_config(run: str | Path) -> TrainConfig:
     """The config.json of the run directory `run`."""
     path = Path(run) / "config.json"
+    if not Path(run).exists():
+        raise ConfigError(f"{run} does not exist")
     if not path.is_file():
         raise ConfigError(f"{run} is not a run directory (no config.json)")
     try:
@@ -285,3 +289,27 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         return coerce_fields(data)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+# what a data set of its own (mnist5k, fake) sets that a folder tree reads from its files instead
+FOLDER_READS = ("img_size", "in_chans", "normalize_as")
+
+
+def infer_dataset(config: TrainConfig, given: Collection[str]) -> TrainConfig:
+    """`config` with the image folder at `data_dir` as its data set when `data_dir` was `given` (a flag or the
+    config file) but the data set, not given, reads no files (the default preset's MNIST), saying so on stderr;
+    a data set given that reads no files, or a `data_dir` that is no folder tree, is refused. The preset's image
+    size, channels and normalisation (`FOLDER_READS`) give way to the folder's own unless they were given too."""
+    if "data_dir" not in given or config.dataset not in READS_NO_FILES:
+        return config
+    layout = f"{config.data_dir}/train/<class>/* and {config.data_dir}/val/<class>/*"
+    if "dataset" in given:
+        raise ConfigError(f"dataset {config.dataset} reads no files, so data_dir {config.data_dir} would be unused: "
+                          f"pass --dataset folder for an image tree ({layout}), or leave out --data-dir")
+    if not is_folder_tree(config.data_dir):
+        raise ConfigError(f"data_dir {config.data_dir} has no train/ and val/ folders, and the preset's dataset "
+                          f"{config.dataset} reads no files: lay out {layout} for --dataset folder, or pass "
+                          "--dataset cifar100 or tiny-imagenet for those data sets' files")
+    print(f"data_dir {config.data_dir} has train/ and val/: training on that image folder (--dataset folder) "
+          f"instead of the preset's {config.dataset}", file=sys.stderr)
+    return replace(config, dataset=FOLDER, **{name: None for name in FOLDER_READS if name not in given})

@@ -20,6 +20,7 @@ whole batches on the device (`barter.training.tensorsets`); ``cct`` and ``vit`` 
 import gzip
 import importlib.resources
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -59,6 +60,7 @@ class DatasetSpec:
     std: tuple[float, ...]
     recipe: Recipe
     hflip: bool
+    sizes: tuple[tuple[tuple[int, int], int], ...] = ()  # a folder's (width, height) counts, most common first
 
 
 SPECS: dict[str, DatasetSpec] = {
@@ -71,7 +73,9 @@ SPECS: dict[str, DatasetSpec] = {
 }
 FOLDER = "folder"  # a data set whose spec is read from its files (`folder_spec`)
 DATASETS: tuple[str, ...] = (*SPECS, FOLDER)
+READS_NO_FILES: tuple[str, ...] = ("mnist5k", "fake")  # data sets that never read data_dir
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIZE_SAMPLE = 1000  # images of a folder tree whose headers decide its image size and channels
 
 
 class Datasets(NamedTuple):
@@ -381,18 +385,44 @@ def _fake(spec: DatasetSpec, recipe: Recipe | None, train_tf: T.Compose, size: i
 
 
 def folder_spec(root: Path) -> DatasetSpec:
-    """The spec of the image tree ``root/train/<class>/*``: its classes, and the channels and (shorter side)
-    size of its first image; ImageNet's mean and std (grey: their averages), recipe ``light``."""
+    """The spec of the image tree ``root/train/<class>/*`` (two classes or more): its classes, and of up to
+    `SIZE_SAMPLE` training images spread evenly over the tree, the channels (3 if any is in colour) and the
+    size (the shorter side of their most common width x height; every image is resized to it); ImageNet's mean
+    and std (grey: their averages), recipe ``light``."""
     classes = _folder_classes(root, "train")
-    first = next((p for p in sorted((root / "train" / classes[0]).rglob("*")) if _is_image(p)), None)
-    if first is None:
-        raise DatasetNotFoundError(f"folder data set: no images for class(es) {classes[0]} in {root / 'train'}/ "
+    if len(classes) < 2:
+        raise DatasetNotFoundError(f"folder data set: {root / 'train'}/ has one class folder ({classes[0]}); a "
+                                   f"classifier needs two or more: put each class's images in {root}/train/<class>/")
+    files = sorted(p for c in classes for p in (root / "train" / c).rglob("*") if _is_image(p))
+    if not files:
+        raise DatasetNotFoundError(f"folder data set: no images in {root / 'train'}/<class>/ "
                                    f"(extensions: {', '.join(IMG_EXTENSIONS)})")
-    with Image.open(first) as image:
-        chans, size = (1 if image.mode in ("1", "L", "LA", "I", "I;16", "F") else 3), min(image.size)
+    sizes: Counter[tuple[int, int]] = Counter()
+    chans = 1
+    for path in files[::max(1, -(-len(files) // SIZE_SAMPLE))]:
+        with Image.open(path) as image:
+            sizes[image.size] += 1
+            chans = max(chans, 1 if image.mode in ("1", "L", "LA", "I", "I;16", "F") else 3)
+    common = sizes.most_common()
     mean, std = (IMAGENET_MEAN, IMAGENET_STD) if chans == 3 else ((float(np.mean(IMAGENET_MEAN)),),
                                                                    (float(np.mean(IMAGENET_STD)),))
-    return DatasetSpec(FOLDER, len(classes), chans, size, mean, std, "light", True)
+    return DatasetSpec(FOLDER, len(classes), chans, min(common[0][0]), mean, std, "light", True, tuple(common))
+
+
+def size_note(spec: DatasetSpec) -> str | None:
+    """What a folder of images of several sizes is trained at and why; None for images of one size."""
+    if len(spec.sizes) < 2:
+        return None
+    counts = ", ".join(f"{w}x{h}: {n}" for (w, h), n in spec.sizes[:5]) + (", ..." if len(spec.sizes) > 5 else "")
+    why = "the most common size" if spec.img_size == min(spec.sizes[0][0]) else "img_size"
+    return (f"{len(spec.sizes)} image sizes among the {sum(n for _, n in spec.sizes)} read ({counts}): each resized "
+            f"to {spec.img_size} px on its shorter side and centre-cropped square ({why}; --img-size to choose)")
+
+
+def is_folder_tree(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` is laid out as a ``folder`` data set: ``train/`` beside ``val/`` (or ``test/``)."""
+    root = Path(root)
+    return (root / "train").is_dir() and ((root / "val").is_dir() or (root / "test").is_dir())
 
 
 def _folder_classes(root: Path, split: str) -> list[str]:

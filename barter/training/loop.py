@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from .checkpoint import (
 )
 from .config import ConfigError, TrainConfig
 from .evaluation import evaluate
+from .header import describe_run, widths_text
 from .loading import batches_of
 from .recipe import WarmupCosine, build_criterion
 from .runlog import CheckpointError, RunDir, plot_widths
@@ -50,10 +53,12 @@ class RunResult:
     flops: int
     wall_s: float
     transfers: int
+    already_finished: bool = False  # resumed after it had finished: nothing trained, no file written
 
 
-def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
+def train(config: TrainConfig, *, resume: bool = False, header: Callable[[str], None] | None = None) -> RunResult:
     """Train `config`; with `resume`, continue the run directory `out_dir/name` from its last checkpoint.
+    `header` (`barter train`: print) gets the run's description (`barter.training.header`) before the first step.
 
     Under torchrun every process joins the process group (`barter.training.processes`) and trains a
     DistributedDataParallel replica on its share of every global batch; rank 0 evaluates and writes the run
@@ -62,10 +67,11 @@ def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
     config.validate()
     device = resolve_device(config.device)
     with processes.process_group(device):
-        return _train(config, resume, device)
+        return _train(config, resume, device, header)
 
 
-def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult:
+def _train(config: TrainConfig, resume: bool, device: torch.device,
+           header: Callable[[str], None] | None) -> RunResult:
     torch.backends.cuda.matmul.allow_tf32 = False  # the paper trains in full FP32
     torch.backends.cudnn.allow_tf32 = False
     data = build_data(config)
@@ -76,6 +82,8 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
     processes.barrier()  # every process has checked the run directory before rank 0 creates it
     config = replace(config, name=run.path.name)
     source = source_checkpoint(config, run, resume)
+    if resume and source["finished"] and _complete(run, source):
+        return _finished_result(run, source)
     batches_per_epoch = steps_per_epoch(len(data.train), config, data.mixup is not None)
     total_steps = config.epochs * batches_per_epoch
     seed_all(config.seed)
@@ -89,6 +97,8 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
             if resume:
                 repair_run(session, run, source)
             run.write_json("config.json", config.to_dict())
+            if header is not None:
+                header(describe_run(config, data, session, run.path, resumed=resume))
         criterion = build_criterion(config.label_smoothing, data.mixup is not None)
         started = time.perf_counter() - session.wall_s
         while not session.finished:
@@ -104,12 +114,29 @@ def _train(config: TrainConfig, resume: bool, device: torch.device) -> RunResult
     if processes.is_main():
         topology = session.method.topology()
         if topology is not None:
-            plot_widths(run.path / "widths.png", topology, session.method.events, batches_per_epoch, session.step)
+            plot_widths(run.path / "widths.png", topology, session.method.events, batches_per_epoch, session.step,
+                        title=f"{run.path.name}: units per layer ({config.method}, density {config.density:g})")
         last = run.metrics()[-1]
         result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
                            session.best_epoch, session.meter.total_flops, session.wall_s,
                            sum(e["skipped"] is None for e in session.method.events))
     return processes.broadcast_from_main(result)
+
+
+def _complete(run: RunDir, state: dict) -> bool:
+    """Whether the run of the finished checkpoint `state` wrote everything after it: its last metrics line and,
+    for a method with a topology, widths.png (its last file); a run cut before them is repaired on resume."""
+    metrics = run.metrics()
+    return bool(metrics) and metrics[-1]["epoch"] == state["epoch"] and (
+        not (run.path / "topology.json").exists() or (run.path / "widths.png").exists())
+
+
+def _finished_result(run: RunDir, state: dict) -> RunResult:
+    """The result of a finished run, read from its last checkpoint `state` and its files, none of them written."""
+    last = run.metrics()[-1]
+    return RunResult(run.path, state["epoch"], state["step"], last["acc"], last["macro_f1"], state["best"]["acc"],
+                     state["best"]["epoch"], last["flops"], state["wall_s"],
+                     sum(e["skipped"] is None for e in run.events()), already_finished=True)
 
 
 def _open_run(config: TrainConfig, resume: bool) -> RunDir:
@@ -172,8 +199,9 @@ def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, de
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), dtype=torch.long, device=device)
     seen = done = 0
+    # a bar on a terminal only: a log file gets the plain per-epoch line of `_end_epoch` alone, no \r updates
     bar = tqdm(total=batches_per_epoch, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True,
-               disable=not (config.progress and processes.is_main()))
+               disable=not (config.progress and processes.is_main() and sys.stderr.isatty()))
     for batch, (images, labels) in zip(batches, loader):
         if not _budget_allows(session, config.flop_budget):
             break
@@ -204,14 +232,6 @@ def train_epoch(session: Session, config: TrainConfig, data: Data, criterion, de
     bar.close()
     loss_total, correct_total, seen_total = processes.sum_over_ranks([loss_sum.item(), correct.item(), seen])
     return done, loss_total / max(1, seen_total), correct_total / max(1, seen_total)
-
-
-def widths_text(topology: dict[str, dict[str, int]] | None) -> str:
-    """Per-layer widths for the progress bar, e.g. " | heads 1-2 | channels 38-39" (none without a topology)."""
-    if topology is None:
-        return ""
-    return "".join(f" | {label} " + "-".join(str(t[kind]) for t in topology.values() if kind in t)
-                   for kind, label in (("head", "heads"), ("channel", "channels")))
 
 
 def _end_epoch(session: Session, config: TrainConfig, data: Data, run: RunDir, device: torch.device,

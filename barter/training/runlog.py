@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..serialization import MANIFEST, ExportError, read_export, replace_directory, verify_files, write_export
+from .figures import legend_beside, pyplot
 
 CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "flops")
 TRAINER_STATE = "trainer.pt"
@@ -141,6 +142,11 @@ class RunDir:
         """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""
         _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
 
+    def events(self) -> list[dict[str, Any]]:
+        """events.jsonl's records (none for a method that moves no units)."""
+        path = self.path / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def save_checkpoint(self, model: nn.Module, state: dict[str, Any], **export_options: Any) -> None:
         """Make `last` an export of `model` (`export_options`: those of `barter.export`) with the trainer `state`
         beside its weights; the one it replaces becomes `previous`."""
@@ -210,29 +216,37 @@ def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
 
 
 def plot_widths(path: Path, final: dict[str, dict[str, int]], events: list[dict[str, Any]],
-                steps_per_epoch: int, last_step: int) -> None:
-    """widths.png: per-layer heads and FFN channels against epochs (one panel per unit kind)."""
-    import matplotlib
+                steps_per_epoch: int, last_step: int, title: str) -> None:
+    """widths.png: `widths_figure`."""
+    save_figure(widths_figure(final, events, steps_per_epoch, last_step, title), path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def widths_figure(final: dict[str, dict[str, int]], events: list[dict[str, Any]], steps_per_epoch: int,
+                  last_step: int, title: str) -> Any:
+    """Per-layer heads and FFN channels against epochs (one panel per unit kind), titled `title`, the layers'
+    legend beside each panel."""
     from matplotlib.ticker import MaxNLocator
 
     history = width_history(final, events)
     kinds = [k for k in ("head", "channel") if k in history]
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(8, 3.2 * len(kinds)), squeeze=False, sharex=True)
+    fig, axes = pyplot().subplots(len(kinds), 1, figsize=(8, 3.2 * len(kinds)), squeeze=False, sharex=True)
     for ax, kind in zip(axes[:, 0], kinds):
-        for module, series in history[kind].items():
+        for group, series in history[kind].items():
             steps, widths = zip(*(series + [(last_step, series[-1][1])]))
-            ax.plot([s / steps_per_epoch for s in steps], widths, drawstyle="steps-post", label=module)
-        ax.set_ylabel("heads" if kind == "head" else "FFN channels")
+            ax.plot([s / steps_per_epoch for s in steps], widths, drawstyle="steps-post", label=group)
+        ax.set_ylabel("attention heads" if kind == "head" else "FFN channels")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=3, loc="best")
+        legend_beside(ax, "layer")
     axes[-1, 0].set_xlabel("epoch")
-    fig.tight_layout()
-    _atomic(path, lambda f: fig.savefig(f, dpi=120, format="png"))
-    plt.close(fig)
+    axes[0, 0].set_title(title)
+    return fig
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """`fig` as a PNG at `path`, written atomically, with the legends beside its axes; then closed."""
+    _atomic(path, lambda f: fig.savefig(f, dpi=120, format="png", bbox_inches="tight"))
+    pyplot().close(fig)
 
 
 def _atomic(path: Path, write) -> None:

@@ -18,7 +18,7 @@ from ..method import Dense, TrainingMethod
 from ..wrapping import wrap
 from . import processes
 from .config import BASELINE_METHODS, WRAP_METHODS, ConfigError, TrainConfig
-from .data import build_datasets, build_mixup, resolve_spec
+from .data import DatasetSpec, build_datasets, build_mixup, resolve_spec
 from .flops import FlopMeter
 from .precision import Precision, build_precision
 from .pretrained import build_model, calibration_batches, reloads_on_resume
@@ -27,7 +27,8 @@ from .recipe import WarmupCosine, build_optimizer
 
 @dataclass
 class Data:
-    """Train, validation (or None) and test sets, their shape, and the recipe's batch mixing."""
+    """Train, validation (or None) and test sets, their shape, the recipe's batch mixing, and the data set's spec
+    as resolved."""
 
     train: Dataset
     val: Dataset | None
@@ -36,6 +37,7 @@ class Data:
     in_chans: int
     img_size: int
     mixup: Any
+    spec: DatasetSpec
 
 
 @dataclass
@@ -83,7 +85,7 @@ def build_data(config: TrainConfig) -> Data:
     mixup = build_mixup(config.recipe or spec.recipe, sets.num_classes, config.label_smoothing)
     if mixup is not None and config.batch_size % 2:
         raise ConfigError(f"batch mixing needs an even batch_size, got {config.batch_size}")
-    return Data(train_set, val_set, sets.test, sets.num_classes, sets.in_chans, sets.img_size, mixup)
+    return Data(train_set, val_set, sets.test, sets.num_classes, sets.in_chans, sets.img_size, mixup, spec)
 
 
 def build_session(config: TrainConfig, data: Data, device: torch.device, total_steps: int, *,

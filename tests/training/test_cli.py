@@ -12,6 +12,19 @@ TINY = ["--dataset", "fake", "--fake-size", "32", "--batch-size", "16", "--epoch
         "--model", "cct_2_3x1_32_tiny", "--device", "cpu"]
 
 
+def image_tree(root, sizes, val=1, mode="RGB"):
+    """root/train/<class>/<i>.png of the given (width, height) per class, and `val` 4x4 images per class in val/."""
+    from PIL import Image
+
+    for c, (name, shapes) in enumerate(sizes.items()):
+        for split, split_shapes in (("train", shapes), ("val", [(4, 4)] * val)):
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i, shape in enumerate(split_shapes):
+                Image.new(mode, shape, (80 * c, 20 * i, 0) if mode == "RGB" else 80 * c).save(
+                    root / split / name / f"{i}.png")
+    return root
+
+
 def parse(*argv):
     return config_from_args(build_parser().parse_args(["train", *argv]))
 
@@ -30,12 +43,16 @@ def test_overrides():
 
 
 def test_tiny_run_then_resume_and_continue(tmp_path, capsys):
-    assert main(["train", *TINY, "--out-dir", str(tmp_path), "--name", "run"]) == 0
-    assert "test acc" in capsys.readouterr().out
+    assert main(["train", *TINY, "--progress", "--out-dir", str(tmp_path), "--name", "run"]) == 0
+    out, err = capsys.readouterr()
+    assert "test acc" in out and "\r" not in out + err  # not a terminal: plain lines, no progress bar
+    assert [line for line in out.splitlines() if line.startswith("epoch ")][0].startswith("epoch 1: loss ")
     run = tmp_path / "run"
     assert json.loads((run / "config.json").read_text())["dataset"] == "fake"
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
     assert main(["train", "--resume", str(run), "--no-progress"]) == 0  # finished: nothing left to train
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert f"{run} has finished (epoch 1): nothing to resume, no file changed" in capsys.readouterr().out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()} == files
     config, resume = parse("--continue-from", str(run), "--flop-budget", str(run))
     assert not resume and config.continue_from == str(run) and config.name is None
     assert config.flop_budget == json.loads((run / "metrics.jsonl").read_text())["flops"]
@@ -49,7 +66,9 @@ def test_tiny_run_then_resume_and_continue(tmp_path, capsys):
     (["--epochs", "0"], "must be >= 1"),
     (["--preset", "cct_cifar100", "--data-dir", "/nonexistent/data"], "CIFAR-100 not found"),
     (["--preset", "vit_finetune_cifar100"], "--init-from"),
-    (["--resume", "/nonexistent/run"], "not a run directory"),
+    (["--resume", "/nonexistent/run"], "/nonexistent/run does not exist"),
+    (["--data-dir", "/nonexistent/data"], "has no train/ and val/ folders"),
+    (["--dataset", "fake", "--data-dir", "/nonexistent/data"], "pass --dataset folder"),
     (["--flop-budget", "/nonexistent/run"], "neither a number nor a run directory"),
 ])
 def test_bad_input_exits_with_a_message(tmp_path, capsys, argv, message):
@@ -59,6 +78,45 @@ def test_bad_input_exits_with_a_message(tmp_path, capsys, argv, message):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_resume_of_a_directory_that_is_no_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--resume", str(tmp_path)])
+    assert "is not a run directory (no config.json)" in capsys.readouterr().err
+
+
+def test_data_dir_of_an_image_tree_is_the_folder_data_set(tmp_path, capsys):
+    image_tree(tmp_path, {"ant": [(8, 8)], "bee": [(8, 8)]})
+    config, _ = parse("--data-dir", str(tmp_path))
+    assert (config.dataset, config.data_dir, config.img_size) == ("folder", str(tmp_path), None)
+    assert "training on that image folder (--dataset folder)" in capsys.readouterr().err
+    config, _ = parse("--data-dir", str(tmp_path), "--img-size", "24")
+    assert (config.dataset, config.img_size) == ("folder", 24)
+    config, _ = parse("--preset", "cct_cifar100", "--data-dir", str(tmp_path))
+    assert config.dataset == "cifar100"  # a data set that reads data_dir keeps it
+
+
+def test_train_on_an_image_folder_of_mixed_sizes_says_what_it_trains(tmp_path, capsys):
+    from barter import load
+
+    image_tree(tmp_path / "data", {"ant": [(6, 6), (16, 16), (16, 16)], "bee": [(16, 16), (16, 16), (16, 16)]})
+    argv = ["--preset", "custom", "--data-dir", str(tmp_path / "data"), "--batch-size", "6", "--epochs", "1",
+            "--no-progress", "--device", "cpu", "--recipe", "none", "--out-dir", str(tmp_path / "runs"),
+            "--name", "run"]
+    assert main(["train", *argv]) == 0
+    out = capsys.readouterr().out
+    header = dict(line.split(":", 1) for line in out.splitlines()[:6])
+    assert header["data"].strip() == f"image folder at {tmp_path / 'data'}: 6 training and 2 test images"
+    assert header["classes"].strip() == "2 (ant, bee)"
+    assert header["images"].startswith("  16x16 px, 3 channels; 2 image sizes among the 6 read (16x16: 5, 6x6: 1)")
+    model = load(tmp_path / "runs" / "run" / "best")
+    parameters = sum(p.numel() for p in model.parameters())
+    assert header["model"].strip() == f"cct_2_3x1_32_tiny, {parameters:,} parameters"
+    assert header["method"].strip().startswith("barter, density 0.3; starting widths per layer | heads ")
+    assert header["run"].strip() == str(tmp_path / "runs" / "run")
+    topology = json.loads((tmp_path / "runs" / "run" / "best" / "topology.json").read_text())
+    assert topology["model_kwargs"]["img_size"] == 16 and topology["model_kwargs"]["num_classes"] == 2
 
 
 def test_resume_refuses_other_settings(tmp_path, capsys):
@@ -129,18 +187,3 @@ def test_bad_flag_values_name_the_field(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_train_on_an_image_folder(tmp_path, capsys):
-    from PIL import Image
-
-    for split, n in (("train", 4), ("val", 2)):
-        for c, name in enumerate(("ant", "bee", "cow")):
-            (tmp_path / "data" / split / name).mkdir(parents=True)
-            for i in range(n):
-                Image.new("RGB", (32, 32), (80 * c, 20 * i, 0)).save(tmp_path / "data" / split / name / f"{i}.png")
-    argv = [*TINY, "--dataset", "folder", "--data-dir", str(tmp_path / "data"), "--out-dir", str(tmp_path / "runs"),
-            "--name", "run", "--batch-size", "6", "--recipe", "none"]
-    assert main(["train", *argv]) == 0
-    weights = (tmp_path / "runs" / "run" / "best" / "topology.json").read_text()
-    assert json.loads(weights)["model_kwargs"]["num_classes"] == 3

@@ -56,6 +56,13 @@ def test_bad_input(capsys, argv, message):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_compare_refuses_a_data_dir_its_data_set_does_not_read(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--quick", "--data-dir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and "has no train/ and val/ folders" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_compare_writes_table_plot_and_resumes(tmp_path):
     argv = ["compare", "--dataset", "fake", "--methods", "dense", "barter", "--densities", "0.5", "--seeds", "0", "1",
             "--epochs", "1", "--matched-to", "none", "--device", "cpu", "--out", str(tmp_path)]

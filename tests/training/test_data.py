@@ -16,6 +16,7 @@ from barter.training.data import (
     build_train_transform,
     load_mnist5k,
     resolve_spec,
+    size_note,
 )
 
 
@@ -169,12 +170,25 @@ def test_image_folder_of_grey_non_square_images(tmp_path: Path) -> None:
     assert (data.in_chans, data.img_size) == (1, 10) and data.train[0][0].shape == (1, 10, 10)
 
 
+def test_image_folder_of_mixed_sizes_trains_at_the_most_common(tmp_path: Path) -> None:
+    root = _write_folder(tmp_path, {"a": 2, "b": 2}, {"a": 1}, size=(16, 16))
+    Image.new("L", (6, 6), 200).save(root / "train" / "a" / "0.png")  # first in sort order, grey, 6 px
+    data = build_datasets("folder", root)
+    assert (data.img_size, data.in_chans) == (16, 3)
+    assert data.train[0][0].shape == data.train[3][0].shape == (3, 16, 16)
+    note = size_note(resolve_spec("folder", data_dir=root))
+    assert "2 image sizes among the 4 read (16x16: 3, 6x6: 1)" in note and "the most common size" in note
+    assert "resized to 8 px" in size_note(resolve_spec("folder", img_size=8, data_dir=root))
+    assert size_note(resolve_spec("folder", data_dir=_write_folder(tmp_path / "one", {"a": 1, "b": 1}, {}))) is None
+
+
 @pytest.mark.parametrize("train,val,message", [
     (None, None, "no .*train/"),
     ({}, {"a": 1}, "has no class folders"),
     ({"a": 1, "b": 1}, {"c": 1}, "classes the training tree lacks: c"),
     ({"a": 1, "b": 0}, {"a": 1}, "no images for class"),
-    ({"a": 1}, {"a": 0}, "no images in"),
+    ({"a": 1, "b": 1}, {"a": 0, "b": 0}, "no images in"),
+    ({"a": 2}, {"a": 1}, "has one class folder \\(a\\); a classifier needs two or more"),
 ])
 def test_image_folder_errors(tmp_path: Path, train, val, message) -> None:
     if train is not None:

@@ -30,16 +30,16 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..baselines import METHODS as BASELINES
 from .config import METHODS, ConfigError, TrainConfig
-from .data import DatasetNotFoundError
-from .loop import RunResult, train
+from .errors import USER_ERRORS
 from .paired import difference_cells, paired_difference
 from .presets import DEFAULT_PRESET, PRESETS, preset
-from .runlog import CheckpointError, RunDir
+
+if TYPE_CHECKING:  # torch and the training loop are imported by the commands that run (`--help` needs neither)
+    from .loop import RunResult
 
 DEFAULT_METHODS = ("dense", "static", "barter", *BASELINES)
 DEFAULT_DENSITIES = (0.1, 0.3, 0.5, 0.7)
@@ -72,6 +72,9 @@ class Row:
 
 def run(config: TrainConfig) -> RunResult:
     """Train `config` under its default name, or resume / read back the run of that name found on disk."""
+    from .loop import train
+    from .runlog import RunDir
+
     config = replace(config, name=config.default_name())
     path = Path(config.out_dir) / config.name
     return train(config, resume=RunDir(path).last.exists())
@@ -220,6 +223,9 @@ def plot(path: Path, rows: list[Row]) -> None:
     """compare.png: test accuracy against cumulative training FLOPs, one curve per (method, density), the mean
     over seeds at each epoch with a ± std band."""
     import matplotlib
+    import torch
+
+    from .runlog import RunDir
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -288,6 +294,8 @@ def run_study(args: argparse.Namespace) -> int:
     if args.quick:
         args.preset, args.densities, args.seeds, args.epochs = DEFAULT_PRESET, [0.5], [0], 1
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     matched_to = None if args.matched_to == "none" else args.matched_to
     if matched_to is not None and "barter" in args.methods and matched_to not in args.methods:
@@ -313,5 +321,5 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run_study(args)
-    except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
+    except USER_ERRORS as e:
         parser.exit(2, f"compare: error: {e}\n")

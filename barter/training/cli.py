@@ -18,6 +18,7 @@ from typing import Any
 
 from ..options import ALLOCATIONS, INITS, Options
 from . import commands, compare
+from .arguments import CommandParser
 from .config import (
     CHOICES,
     FIELD_HELP,
@@ -62,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="barter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="barter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser = sub.add_parser("train", help="train a model (default preset: mnist5k_quick)",
                                   description="Train one run; every TrainConfig field is a flag.",

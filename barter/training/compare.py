@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..baselines import METHODS as BASELINES
+from .arguments import CommandParser
 from .config import METHODS, ConfigError, TrainConfig
 from .errors import USER_ERRORS
 from .paired import difference_cells, paired_difference
@@ -316,7 +317,7 @@ def run_study(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The study as a script (`benchmarks/compare.py`): the options of `barter compare`."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

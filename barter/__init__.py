@@ -7,11 +7,21 @@ activation x gradient scores and runs the scheduled capacity transfers (see `bar
 rebuilds it (see `barter.serialization`).
 
 The method is this package's top level; `barter.training` is the paper's training pipeline and the `barter`
-command, `barter.baselines` the dense-mask methods it compares against.
+command, `barter.baselines` the dense-mask methods it compares against. The names below are imported on first
+use (`barter.lazy`): the `barter` command answers `--help` without importing torch.
 """
-from .controller import Controller
-from .ddp import DistributedModel
-from .serialization import ExportError, export, load
-from .wrapping import wrap
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_names
+
+if TYPE_CHECKING:
+    from .controller import Controller
+    from .ddp import DistributedModel
+    from .serialization import ExportError, export, load
+    from .wrapping import wrap
 
 __all__ = ["Controller", "DistributedModel", "ExportError", "export", "load", "wrap"]
+__getattr__, __dir__ = lazy_names(__name__, {
+    "Controller": "controller", "DistributedModel": "ddp", "ExportError": "serialization", "export": "serialization",
+    "load": "serialization", "wrap": "wrapping",
+})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+METHODS = ("static", "barter", "random_receiver", "random_donor", "random_pair")  # what `barter.wrap` runs
 INITS = ("first", "magnitude", "random", "score")  # which units compact initialisation keeps
 RANKED_INITS = ("magnitude", "score")  # the inits that rank units by importance, as global allocation needs
 ALLOCATIONS = ("uniform", "global")  # how compact initialisation chooses each layer's width

@@ -12,8 +12,6 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-METHODS = ("static", "barter", "random_receiver", "random_donor", "random_pair")  # what `barter.wrap` runs
-
 
 @dataclass(frozen=True)
 class Proposal:

@@ -16,9 +16,8 @@ from .compact_init import compact
 from .controller import Controller
 from .fsdp import check_optimizer, refuse_sharded
 from .loss_scale import Scaler
-from .options import Options
+from .options import METHODS, Options
 from .schedule import KINDS, make_schedule, transfer_count
-from .selection import METHODS
 
 WRAPPED_ATTRIBUTE = "_barter_wrapped"  # set on a model `wrap` made compact: a second wrap is refused
 

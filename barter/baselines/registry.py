@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .build import build_sparse
+from .names import METHODS
 from .s2vite import build_s2vite
 from .scheduled import SparseTraining
 from .snfs import build_snfs
@@ -26,7 +27,6 @@ BUILDERS: dict[str, Callable[..., SparseTraining]] = {
     "srigl": build_srigl,
     "s2vite": build_s2vite,
 }
-METHODS = tuple(BUILDERS)
 COMMON_ARGUMENTS = ("model", "optimizer", "method", "density", "total_steps", "seed", "example_inputs")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..options import ALLOCATIONS, INITS, Options
 from . import commands, compare
+from .arguments import CommandParser
 from .config import (
     CHOICES,
     FIELD_HELP,
@@ -30,11 +31,9 @@ from .config import (
     read_config_file,
     read_run_config,
 )
-from .data import DatasetNotFoundError
+from .errors import USER_ERRORS
 from .flags import add_field_flags, field_values
 from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
-from .processes import is_main
-from .runlog import CheckpointError, RunDir
 
 OPTION_PREFIX = "barter_option_"  # namespace prefix of the barter.wrap option flags
 OPTION_HELP = {
@@ -60,13 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
+    except USER_ERRORS as e:
         parser.exit(2, f"barter {args.command}: error: {e}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="barter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(prog="barter", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     train_parser = sub.add_parser("train", help="train a model (default preset: mnist5k_quick)",
                                   description="Train one run; every TrainConfig field is a flag.",
@@ -92,6 +90,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from .loop import train
+    from .processes import is_main
 
     config, resume = config_from_args(args)
     if config.preset in NEEDS_INIT and config.init_from is None and not resume:
@@ -147,6 +146,8 @@ def flop_budget_value(text: Any) -> Any:
         return float(text)
     except ValueError:
         pass
+    from .runlog import RunDir
+
     metrics = RunDir(text).metrics()
     if not metrics:
         raise ConfigError(f"flop_budget: {text} is neither a number nor a run directory with metrics.jsonl")

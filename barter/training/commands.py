@@ -5,12 +5,12 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from .errors import CheckpointError
 
-from ..rebuild import timm_with_models
-from ..serialization import ExportError, export, load
-from .runlog import CheckpointError, find_checkpoint
+if TYPE_CHECKING:  # each command imports what it runs on: building the parser imports no torch
+    import torch
 
 CHECKPOINTS = ("best", "last")
 
@@ -46,7 +46,11 @@ def _add(sub: argparse._SubParsersAction, name: str, summary: str, example: str)
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    import torch
+
     from fxsurgery import Surgeon
+
+    from ..rebuild import timm_with_models
 
     kwargs = {key: value for key, value in (("img_size", args.img_size), ("in_chans", args.in_chans)) if value}
     try:
@@ -80,6 +84,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..serialization import ExportError, export
+
     _, checkpoint = _run_and_checkpoint(args.run_dir, args.checkpoint)
     model = _load(checkpoint, torch.device("cpu"))
     try:
@@ -92,6 +100,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 def _run_and_checkpoint(source: str, kind: str) -> tuple[Path, Path]:
     """The run directory and the checkpoint directory that `source` (either of them) names."""
+    from .runlog import find_checkpoint
+
     checkpoint = find_checkpoint(source, kind)
     run = checkpoint.parent if checkpoint != Path(source) / kind else Path(source)
     if not checkpoint.is_dir():
@@ -100,6 +110,8 @@ def _run_and_checkpoint(source: str, kind: str) -> tuple[Path, Path]:
 
 
 def _load(checkpoint: Path, device: torch.device) -> torch.nn.Module:
+    from ..serialization import ExportError, load
+
     try:
         return load(checkpoint, device=device)
     except ExportError as e:

@@ -30,18 +30,18 @@ import json
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..baselines import METHODS as BASELINES
+from .arguments import CommandParser
 from .config import METHODS, ConfigError, TrainConfig, infer_dataset
-from .data import DatasetNotFoundError
+from .errors import USER_ERRORS
 from .figures import legend_beside, pyplot
-from .loop import RunResult, train
 from .paired import difference_cells, paired_difference
 from .presets import DEFAULT_PRESET, PRESETS, preset
-from .runlog import CheckpointError, RunDir, save_figure
+
+if TYPE_CHECKING:  # torch and the training loop are imported by the commands that run (`--help` needs neither)
+    from .loop import RunResult
 
 DEFAULT_METHODS = ("dense", "static", "barter", *BASELINES)
 DEFAULT_DENSITIES = (0.1, 0.3, 0.5, 0.7)
@@ -74,6 +74,9 @@ class Row:
 
 def run(config: TrainConfig) -> RunResult:
     """Train `config` under its default name, or resume / read back the run of that name found on disk."""
+    from .loop import train
+    from .runlog import RunDir
+
     config = replace(config, name=config.default_name())
     path = Path(config.out_dir) / config.name
     return train(config, resume=RunDir(path).last.exists())
@@ -220,6 +223,8 @@ def write(out: Path, rows: list[Row], table: str) -> None:
 
 def plot(path: Path, rows: list[Row]) -> None:
     """compare.png: `compare_figure`."""
+    from .runlog import save_figure
+
     save_figure(compare_figure(rows), path)
 
 
@@ -227,6 +232,10 @@ def compare_figure(rows: list[Row]) -> Any:
     """Test accuracy against cumulative training FLOPs, one curve per (method, density): the mean over seeds at
     each epoch with a ± std band; a curve of one epoch is a point labelled with its accuracy (± std as an error
     bar). The legend sits beside the axes, off the data."""
+    import torch
+
+    from .runlog import RunDir
+
     groups: dict[tuple[str, float], list[list[dict]]] = {}
     for r in rows:
         groups.setdefault((r.method, r.density), []).append(RunDir(r.result.run_dir).metrics())
@@ -295,6 +304,8 @@ def run_study(args: argparse.Namespace) -> int:
     if args.quick:
         args.preset, args.densities, args.seeds, args.epochs = DEFAULT_PRESET, [0.5], [0], 1
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     matched_to = None if args.matched_to == "none" else args.matched_to
     if matched_to is not None and "barter" in args.methods and matched_to not in args.methods:
@@ -315,10 +326,10 @@ def run_study(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The study as a script (`benchmarks/compare.py`): the options of `barter compare`."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return run_study(args)
-    except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
+    except USER_ERRORS as e:
         parser.exit(2, f"compare: error: {e}\n")

@@ -15,15 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ..baselines import METHODS as BASELINE_METHODS
-from ..baselines import baseline_options
+from ..options import METHODS as WRAP_METHODS
 from ..options import Options
-from ..rebuild import timm_with_models
-from ..selection import METHODS as WRAP_METHODS
-from .data import DATASETS, FOLDER, READS_NO_FILES, RECIPES, is_folder_tree
 from .fieldtypes import FieldValueError, coerce
-from .precision import AMP_MODES
-from .recipe import DECAYS
+from .specs import DATASETS, FOLDER, READS_NO_FILES, RECIPES, is_folder_tree
 
+DECAYS = ("before", "after")  # weight decay before (AdamW) or after the Adam update (`barter.training.recipe`)
+AMP_MODES = ("fp32", "bf16", "fp16")  # mixed precision of a run (`barter.training.precision`)
 METHODS = ("dense", *WRAP_METHODS, *BASELINE_METHODS)
 CHOICES: dict[str, tuple[str, ...]] = {"method": METHODS, "dataset": DATASETS, "recipe": RECIPES, "decay": DECAYS,
                                        "amp": AMP_MODES}
@@ -133,6 +131,9 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        from ..baselines import baseline_options
+        from ..rebuild import timm_with_models
+
         if self.method in BASELINE_METHODS:
             unknown = sorted(set(self.baseline_options) - set(baseline_options(self.method)))
             if unknown:

@@ -21,10 +21,10 @@ import gzip
 import importlib.resources
 import os
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,44 +36,13 @@ from torchvision import transforms as T
 from torchvision.datasets import CIFAR100, FakeData, ImageFolder, VisionDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, default_loader
 
+from .errors import DatasetNotFoundError
+from .specs import DATASETS, FOLDER, RECIPES, SPECS, DatasetSpec, Recipe
 from .tensorsets import BatchTransform, TensorImages, decode
-
-Recipe = Literal["cct", "vit", "light", "none"]
-RECIPES: tuple[Recipe, ...] = ("cct", "vit", "light", "none")
 
 MIXUP_ALPHA, CUTMIX_ALPHA = 0.8, 1.0
 
 
-class DatasetNotFoundError(FileNotFoundError):
-    """A data set's files are not where they are expected; the message says what to put where."""
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """What a data set is: classes, channels, native image size, normalisation and default recipe."""
-
-    name: str
-    num_classes: int
-    in_chans: int
-    img_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    recipe: Recipe
-    hflip: bool
-    sizes: tuple[tuple[tuple[int, int], int], ...] = ()  # a folder's (width, height) counts, most common first
-
-
-SPECS: dict[str, DatasetSpec] = {
-    spec.name: spec for spec in (
-        DatasetSpec("cifar100", 100, 3, 32, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), "cct", True),
-        DatasetSpec("tiny-imagenet", 200, 3, 64, (0.4802, 0.4481, 0.3975), (0.2302, 0.2265, 0.2262), "vit", True),
-        DatasetSpec("mnist5k", 10, 1, 32, (0.1307,), (0.3081,), "light", False),
-        DatasetSpec("fake", 10, 3, 32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "light", True),
-    )
-}
-FOLDER = "folder"  # a data set whose spec is read from its files (`folder_spec`)
-DATASETS: tuple[str, ...] = (*SPECS, FOLDER)
-READS_NO_FILES: tuple[str, ...] = ("mnist5k", "fake")  # data sets that never read data_dir
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SIZE_SAMPLE = 1000  # images of a folder tree whose headers decide its image size and channels
 
@@ -417,12 +386,6 @@ def size_note(spec: DatasetSpec) -> str | None:
     why = "the most common size" if spec.img_size == min(spec.sizes[0][0]) else "img_size"
     return (f"{len(spec.sizes)} image sizes among the {sum(n for _, n in spec.sizes)} read ({counts}): each resized "
             f"to {spec.img_size} px on its shorter side and centre-cropped square ({why}; --img-size to choose)")
-
-
-def is_folder_tree(root: str | os.PathLike[str]) -> bool:
-    """Whether ``root`` is laid out as a ``folder`` data set: ``train/`` beside ``val/`` (or ``test/``)."""
-    root = Path(root)
-    return (root / "train").is_dir() and ((root / "val").is_dir() or (root / "test").is_dir())
 
 
 def _folder_classes(root: Path, split: str) -> list[str]:

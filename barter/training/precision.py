@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-AMP_MODES = ("fp32", "bf16", "fp16")
+from .config import AMP_MODES
+
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

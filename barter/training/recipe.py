@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from fxsurgery.compat import foreach_mul_
 
-DECAYS = ("before", "after")
+from .config import DECAYS
 
 
 def build_criterion(label_smoothing: float, mixed: bool) -> Callable[[Tensor, Tensor], Tensor]:

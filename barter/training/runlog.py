@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..serialization import MANIFEST, ExportError, read_export, replace_directory, verify_files, write_export
+from .errors import CheckpointError
 from .figures import legend_beside, pyplot
 
 CHECKPOINT_KEYS = ("config", "epoch", "step", "finished", "optimizer", "rng", "flops")
@@ -44,11 +45,6 @@ TRAINER_STATE = "trainer.pt"
 TIMM_COLUMNS = {"epoch": "epoch", "loss": "train_loss", "test_loss": "eval_loss", "acc": "eval_top1",
                 "top5": "eval_top5", "lr": "lr", "ema_test_acc": "ema_eval_top1", "ema_test_top5": "ema_eval_top5"}
 PERCENT = ("acc", "top5", "ema_test_acc", "ema_test_top5")  # timm writes top-1/top-5 in percent
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or run log) that cannot be read, lacks what training needs, or was made by another
-    configuration."""
 
 
 class RunDir:

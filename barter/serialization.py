@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse
-from fxsurgery.slicing import solve_counts
+from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse, solve_counts
 
 from .analysis import ModelBase, default_example_inputs, keep_base, model_base
 from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base

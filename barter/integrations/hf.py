@@ -41,7 +41,6 @@ builds on the sharded parameters is attached in `on_train_begin`, and the transf
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,8 +56,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from ..controller import Controller
 from ..ddp import follow_transfers, rebuild_reducer, world_size
+from ..files import ExportError
 from ..fsdp import SUPPORTED, UnsupportedSharding
-from ..serialization import ExportError, pack_state, unpack_state
+from ..packed_state import pack_state, unpack_state
 from ..wrapping import wrap
 
 STATE_FILE = "barter.pt"
@@ -194,15 +194,9 @@ def trainer_sharding() -> str | None:
 
 
 def read_state(path: str) -> dict[str, Any]:
-    """The callback's state saved at `path` by `on_save`, its sha256 verified; an older barter's file, saved
-    without one, is read with a warning."""
+    """The callback's state saved at `path` by `on_save`, its sha256 verified."""
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(saved, dict) and "controller" in saved:
-            warnings.warn(f"{path} was saved without a checksum (an older barter); it is read unverified",
-                          stacklevel=3)
-            return saved
-        return unpack_state(saved, path)
+        return unpack_state(torch.load(path, map_location="cpu", weights_only=True), path)
     except ExportError:
         raise
     except Exception as e:  # torch.load raises many types for a damaged file

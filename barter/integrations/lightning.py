@@ -25,7 +25,6 @@ for a submodule (`module`), whose call it does not describe, wrap falls back to 
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..controller import Controller
 from ..ddp import follow_transfers
-from ..serialization import pack_state, unpack_state
+from ..packed_state import pack_state, unpack_state
 from ..wrapping import wrap
 from .lightning_compat import fits_in_child_processes
 
@@ -85,7 +84,7 @@ class BarterCallback(pl.Callback):
 
     def _restore(self, checkpoint: dict[str, Any], source: str) -> None:
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
-        if saved is None or saved.get("controller", saved.get("state")) is None:
+        if saved is None or saved.get("state") is None:
             raise ValueError(f"the checkpoint holds no {self.state_key} state; it was not made with BARTER")
         self.controller.load_state_dict(controller_state(saved, source))
         self._restored = True
@@ -122,8 +121,5 @@ class BarterCallback(pl.Callback):
 
 def controller_state(saved: dict[str, Any], source: str) -> dict[str, Any]:
     """The controller state in the callback's checkpoint entry `saved`, its sha256 verified (ExportError naming
-    `source` when it is damaged); an older barter's entry, saved without one, is read with a warning."""
-    if "controller" in saved:
-        warnings.warn(f"{source} was saved without a checksum (an older barter); it is read unverified", stacklevel=3)
-        return saved["controller"]
+    `source` when it is damaged)."""
     return unpack_state(saved, source)

@@ -157,3 +157,35 @@ def test_no_function_longer_than_a_screen_beyond_todays():
         ", ".join(f"{name} ({lengths[name]})" for name in sorted(long - LONG_FUNCTIONS))
     assert not LONG_FUNCTIONS - long, f"at most {MAX_FUNCTION_LINES} lines now, remove from the list: " + \
         ", ".join(sorted(LONG_FUNCTIONS - long))
+
+
+def test_barter_layers_import_downwards():
+    """barter's core imports none of the layers above it (the pipeline, the baselines, the integrations), and the
+    baselines neither the pipeline nor the integrations (module-level imports, as docs/architecture.md draws them)."""
+    from test_import_graph import import_graph
+
+    above = {"core": {"training", "baselines", "integrations"}, "baselines": {"training", "integrations"}}
+
+    def layer(module: str) -> str:
+        part = module.split(".")[1] if module.count(".") else ""
+        return part if part in ("training", "baselines", "integrations", "models", "__main__") else "core"
+
+    upward = [f"{m} -> {t}" for m, targets in import_graph().items() if m.startswith("barter")
+              for t in targets if t.startswith("barter") and layer(t) in above.get(layer(m), ())]
+    assert not upward, "imports that point up:\n" + "\n".join(sorted(upward))
+
+
+def test_installing_and_editing_leave_the_analysis_as_it_was():
+    """`Analysis` is a value: the Surgeon installs it on groups of its own, and its edits change those only."""
+    import torch
+    from tiny_vit import build_vit
+
+    model = build_vit()
+    analysis = fxsurgery.analyse(model, (torch.zeros(2, 3, 32, 32),))
+    before = [(g.name, g.count, g.min_count, g.slices, tuple(g.notes)) for g in analysis.groups]
+    surgeon = fxsurgery.Surgeon(model, analysis)
+    assert not {id(g) for g in surgeon.groups} & {id(g) for g in analysis.groups}
+    surgeon.remove(surgeon.groups[0], 0)
+    surgeon.clone(surgeon.groups[-1], 0)
+    assert [(g.name, g.count, g.min_count, g.slices, tuple(g.notes)) for g in analysis.groups] == before
+    assert surgeon.groups[0].count == analysis.groups[0].count - 1

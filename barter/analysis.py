@@ -2,7 +2,6 @@
 model on."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -39,10 +38,8 @@ def keep_base(model: nn.Module, base: ModelBase) -> None:
     """Record `base` on `model` unless one is there: the first describes the model as built, which an analysis of
     the resized model cannot (a layer left with one head or none is no group there)."""
     if model_base(model) is None:
-        analysis = base.analysis
-        # without the install plan: the graphs it holds are of no use once installed, and would stay alive with
-        # the model
-        setattr(model, BASE_ATTRIBUTE, base._replace(analysis=analysis and dataclasses.replace(analysis, _plan=None)))
+        analysis = base.analysis and base.analysis.without_plan()  # its graphs are of no use once installed
+        setattr(model, BASE_ATTRIBUTE, base._replace(analysis=analysis))
 
 
 def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor]:

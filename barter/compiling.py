@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsurgery.compat import dynamo_config
-
+from .compat import dynamo_config
 from .controller import Controller
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .averaging import AveragedCopy
+from .compat import copy_plainly, copy_with, hooks_set_aside
 from .fsdp import check_optimizer, hold_empty_parameters, sharded_access
 from .loss_scale import Scaler, current_scale
 from .options import Options
@@ -92,26 +93,16 @@ class Controller:
                                     for i, g in enumerate(self.layers[kind])]
                 self._taps[kind].append(self.model.register_forward_pre_hook(_next_forward(table)))
         if any(self._taps.values()):
-            self.model.__dict__["__deepcopy__"] = self._copy_model
+            copy_with(self.model, self._copy_model)
 
     def _copy_model(self, memo: dict) -> nn.Module:
         """The model's instance `__deepcopy__`: a copy without this controller's taps."""
-        model = self.model
-        hook_dicts = {id(d): d for d in (h.hooks_dict_ref() for taps in self._taps.values() for h in taps)
-                      if d is not None}
-        saved = {key: list(d.items()) for key, d in hook_dicts.items()}
-        tap_ids = {h.id for taps in self._taps.values() for h in taps}
-        del model.__dict__["__deepcopy__"]
+        copy_plainly(self.model)
         try:
-            for d in hook_dicts.values():
-                for hook_id in tap_ids & d.keys():
-                    del d[hook_id]
-            return copy.deepcopy(model, memo)
+            with hooks_set_aside(h for taps in self._taps.values() for h in taps):
+                return copy.deepcopy(self.model, memo)
         finally:
-            for key, d in hook_dicts.items():
-                d.clear()
-                d.update(saved[key])
-            model.__dict__["__deepcopy__"] = self._copy_model
+            copy_with(self.model, self._copy_model)
 
     def __deepcopy__(self, memo: dict) -> "Controller":
         """A controller of a copy of the model (and of the attached optimizer), with its own taps and hook."""
@@ -261,7 +252,7 @@ class Controller:
                 handle.remove()
             self._taps[kind] = []
         if not any(self._taps.values()):
-            self.model.__dict__.pop("__deepcopy__", None)
+            copy_plainly(self.model)
 
     def topology(self) -> dict[str, dict[str, int]]:
         """{group name: {kind: current unit count}} for every unit group of the model (by name: one host module may

@@ -19,7 +19,7 @@ A model sharded already is refused by `barter.wrap` (`refuse_sharded`), and so a
 Transfers. Every rank makes the same decision at the same step from all-reduced scores (as under DDP,
 `barter.ddp`). An edit reads only the group's own tensors and their optimizer state, each gathered whole
 (`ShardedAccess.values`), edits them with fxsurgery's engine, and shards them again on the same mesh: a parameter
-through its FSDP2 record (`fxsurgery.compat.reshard_resized`, the same Parameter object), an optimizer state
+through its FSDP2 record (`barter.compat.reshard_resized`, the same Parameter object), an optimizer state
 tensor as a DTensor laid out like the parameter. No rank holds more than the edited group's tensors whole.
 
 Empty layers. A layer may lose every head: its parameters then have no elements. FSDP2 keeps them sharded (and
@@ -35,11 +35,10 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from fxsurgery import Surgeon, TensorAccess
-from fxsurgery.compat import fsdp_records, hold_empty, reshard_resized
-from fxsurgery.editing import replace_data
+from fxsurgery import Surgeon, TensorAccess, replace_data
 
 from .analysis import keep_base, model_base
+from .compat import fsdp_records, hold_empty, reshard_resized
 
 SUPPORTED = ("one process (no sharding), DistributedDataParallel (barter.DistributedModel) and FSDP2 "
              "(torch.distributed.fsdp.fully_shard on a 1-D mesh, applied after barter.wrap)")
@@ -122,7 +121,7 @@ def sharded_access(model: nn.Module) -> ShardedAccess | None:
 
 def hold_empty_parameters(model: nn.Module) -> None:
     """Make every parameter with no elements that fully_shard holds in `model` one FSDP2 can gather and step
-    (`fxsurgery.compat.hold_empty`): sharded as its DTensor says, without a gradient."""
+    (`barter.compat.hold_empty`): sharded as its DTensor says, without a gradient."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             for record in fsdp_records(module):

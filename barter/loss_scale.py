@@ -5,7 +5,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from fxsurgery.compat import device_scale
+from .compat import device_scale
 
 
 class Scaler(Protocol):

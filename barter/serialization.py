@@ -5,8 +5,8 @@ holds the format version, the base architecture and its constructor arguments (w
 arguments, or "transformers:<class>" and its config), the example call that analysis needs (`inputs`, positional,
 and `input_kwargs`, by name: each a tensor's shape and dtype or a plain value), every unit group's kept and
 maximum count, the parameter count and the weights' sha256. `path/manifest.json`, written last, records every
-other file of the directory with its sha256, and whoever reads a file checks it there first (an export without
-one, from a barter before manifests, is checked by the weights' sha256 alone). `path/model.pt2` holds the
+other file of the directory with its sha256, and whoever reads a file checks it there first (`barter.files`: the
+directory is replaced atomically). `path/model.pt2` holds the
 compact model in eval mode as a `torch.export` program with a dynamic batch dimension, which loads without
 barter installed: `torch.export.load("path/model.pt2").module()(images)`. `load` builds the base model, checks
 every key and shape against the recorded counts, resizes it with fxsurgery, and only then loads the weights.
@@ -16,37 +16,41 @@ so `import barter` stays light.
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
 import json
 import os
-import shutil
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse
-from fxsurgery.slicing import solve_counts
+from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse, solve_counts
 
 from .analysis import ModelBase, default_example_inputs, keep_base, model_base
+from .files import (
+    FORMAT,
+    MANIFEST,
+    TOPOLOGY,
+    ExportError,
+    file_sha256,
+    read_manifest,
+    replace_directory,
+    verify_files,
+    write_manifest,
+)
+from .packed_state import pack_state, unpack_state
 from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base
 
-FORMAT = "barter-export"
 VERSION = 1
 WEIGHTS = "model.safetensors"
-TOPOLOGY = "topology.json"
 PROGRAM = "model.pt2"
-MANIFEST = "manifest.json"
 RUN_CONFIG = "config.json"  # what a training run directory holds beside its checkpoints (best/, last/)
-TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "groups", "parameters", "sha256")
-
-
-class ExportError(ValueError):
-    """An export that cannot be written, read, or fitted to its model; the message names the file, key or shape."""
+# the layer below, re-exported where importers found it: atomic directories with manifests, and packed states
+__all__ = ["export", "load", "write_export", "read_export", "ExportError", "FORMAT", "VERSION", "WEIGHTS", "TOPOLOGY",
+           "PROGRAM", "RUN_CONFIG", "MANIFEST", "replace_directory", "write_manifest", "read_manifest",
+           "verify_files", "file_sha256", "pack_state", "unpack_state"]
+TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "input_kwargs", "groups", "parameters", "sha256")
 
 
 def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tuple | None = None,
@@ -174,8 +178,7 @@ def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
                           f"with `barter export {path} OUT`")
     if not topology_file.is_file():
         raise ExportError(f"no barter export at {path} (no {TOPOLOGY})")
-    if (path / MANIFEST).exists():  # exports written before manifests are checked by the weights' sha256 alone
-        verify_files(path, [TOPOLOGY, WEIGHTS])
+    verify_files(path, [TOPOLOGY, WEIGHTS])
     try:
         topology = json.loads(topology_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -187,7 +190,6 @@ def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     missing = [k for k in TOPOLOGY_KEYS if k not in topology]
     if missing:
         raise ExportError(f"{topology_file} lacks {', '.join(missing)}")
-    topology.setdefault("input_kwargs", {})  # exports before keyword inputs were recorded have none
     if not weights_file.is_file():
         raise ExportError(f"{weights_file} is missing")
     digest = file_sha256(weights_file)
@@ -198,95 +200,6 @@ def read_export(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
         return topology, load_file(weights_file)
     except SafetensorError as e:
         raise ExportError(f"cannot read {weights_file} ({e})") from e
-
-
-def replace_directory(path: Path, fill: Callable[[Path], None], *, keep: Path | None = None) -> None:
-    """Fill a fresh directory beside `path`, record its files in its manifest, then swap it in: `path` never
-    holds a half-written export, and a reader finds every file checked in the manifest.
-
-    The replaced directory moves to `keep` when given (replacing what was there: the one before it stays until
-    this one is complete), else it is removed. Only an earlier export (a directory with topology.json) or an
-    empty directory is replaced.
-    """
-    for target in (path, keep):
-        if target is not None and target.exists() and not (
-                (target / TOPOLOGY).is_file() or (target.is_dir() and not any(target.iterdir()))):
-            raise ExportError(f"{target} exists and is not a barter export; refusing to replace it")
-    staging, retired = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    for leftover in (staging, retired):
-        shutil.rmtree(leftover, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        fill(staging)
-        write_manifest(staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if path.exists():
-        if keep is not None:
-            shutil.rmtree(keep, ignore_errors=True)
-        os.replace(path, retired if keep is None else keep)
-    os.replace(staging, path)
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-def write_manifest(directory: Path) -> None:
-    """`directory/manifest.json`: every other file in `directory` with its sha256, written last and atomically."""
-    files = {f.name: file_sha256(f) for f in sorted(directory.iterdir()) if f.is_file() and f.name != MANIFEST}
-    staging = directory / (MANIFEST + ".tmp")
-    staging.write_text(json.dumps({"format": FORMAT, "files": files}, indent=2) + "\n")
-    os.replace(staging, directory / MANIFEST)
-
-
-def read_manifest(directory: Path) -> dict[str, str]:
-    """{file name: sha256} of `directory`'s manifest; ExportError naming it when it is missing or damaged."""
-    file = directory / MANIFEST
-    if not file.is_file():
-        raise ExportError(f"{file} is missing: the directory's files cannot be verified")
-    try:
-        manifest = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ExportError(f"{file} is damaged (not valid JSON: {e})") from e
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != FORMAT:
-        raise ExportError(f"{file} is damaged (not a barter manifest)")
-    return files
-
-
-def verify_files(directory: Path, names: list[str] | None = None) -> None:
-    """Check the files `names` of `directory` (default: all its manifest records) against its manifest; raise
-    ExportError naming the first that is missing, unrecorded or changed since it was written."""
-    recorded = read_manifest(directory)
-    for name in recorded if names is None else names:
-        file = directory / name
-        if name not in recorded:
-            raise ExportError(f"{file} is not recorded in {directory / MANIFEST}")
-        if not file.is_file():
-            raise ExportError(f"{file} is missing")
-        digest = file_sha256(file)
-        if digest != recorded[name]:
-            raise ExportError(f"{file}: checksum mismatch (sha256 {digest}, recorded {recorded[name]} in "
-                              f"{MANIFEST}); the file is damaged or was changed after it was written")
-
-
-def pack_state(state: Any) -> dict[str, Any]:
-    """`state` serialised by `torch.save` with the sha256 of the bytes, for a file of someone else's checkpoint
-    (the integrations') that `unpack_state` verifies."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    return {"state": data, "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def unpack_state(packed: Any, source: str) -> Any:
-    """The state `pack_state` packed, after checking its sha256; ExportError naming `source` when it is damaged."""
-    if not isinstance(packed, dict) or not isinstance(packed.get("state"), bytes) or "sha256" not in packed:
-        raise ExportError(f"{source} is damaged (no checksummed state)")
-    digest = hashlib.sha256(packed["state"]).hexdigest()
-    if digest != packed["sha256"]:
-        raise ExportError(f"{source}: checksum mismatch (sha256 {digest}, recorded {packed['sha256']}); the state "
-                          "is damaged or was changed after it was saved")
-    return torch.load(io.BytesIO(packed["state"]), map_location="cpu", weights_only=True)
 
 
 def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs: dict[str, Any] | None
@@ -449,11 +362,3 @@ def _check_fits(model: nn.Module, weights: dict[str, Tensor], plan: list[tuple[U
     if problems:
         raise ExportError(f"{weights_file} does not fit {type(model).__name__} resized to its topology ("
                           + "; ".join(problems) + ")")
-
-
-def file_sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with file.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -44,23 +44,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     To resume, wrap a freshly built model with the same arguments, then call `ctl.load_state_dict(sd)` before
     `model.load_state_dict` and `optimizer.load_state_dict` (it restores the saved widths first).
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
-    if not 0 < density <= 1:
-        raise ValueError(f"density must be in (0, 1], got {density}")
-    if total_steps < 1:
-        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
-    opts = Options.from_kwargs(**options)
-    refuse_sharded(model)
-    if model.__dict__.get(WRAPPED_ATTRIBUTE):
-        raise ValueError(f"{type(model).__name__} is wrapped by barter.wrap already (compact, its layers installed): "
-                         "keep using the controller that wrap returned (ctl.close() stops it following the "
-                         "optimizer and collecting scores); to wrap anew, build the model afresh and wrap that")
-    if (opts.init == "score") != (calibration is not None):
-        raise ValueError("init='score' measures D on calibration batches: pass calibration=<loader>"
-                         if calibration is None else f"calibration is read by init='score' only (init={opts.init!r})")
-    if loss_fn is not None and calibration is None:
-        raise ValueError("loss_fn is the loss of the calibration batches: it needs calibration")
+    opts = _read_arguments(model, method=method, density=density, total_steps=total_steps, options=options,
+                           calibration=calibration, loss_fn=loss_fn)
     if example_inputs is None and not example_kwargs:
         example_inputs = default_example_inputs(model)
     analysis = analyse(model, () if example_inputs is None else example_inputs, example_kwargs)
@@ -82,18 +67,48 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
         surgeon, [g for kind in KINDS for g in layers[kind]], calibration, loss_fn)
     kept = compact(surgeon, layers, density=density, init=opts.init, allocation=opts.allocation,
                    generator=select_rng, importance=surgeon.unit_norms if scores is None else lambda g: scores[g.name])
-    counts = {kind: [g.count for g in layers[kind]] for kind in KINDS}
-    ratio = {"head": opts.head_ratio, "channel": opts.channel_ratio}
-    budgets = {
-        kind: 0 if method == "static" else transfer_count(sum(counts[kind]), ratio[kind], _feasible(layers[kind]))
-        for kind in KINDS
-    }
+    budgets = _transfer_budgets(layers, method, opts)
     ctl = Controller(surgeon, layers, make_schedule(total_steps, budgets, opts.window), method=method, auto=auto,
                      options=opts, select_rng=select_rng, noise_rng=noise_rng, initial_units=kept)
     if optimizer is not None:
         ctl.follow_optimizer(optimizer)
     ctl.track_scaler(scaler)
     return ctl
+
+
+def _read_arguments(model: nn.Module, *, method: str, density: float, total_steps: int, options: dict[str, Any],
+                    calibration: Iterable[Batch] | None, loss_fn: LossFn | None) -> Options:
+    """`wrap`'s options, read after refusing what it cannot do, before it touches the model: an unknown method, a
+    density or step count out of range, a sharded or wrapped model, calibration batches without init="score" or the
+    other way round."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    if total_steps < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    opts = Options.from_kwargs(**options)
+    refuse_sharded(model)
+    if model.__dict__.get(WRAPPED_ATTRIBUTE):
+        raise ValueError(f"{type(model).__name__} is wrapped by barter.wrap already (compact, its layers installed): "
+                         "keep using the controller that wrap returned (ctl.close() stops it following the "
+                         "optimizer and collecting scores); to wrap anew, build the model afresh and wrap that")
+    if (opts.init == "score") != (calibration is not None):
+        raise ValueError("init='score' measures D on calibration batches: pass calibration=<loader>"
+                         if calibration is None else f"calibration is read by init='score' only (init={opts.init!r})")
+    if loss_fn is not None and calibration is None:
+        raise ValueError("loss_fn is the loss of the calibration batches: it needs calibration")
+    return opts
+
+
+def _transfer_budgets(layers: dict[str, list], method: str, options: Options) -> dict[str, int]:
+    """How many transfers of each kind the schedule holds: none for "static" or a kind that cannot transfer."""
+    counts = {kind: [g.count for g in layers[kind]] for kind in KINDS}
+    ratio = {"head": options.head_ratio, "channel": options.channel_ratio}
+    return {
+        kind: 0 if method == "static" else transfer_count(sum(counts[kind]), ratio[kind], _feasible(layers[kind]))
+        for kind in KINDS
+    }
 
 
 def _feasible(groups: list) -> bool:

@@ -33,11 +33,11 @@ Glossary (as the code uses the words):
 """
 from .analysis.value import Analysis, analyse
 from .dataflow.rules import register_rule
-from .editing import TensorAccess
+from .editing import TensorAccess, replace_data
 from .errors import AnalysisError, OptimizerStateError, TraceError, UnservedCall
 from .groups import LeftOut, UnitGroup
-from .slicing import ParamSlice
+from .slicing import ParamSlice, solve_counts
 from .surgeon import Surgeon
 
 __all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError",
-           "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess"]
+           "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess", "replace_data", "solve_counts"]

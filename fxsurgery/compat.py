@@ -1,10 +1,11 @@
-"""The private torch APIs the project relies on, each reached from here only, by a name that says what it is for.
+"""The private torch APIs fxsurgery relies on, each reached from here only, by a name that says what it is for.
 
 torch may move or change a private name in any release. Keeping every one in this file, wrapped by a small function
 or re-exported, puts an upgrade's breakage in one place: ``tests/test_compat.py`` exercises each entry on the
 installed torch, and fails on a private torch name reached anywhere else in the project. ``PRIVATE_TORCH_NAMES`` is
-the table of what is reached, spelled as that check finds it. (barter's private Lightning name lives in
-``barter.integrations.lightning_compat``; this module imports torch only.)
+the table of what is reached, spelled as that check finds it. These are fxsurgery's own: barter keeps the private
+torch names it relies on in ``barter.compat`` and its private Lightning name in
+``barter.integrations.lightning_compat``. This module imports torch only.
 """
 from __future__ import annotations
 
@@ -26,9 +27,7 @@ from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map si
 __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "flatten_to_spec", "pytree_info",
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
-           "feed_forward_block", "dynamo_config", "foreach_mul_", "device_scale", "DispatchMode",
-           "returns_new_tensors", "fsdp_records", "reshard_resized", "hold_empty", "graph_module", "is_fake",
-           "outside_traces"]
+           "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module", "is_fake", "outside_traces"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
 # -> the name of this module that reaches it
@@ -58,18 +57,6 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch.nn.modules.conv._ConvNd": "ConvNd",
     "._sa_block": "self_attention_block",
     "._ff_block": "feed_forward_block",
-    "torch._dynamo.config": "dynamo_config",
-    "torch._foreach_mul_": "foreach_mul_",
-    "._get_scale_async": "device_scale",
-    "._get_fsdp_state": "fsdp_records",
-    "._fsdp_param_group": "fsdp_records",
-    "._orig_param_uid": "reshard_resized",
-    "._init_sharded_param": "reshard_resized",
-    "._init_sharded_post_forward_param_metadata": "reshard_resized",
-    "._setattr_on_modules": "reshard_resized",
-    "._unsharded_param": "reshard_resized",
-    "._unsharded_inner_tensors": "reshard_resized",
-    "._local_tensor": "hold_empty",
     "torch._subclasses.fake_tensor.is_fake": "is_fake",
     "torch._C._len_torch_function_stack": "outside_traces",
     "torch.overrides._pop_mode_temporarily": "outside_traces",
@@ -177,88 +164,3 @@ def feed_forward_block(layer: nn.TransformerEncoderLayer, x: torch.Tensor) -> to
     """The feed-forward branch of an encoder layer's training path (``TransformerEncoderLayer._ff_block``,
     torch >= 1.10)."""
     return layer._ff_block(x)
-
-
-def dynamo_config() -> Any:
-    """dynamo's settings module, whose recompile limits ``barter.compiling`` raises (``torch._dynamo.config``; the
-    limits are ``recompile_limit`` and ``accumulated_recompile_limit`` since torch 2.6)."""
-    return torch._dynamo.config
-
-
-#: ``tensors[i] *= scalars[i]`` (or ``*= scalar``) over lists of tensors in one fused kernel per device and dtype,
-#: as torch's optimizers step (``torch._foreach_mul_``, torch >= 1.7).
-foreach_mul_ = torch._foreach_mul_
-
-
-def device_scale(scaler: Any) -> torch.Tensor | None:
-    """A GradScaler's scale as its device tensor, read without a host sync (``GradScaler._get_scale_async``,
-    torch >= 1.6); None for a scaler without that reader, or one that has not scaled yet."""
-    read = getattr(scaler, "_get_scale_async", None)
-    return read() if read is not None else None
-
-
-def fsdp_records(module: nn.Module) -> list[Any]:
-    """The records (``FSDPParam``) of the parameters that ``fully_shard(module)`` shards as ``module``'s own group,
-    each with its ``sharded_param`` (the DTensor Parameter the module holds and an optimizer steps); [] for a
-    module without parameters of its own (``FSDPModule._get_fsdp_state()._fsdp_param_group``, torch >= 2.6)."""
-    group = module._get_fsdp_state()._fsdp_param_group
-    return [] if group is None else list(group.fsdp_params)
-
-
-def reshard_resized(record: Any, values: torch.Tensor) -> None:
-    """Make the parameter FSDP2's ``record`` (an ``FSDPParam``) shards hold ``values``: the whole tensor at a new
-    size, equal on every rank, sharded on dim 0 as ``fully_shard`` shards it, in the same Parameter object (an
-    optimizer's, with its attributes). The unsharded parameter and the all-gather buffers, sized for the old shape,
-    are made afresh at the next all-gather. The record must be sharded (``FSDPModule.reshard()``).
-
-    ``FSDPParam._init_sharded_param`` shards a new Parameter and sets the sizes the collectives read; its content
-    is swapped into the old Parameter object (torch >= 2.6)."""
-    param = record.sharded_param
-    attributes, uid = dict(param.__dict__), record._orig_param_uid
-    whole = nn.Parameter(values.to(record.device), requires_grad=param.requires_grad)
-    record._init_sharded_param(whole, record.device, None, record.mesh_info)
-    if record.post_forward_mesh_info is not None:
-        record._init_sharded_post_forward_param_metadata(whole)
-    torch.utils.swap_tensors(param, record.sharded_param)
-    param.__dict__.update(attributes)
-    record.sharded_param = param
-    record._setattr_on_modules(param)
-    record._orig_param_uid = uid
-    record.all_gather_outputs = []
-    if hasattr(record, "_unsharded_param"):
-        del record._unsharded_param
-    record._unsharded_inner_tensors = []
-    record.unsharded_accumulated_grad = None
-    hold_empty(record)
-
-
-def hold_empty(record: Any) -> None:
-    """Make FSDP2's ``record`` of a parameter with no elements (a layer emptied of its heads) one FSDP2 can gather
-    and step: its shard shaped as its DTensor says (torch gives the shard of a tensor with no elements the shape
-    (0, ...) whatever its dim 0, which ``full_tensor``, state dicts and checkpoints refuse) and no gradient (FSDP2's
-    reduce-scatter refuses an empty one: ``_chunk_cat expects non-empty tensor``; nothing in it can learn). A
-    parameter with elements is left as it is. The record must be sharded. After a ``load_state_dict`` or
-    ``module.to``, torch pads a shard again (``FSDPParam.reset_sharded_param``), which fails on a shard shaped as
-    its DTensor says with fewer rows than the padded one: an empty one, with nothing to pad, is held instead."""
-    param = record.sharded_param
-    if param.numel():
-        return
-    from torch.distributed.tensor import distribute_tensor
-
-    if "reset_sharded_param" not in vars(record):
-        reset = record.reset_sharded_param
-
-        def reset_and_hold() -> None:
-            if record.sharded_param.numel():
-                reset()
-            else:
-                hold_empty(record)
-
-        record.reset_sharded_param = reset_and_hold
-
-    whole = torch.empty(param.shape, dtype=param.dtype, device=record.device)
-    local = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
-    param._local_tensor = local
-    record.sharded_size = local.shape
-    record.contiguous_sharded_stride = local.stride()
-    param.requires_grad_(False)

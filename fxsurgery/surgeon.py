@@ -1,7 +1,6 @@
 """The public entry point: find unit groups in a model and remove or clone units in place."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -46,9 +45,7 @@ class Surgeon:
             analysis = analyse(model, example_inputs, example_kwargs)
             analysis._plan.shared.adopt(model)
         self.model = model
-        # without its install plan: the plan's graphs hold the analysed copy, whose parameters share the storage
-        # the model had before any edit, and would keep it alive beside the compact model
-        self.analysis = dataclasses.replace(analysis, _plan=None)
+        self.analysis = analysis.without_plan()
         self.example_inputs = analysis.example_inputs
         self.example_kwargs = analysis.example_kwargs
         self._editor = Editor(model)

@@ -1,13 +1,13 @@
 """The private torch and Lightning APIs the project relies on: each works on the installed version (one test per
-entry of ``fxsurgery.compat`` and ``barter.integrations.lightning_compat``, so an upgrade that removes or changes one
-fails here, by name), and none is reached from anywhere else in the project's source."""
+entry of ``fxsurgery.compat`` and ``barter.integrations.lightning_compat`` here, of ``barter.compat`` in
+``test_compat_barter.py``, so an upgrade that removes or changes one fails by name), and none is reached from anywhere
+else in the project's source."""
 from __future__ import annotations
 
 import ast
 import importlib
 import logging
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,9 @@ from fxsurgery import compat
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("fxsurgery", "barter", "benchmarks")
 TORCH_COMPAT = Path("fxsurgery/compat.py")
+BARTER_COMPAT = Path("barter/compat.py")
 LIGHTNING_COMPAT = Path("barter/integrations/lightning_compat.py")
+COMPAT_MODULES = (TORCH_COMPAT, BARTER_COMPAT, LIGHTNING_COMPAT)
 LIBRARIES = ("torch", "lightning", "pytorch_lightning")
 # underscore names of other libraries' objects that are no private torch API: a NamedTuple's public methods, and the
 # attention kernel a transformers config names
@@ -144,14 +146,17 @@ def own(sources) -> set[str]:
 
 def test_no_private_torch_name_outside_the_compat_modules(sources, own):
     outside = [f"{path}:{line}: {name}" for path, tree in sources.items()
-               if path not in (TORCH_COMPAT, LIGHTNING_COMPAT) for line, name in private_names(tree, own)]
-    assert not outside, ("private torch or Lightning names reached outside fxsurgery/compat.py and "
-                         "barter/integrations/lightning_compat.py (reach them through those):\n" + "\n".join(outside))
+               if path not in COMPAT_MODULES for line, name in private_names(tree, own)]
+    assert not outside, ("private torch or Lightning names reached outside the compat modules "
+                         f"{', '.join(map(str, COMPAT_MODULES))} (reach them through those):\n" + "\n".join(outside))
 
 
 def test_the_compat_tables_list_what_their_modules_reach(sources, own):
     lightning_compat = pytest.importorskip("barter.integrations.lightning_compat")
+    import barter.compat
+
     for path, table, table_name in ((TORCH_COMPAT, compat.PRIVATE_TORCH_NAMES, "PRIVATE_TORCH_NAMES"),
+                                    (BARTER_COMPAT, barter.compat.PRIVATE_TORCH_NAMES, "PRIVATE_TORCH_NAMES"),
                                     (LIGHTNING_COMPAT, lightning_compat.PRIVATE_LIGHTNING_NAMES,
                                      "PRIVATE_LIGHTNING_NAMES")):
         code = ast.Module([s for s in sources[path].body if not assigns(s, table_name)], [])  # the table's own text
@@ -365,27 +370,6 @@ def test_feed_forward_block():
     torch.testing.assert_close(compat.feed_forward_block(layer, x), layer.linear2(layer.linear1(x).relu()))
 
 
-def test_dynamo_config():
-    config = compat.dynamo_config()
-    assert isinstance(config.recompile_limit, int) and isinstance(config.accumulated_recompile_limit, int)
-
-
-def test_foreach_mul_():
-    a, b = torch.ones(2), torch.ones(3)
-    compat.foreach_mul_([a, b], [torch.full((2,), 2.0), torch.zeros(3)])
-    compat.foreach_mul_([a], 3.0)
-    assert torch.equal(a, torch.full((2,), 6.0)) and torch.equal(b, torch.zeros(3))
-
-
-def test_device_scale():
-    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
-    assert compat.device_scale(scaler) is None  # no scale before the first scaled loss
-    scaler.scale(torch.ones(()))
-    scale = compat.device_scale(scaler)
-    assert torch.is_tensor(scale) and scale.item() == 8.0
-    assert compat.device_scale(object()) is None
-
-
 def test_fits_in_child_processes():
     pl = pytest.importorskip("lightning.pytorch")
     from barter.integrations.lightning_compat import fits_in_child_processes
@@ -417,86 +401,6 @@ def test_returns_new_tensors():
     assert not compat.returns_new_tensors(aten.view.default)  # a view of its argument
     assert not compat.returns_new_tensors(aten.add_.Tensor)  # writes its argument
     assert not compat.returns_new_tensors(print)  # no ATen op
-
-
-@pytest.fixture
-def one_process_group():
-    """A gloo process group of this process alone, for FSDP2 on CPU."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp_records(one_process_group):
-    from torch.distributed.fsdp import fully_shard
-
-    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
-    fully_shard(model[0])
-    fully_shard(model)
-    assert [id(r.sharded_param) for r in compat.fsdp_records(model[0])] == [id(p) for p in model[0].parameters()]
-    assert [id(r.sharded_param) for r in compat.fsdp_records(model)] == [id(p) for p in model[1].parameters()]
-    assert compat.fsdp_records(fully_shard(nn.Sequential(nn.ReLU()))) == []
-
-
-def test_reshard_resized(one_process_group):
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = fully_shard(nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2)))
-    model(torch.randn(4, 2)).sum().backward()  # lazy init and a first all-gather at the old sizes
-    records = {id(r.sharded_param): r for r in compat.fsdp_records(model)}
-    weight, bias, out = model[0].weight, model[0].bias, model[2].weight
-    weight.custom_attribute = "kept"
-    new = {weight: torch.randn(4, 2), bias: torch.randn(4), out: torch.randn(2, 4)}
-    for param, values in new.items():
-        compat.reshard_resized(records[id(param)], values)
-    assert model[0].weight is weight and weight.custom_attribute == "kept" and weight.grad is None
-    for param, values in new.items():
-        assert param.shape == values.shape and torch.equal(param.full_tensor(), values)
-    x = torch.randn(4, 2)
-    expected = torch.relu(x @ new[weight].T + new[bias]) @ new[out].T + model[2].bias.full_tensor().detach()
-    y = model(x)
-    torch.testing.assert_close(y, expected)
-    y.sum().backward()
-    assert weight.grad.shape == (4, 2) and out.grad.shape == (2, 4)
-
-
-def test_hold_empty(one_process_group):
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = fully_shard(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)))
-    records = {id(r.sharded_param): r for r in compat.fsdp_records(model)}
-    model(torch.randn(4, 2)).sum().backward()  # lazy init and a first all-gather at the old sizes
-    compat.reshard_resized(records[id(model[0].weight)], torch.empty(0, 2))  # reshard_resized holds what it empties
-    compat.reshard_resized(records[id(model[0].bias)], torch.empty(0))
-    compat.reshard_resized(records[id(model[1].weight)], torch.empty(2, 0))
-
-    def empty_layer() -> nn.Module:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # initialising tensors with no elements does nothing
-            return fully_shard(nn.Sequential(nn.Linear(2, 0), nn.Linear(0, 2)))  # empty when sharded
-
-    unheld = empty_layer()
-    assert unheld[1].weight.to_local().shape == (0, 0)  # torch's shard of a (2, 0) tensor
-    with pytest.raises(RuntimeError, match="non-empty"):
-        unheld(torch.randn(4, 2)).sum().backward()
-    fresh = empty_layer()
-    for record in compat.fsdp_records(fresh):
-        compat.hold_empty(record)
-    for m in (model, fresh):
-        assert [p.requires_grad for p in m.parameters()] == [False, False, False, True]
-        assert m[1].weight.to_local().shape == (2, 0) and m[1].weight.full_tensor().shape == (2, 0)
-        bias = m[1].bias.full_tensor().detach()
-        m.zero_grad()
-        y = m(torch.randn(4, 2))
-        torch.testing.assert_close(y, bias.expand(4, 2))
-        y.sum().backward()
-        assert m[1].bias.grad.full_tensor().tolist() == [4.0, 4.0] and m[0].weight.grad is None
 
 
 def test_graph_module():

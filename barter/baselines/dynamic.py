@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery.compat import foreach_mul_
-
+from ..compat import foreach_mul_
 from .scheduled import SparseTraining
 from .update import cosine_drop_fraction, drop_and_grow
 

@@ -1,4 +1,5 @@
-"""The baselines by name: `build_baseline(method, model, optimizer, ...)` gives a driver (`SparseTraining`).
+"""The baselines by name: `build_baseline(method, model, optimizer, ...)` gives a driver, a
+`barter.method.TrainingMethod` (the mask-based ones are `SparseTraining`).
 
     sp = build_baseline("srigl", model, optimizer, density=0.3, total_steps=T, seed=0)
     ... loss.backward(); optimizer.step(); sp.step()
@@ -13,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..method import TrainingMethod
 from .build import build_sparse
 from .names import METHODS
 from .s2vite import build_s2vite
-from .scheduled import SparseTraining
 from .snfs import build_snfs
 from .srigl import build_srigl
 
-BUILDERS: dict[str, Callable[..., SparseTraining]] = {
+BUILDERS: dict[str, Callable[..., TrainingMethod]] = {
     "rigl": partial(build_sparse, method="rigl"),
     "set": partial(build_sparse, method="set"),
     "snfs": build_snfs,
@@ -39,7 +40,7 @@ def baseline_options(method: str) -> tuple[str, ...]:
 
 def build_baseline(method: str, model: nn.Module, optimizer: torch.optim.Optimizer, *, density: float,
                    total_steps: int, seed: int = 0, example_inputs: tuple | None = None,
-                   **options: Any) -> SparseTraining:
+                   **options: Any) -> TrainingMethod:
     """Make `model` sparse to `density` under baseline `method` and return its driver; `options` go to the
     method's factory (`baseline_options(method)` lists them)."""
     unknown = sorted(set(options) - set(baseline_options(method)))

@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from fxsurgery import Surgeon, UnitGroup, analyse
-from fxsurgery.compat import foreach_mul_
 
 from ..analysis import default_example_inputs
+from ..compat import foreach_mul_
 from .scheduled import SparseTraining
 from .snfs import cosine_prune_rate
 

@@ -41,7 +41,6 @@ builds on the sharded parameters is attached in `on_train_begin`, and the transf
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,48 +51,35 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..controller import Controller
-from ..ddp import follow_transfers, rebuild_reducer, world_size
+from ..ddp import rebuild_reducer, world_size
+from ..files import ExportError
 from ..fsdp import SUPPORTED, UnsupportedSharding
-from ..serialization import ExportError, pack_state, unpack_state
-from ..wrapping import wrap
+from ..packed_state import pack_state, unpack_state
+from .base import WrappingCallback
 
 STATE_FILE = "barter.pt"
 
 
-class BarterCallback(TrainerCallback):
+class BarterCallback(WrappingCallback, TrainerCallback):
     """Wrap the Trainer's model (or its submodule `module`, an attribute path) with `barter.wrap(**wrap_options)`."""
 
     def __init__(self, *, module: str | None = None, total_steps: int | None = None,
                  resume_from: str | os.PathLike | None = None, **wrap_options: Any) -> None:
-        if "optimizer" in wrap_options or "model" in wrap_options:
-            raise TypeError("BarterCallback wraps the trainer's own model and optimizer; pass wrap's other options")
-        self.module = module
-        self.total_steps = total_steps
+        super().__init__(module=module, total_steps=total_steps, wrap_options=wrap_options)
         self.resume_from = resume_from
-        self.wrap_options = wrap_options
-        self.controller: Controller | None = None
         self.example_batch: dict[str, Any] | None = None  # the first batch, when it is the example call
-        self._hooks: list[RemovableHandle] = []
 
     @property
     def _takes_a_batch(self) -> bool:
         """The Trainer's batch is the example call: of the model itself, and no example given."""
-        given = self.wrap_options.get("example_inputs") is not None or self.wrap_options.get("example_kwargs")
-        return self.module is None and not given
+        return self.module is None and not self._example_given
 
-    def _target(self, model: nn.Module) -> nn.Module:
-        return model.get_submodule(self.module) if self.module else model
-
-    def _wrap(self, model: nn.Module, total_steps: int, optimizer: torch.optim.Optimizer | None) -> None:
-        self.total_steps = total_steps
-        options = dict(self.wrap_options)
-        if self.example_batch is not None:
-            options["example_kwargs"] = self.example_batch
-        self.controller = wrap(self._target(model), optimizer, total_steps=total_steps, **options)
+    def _wrap_on_batch(self, model: nn.Module, total_steps: int, optimizer: torch.optim.Optimizer | None) -> None:
+        """Wrap, on the example batch when it is the example call."""
+        example = {} if self.example_batch is None else {"example_kwargs": self.example_batch}
+        self._wrap(model, total_steps, optimizer, **example)
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
                     model: nn.Module, **kwargs: Any) -> None:
@@ -111,7 +97,7 @@ class BarterCallback(TrainerCallback):
             if total_steps < 1:
                 raise ValueError("under FSDP2 the callback wraps before the Trainer counts its steps: pass "
                                  "BarterCallback(total_steps=...) or TrainingArguments(max_steps=...)")
-            self._wrap(model, total_steps, optimizer=None)
+            self._wrap_on_batch(model, total_steps, optimizer=None)
             return
         if self.resume_from is None or self.controller is not None:
             return
@@ -124,7 +110,7 @@ class BarterCallback(TrainerCallback):
                 raise ValueError(f"{path} holds no example batch and the Trainer has no dataloader yet: pass "
                                  "BarterCallback(example_kwargs=...), the keyword arguments of a training call")
             self.example_batch = send_to_device(saved["batch"], next(model.parameters()).device)
-        self._wrap(model, saved["total_steps"], optimizer=None)
+        self._wrap_on_batch(model, saved["total_steps"], optimizer=None)
         self.controller.load_state_dict(saved["controller"])
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
@@ -136,7 +122,7 @@ class BarterCallback(TrainerCallback):
                 raise ValueError("resuming a BARTER run: pass the checkpoint as BarterCallback(resume_from=...)")
             if self._takes_a_batch:
                 self.example_batch = first_batch(train_dataloader, next(model.parameters()).device)
-            self._wrap(model, self.total_steps or state.max_steps, inner)
+            self._wrap_on_batch(model, self.total_steps or state.max_steps, inner)
         else:
             if self.controller.step_count != state.global_step:
                 raise ValueError(f"the controller restored from {self.resume_from} is at step "
@@ -154,7 +140,7 @@ class BarterCallback(TrainerCallback):
             if isinstance(module, DistributedDataParallel) and module.module is model:
                 search.remove()
                 rebuild_reducer(module)  # the Trainer built it before the wrap made the model compact
-                self._hooks.append(follow_transfers(module, self.controller))
+                self._follow(module)
             elif module is model and model.training:
                 search.remove()
                 raise RuntimeError("under torch.distributed the HF BarterCallback needs the Trainer to run the "
@@ -166,9 +152,7 @@ class BarterCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._stop_following()
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Write the controller (and the example batch, for a resumed run) into the checkpoint folder just saved."""
@@ -194,15 +178,9 @@ def trainer_sharding() -> str | None:
 
 
 def read_state(path: str) -> dict[str, Any]:
-    """The callback's state saved at `path` by `on_save`, its sha256 verified; an older barter's file, saved
-    without one, is read with a warning."""
+    """The callback's state saved at `path` by `on_save`, its sha256 verified."""
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(saved, dict) and "controller" in saved:
-            warnings.warn(f"{path} was saved without a checksum (an older barter); it is read unverified",
-                          stacklevel=3)
-            return saved
-        return unpack_state(saved, path)
+        return unpack_state(torch.load(path, map_location="cpu", weights_only=True), path)
     except ExportError:
         raise
     except Exception as e:  # torch.load raises many types for a damaged file

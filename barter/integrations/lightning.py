@@ -25,34 +25,24 @@ for a submodule (`module`), whose call it does not describe, wrap falls back to 
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import move_data_to_device
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
-from ..controller import Controller
-from ..ddp import follow_transfers
-from ..serialization import pack_state, unpack_state
-from ..wrapping import wrap
+from ..packed_state import pack_state, unpack_state
+from .base import WrappingCallback
 from .lightning_compat import fits_in_child_processes
 
 
-class BarterCallback(pl.Callback):
+class BarterCallback(WrappingCallback, pl.Callback):
     """Wrap the LightningModule (or its submodule `module`, an attribute path) with `barter.wrap(**wrap_options)`."""
 
     def __init__(self, *, module: str | None = None, total_steps: int | None = None, **wrap_options: Any) -> None:
-        if "optimizer" in wrap_options or "model" in wrap_options:
-            raise TypeError("BarterCallback wraps the trainer's own model and optimizer; pass wrap's other options")
-        self.module = module
-        self.total_steps = total_steps
-        self.wrap_options = wrap_options
-        self.controller: Controller | None = None
+        super().__init__(module=module, total_steps=total_steps, wrap_options=wrap_options)
         self._restored = False
-        self._ddp_hook: RemovableHandle | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.controller is not None:
@@ -61,17 +51,14 @@ class BarterCallback(pl.Callback):
             raise RuntimeError("BarterCallback cannot fit in processes the Trainer spawns or forks (ddp_spawn, "
                                "ddp_fork): the launching process would load the compact weights into its "
                                "full-width model; use strategy='ddp' (one process per device, as torchrun starts)")
-        target = pl_module.get_submodule(self.module) if self.module else pl_module
+        target = self._target(pl_module)
         target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
-        options = dict(self.wrap_options)
-        if options.get("example_inputs") is None and not options.get("example_kwargs"):
-            options.update(self._example_call(pl_module, target))
-        total = self.total_steps or int(trainer.estimated_stepping_batches)
-        self.controller = wrap(target, total_steps=total, **options)
+        example = {} if self._example_given else self._example_call(pl_module, target)
+        self._wrap(pl_module, self.total_steps or int(trainer.estimated_stepping_batches), None, **example)
         original = pl_module.on_load_checkpoint
 
         def restore_widths_first(checkpoint: dict[str, Any]) -> None:
-            self._restore(checkpoint, source=f"{trainer.ckpt_path} ({self.state_key})")
+            self._restore_widths(checkpoint, source=f"{trainer.ckpt_path} ({self.state_key})")
             original(checkpoint)
 
         pl_module.on_load_checkpoint = restore_widths_first  # runs before Lightning loads the weights
@@ -79,15 +66,14 @@ class BarterCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and "on_load_checkpoint" in vars(pl_module):
             del pl_module.on_load_checkpoint
-        if stage == "fit" and self._ddp_hook is not None:
-            self._ddp_hook.remove()
-            self._ddp_hook = None
+        if stage == "fit":
+            self._stop_following()
 
-    def _restore(self, checkpoint: dict[str, Any], source: str) -> None:
+    def _restore_widths(self, checkpoint: dict[str, Any], source: str) -> None:
         saved = checkpoint.get("callbacks", {}).get(self.state_key)
-        if saved is None or saved.get("controller", saved.get("state")) is None:
+        if saved is None or saved.get("state") is None:
             raise ValueError(f"the checkpoint holds no {self.state_key} state; it was not made with BARTER")
-        self.controller.load_state_dict(controller_state(saved, source))
+        self._restore(saved, source)
         self._restored = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -95,7 +81,7 @@ class BarterCallback(pl.Callback):
             raise ValueError(f"BarterCallback needs exactly one optimizer, got {len(trainer.optimizers)}")
         self.controller.attach_optimizer(trainer.optimizers[0])
         if isinstance(trainer.strategy.model, DistributedDataParallel):
-            self._ddp_hook = follow_transfers(trainer.strategy.model, self.controller)
+            self._follow(trainer.strategy.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's state serialised with its sha256 (`barter.serialization.pack_state`), which restoring
@@ -105,7 +91,7 @@ class BarterCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning calls this after it loaded the weights; the controller was restored before them."""
         if not self._restored and self.controller is not None:
-            self.controller.load_state_dict(controller_state(state_dict, f"the checkpoint's {self.state_key} state"))
+            self._restore(state_dict, f"the checkpoint's {self.state_key} state")
 
     @staticmethod
     def _example_call(pl_module: pl.LightningModule, target: nn.Module) -> dict[str, Any]:
@@ -122,8 +108,5 @@ class BarterCallback(pl.Callback):
 
 def controller_state(saved: dict[str, Any], source: str) -> dict[str, Any]:
     """The controller state in the callback's checkpoint entry `saved`, its sha256 verified (ExportError naming
-    `source` when it is damaged); an older barter's entry, saved without one, is read with a warning."""
-    if "controller" in saved:
-        warnings.warn(f"{source} was saved without a checksum (an older barter); it is read unverified", stacklevel=3)
-        return saved["controller"]
+    `source` when it is damaged)."""
     return unpack_state(saved, source)

@@ -1,5 +1,5 @@
 """The private Lightning API barter's Lightning integration relies on, reached from here only (as
-``fxsurgery.compat`` does for torch's): ``tests/test_compat.py`` exercises each entry on the installed Lightning and
+``barter.compat`` does for torch's): ``tests/test_compat.py`` exercises each entry on the installed Lightning and
 fails on a private Lightning name reached anywhere else. Importing this module imports Lightning."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from timm.loss import SoftTargetCrossEntropy
 from torch import Tensor, nn
 
-from fxsurgery.compat import foreach_mul_
+from ..compat import foreach_mul_
 
 from .config import DECAYS
 

@@ -9,6 +9,7 @@ without it analyses the model again and checks that it finds the same.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -52,6 +53,11 @@ class Analysis:
             if g.name == name:
                 return g
         raise KeyError(f"no group named {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def without_plan(self) -> Analysis:
+        """The same description without the install plan (what a pickle or copy holds): the plan's graphs hold the
+        analysed copy, whose parameters share the storage the model had, and would keep it alive once installed."""
+        return dataclasses.replace(self, _plan=None)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Analysis):

@@ -249,9 +249,14 @@ def test_missing_or_foreign_files(tmp_path):
     with pytest.raises(ExportError, match="no barter export"):
         barter.load(tmp_path)
     (tmp_path / "topology.json").write_text("{not json")
+    with pytest.raises(ExportError, match="manifest.json is missing"):
+        barter.load(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    write_manifest(tmp_path)  # files written so, not damaged
     with pytest.raises(ExportError, match="not valid JSON"):
         barter.load(tmp_path)
     (tmp_path / "topology.json").write_text(json.dumps({"format": "barter-export", "version": 99}))
+    write_manifest(tmp_path)
     with pytest.raises(ExportError, match="format version 99"):
         barter.load(tmp_path)
     (tmp_path / "other.txt").write_text("keep me")

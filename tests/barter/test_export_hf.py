@@ -129,16 +129,16 @@ def test_dense_model_program_takes_keywords(tmp_path):
     assert read_topology(barter.export(loaded, tmp_path / "again")) == topology
 
 
-def test_export_without_keyword_inputs_still_loads(compact_vit, tmp_path):
-    """A topology written before keyword inputs were recorded (no `input_kwargs`) loads as before."""
-    model, _, exported = compact_vit
+def test_export_without_keyword_inputs_is_refused(compact_vit, tmp_path):
+    """A topology without `input_kwargs` (the example call's keyword arguments) is refused, naming the key."""
+    _, _, exported = compact_vit
     path = shutil.copytree(exported, tmp_path / "model")
     topology = read_topology(path)
     del topology["input_kwargs"]
     (path / "topology.json").write_text(json.dumps(topology))
     write_manifest(path)  # a topology written so, not damaged
-    x = torch.randn(4, 3, 32, 32)
-    assert torch.allclose(logits(barter.load(path), x), logits(model, x), atol=1e-5)
+    with pytest.raises(ExportError, match="lacks input_kwargs"):
+        barter.load(path)
 
 
 @pytest.mark.parametrize("name", ["NoSuchModelForAnything", "ViTConfig"])

@@ -28,6 +28,7 @@ from transformers import (  # noqa: E402
 )
 
 from barter.integrations.hf import STATE_FILE, BarterCallback  # noqa: E402
+from barter.packed_state import pack_state  # noqa: E402
 
 STEPS = 12
 VOCAB = 64
@@ -127,8 +128,8 @@ def test_resume_analyses_the_batch_saved_with_the_checkpoint(tmp_path):
 
 
 def test_resume_without_a_saved_batch_asks_for_the_example(tmp_path):
-    """A checkpoint without the batch (an older barter's): the Trainer has no dataloader yet to take one from."""
-    torch.save({"total_steps": STEPS, "controller": {}, "batch": None}, tmp_path / STATE_FILE)
+    """A checkpoint without the batch (a run given its example): the Trainer has no dataloader yet to take one from."""
+    torch.save(pack_state({"total_steps": STEPS, "controller": {}, "batch": None}), tmp_path / STATE_FILE)
     with pytest.raises(ValueError, match="holds no example batch"):
         train(bert(), sentences(), tmp_path / "resumed", collator=DataCollatorWithPadding(tokenizer()),
               resume_from=tmp_path)

@@ -116,13 +116,11 @@ def test_load_eval_and_export_name_the_damaged_file(whole, tmp_path, capsys, nam
         assert exit_info.value.code == 2 and name in capsys.readouterr().err
 
 
-def test_exports_without_a_manifest_still_load(whole, tmp_path):
-    """An export written before manifests loads, checked by the weights' sha256 in its topology."""
+def test_an_export_without_a_manifest_is_refused(whole, tmp_path):
+    """Its files cannot be verified: the error names the manifest."""
     old = shutil.copytree(whole / "best", tmp_path / "old")
     (old / "manifest.json").unlink()
-    assert barter.load(old).state_dict().keys() == barter.load(whole / "best").state_dict().keys()
-    damage(old / "model.safetensors", "flip")
-    with pytest.raises(ExportError, match="model.safetensors: checksum mismatch"):
+    with pytest.raises(ExportError, match="manifest.json is missing"):
         barter.load(old)
 
 
@@ -237,9 +235,9 @@ def test_hf_callback_state_is_verified(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ExportError, match="barter.pt is damaged"):
         read_state(str(path))
-    torch.save(state, path)  # an older barter's, without a checksum
-    with pytest.warns(UserWarning, match="without a checksum"):
-        assert read_state(str(path)) == state
+    torch.save(state, path)  # without a checksum
+    with pytest.raises(ExportError, match="barter.pt is damaged"):
+        read_state(str(path))
 
 
 def test_lightning_controller_state_is_verified():
@@ -248,8 +246,8 @@ def test_lightning_controller_state_is_verified():
     damaged = {**packed, "state": bytes(len(packed["state"]))}
     with pytest.raises(ExportError, match=r"epoch=0\.ckpt.*checksum mismatch"):
         controller_state(damaged, "epoch=0.ckpt")
-    with pytest.warns(UserWarning, match="without a checksum"):
-        assert controller_state({"controller": {"step": 3}}, "epoch=0.ckpt") == {"step": 3}
+    with pytest.raises(ExportError, match=r"epoch=0\.ckpt is damaged \(no checksummed state\)"):
+        controller_state({"controller": {"step": 3}}, "epoch=0.ckpt")
 
 
 def test_continue_from_names_a_damaged_checkpoint(whole, tmp_path):

@@ -6,9 +6,10 @@ method, density and seed change. `<out>/compare.csv` holds one row per run, `<ou
 mean +- std over seeds of the final test accuracy and macro-F1, the training FLOPs F_total, and the final
 per-layer widths (heads and FFN channels; BARTER's moved, Static's as initialised, the others full);
 `<out>/compare.png` plots test accuracy against cumulative training FLOPs, one curve per method and density
-(mean ± std over seeds at each epoch). Below the table, compare.md pairs the runs of one seed: every method against
-Static, and every wrapped method against each baseline, at the same density, with the per-seed differences, an
-exact sign test and a paired-t 95% interval (`barter.training.paired`).
+(mean ± std over seeds at each epoch); `<out>/transfers.png` the probe loss around each transfer and its units' next
+update sizes, seeds pooled (`barter.training.transfer_plot`). Below the table, compare.md pairs the runs of one
+seed: every method against Static, and every wrapped method against each baseline, at the same density, with the
+per-seed differences, an exact sign test and a paired-t 95% interval (`barter.training.paired`).
 
 Matched compute: each BARTER run is then continued with its topology fixed (`TrainConfig.continue_from`) up to
 the F_total of the reference run with the same seed, `--matched-to dense` by default. The baselines (RigL, SET,
@@ -40,6 +41,7 @@ from .loop import RunResult, train
 from .paired import difference_cells, paired_difference
 from .presets import DEFAULT_PRESET, PRESETS, preset
 from .runlog import CheckpointError, RunDir
+from .transfer_plot import plot_transfers
 
 DEFAULT_METHODS = ("dense", "static", "barter", *BASELINES)
 DEFAULT_DENSITIES = (0.1, 0.3, 0.5, 0.7)
@@ -250,6 +252,18 @@ def plot(path: Path, rows: list[Row]) -> None:
     plt.close(fig)
 
 
+def transfer_events(rows: list[Row]) -> dict[str, list[dict]]:
+    """{"method ρ=density": the events.jsonl records of its runs, seeds pooled} for transfers.png (a matched
+    continuation repeats its run's transfers: left out)."""
+    pooled: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (ROW_ORDER.index(r.method), r.density)):
+        path = r.result.run_dir / "events.jsonl"
+        if r.method != MATCHED and path.is_file():
+            events = [json.loads(line) for line in path.read_text().splitlines()]
+            pooled.setdefault(f"{r.method} ρ={r.density:g}", []).extend(events)
+    return pooled
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The study's options (shared by `barter compare` and `benchmarks/compare.py`)."""
     p.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
@@ -302,7 +316,9 @@ def run_study(args: argparse.Namespace) -> int:
     out = Path(args.out)
     write(out, rows, table)
     plot(out / "compare.png", rows)
-    print(f"\n{table}\nwrote {out / 'compare.csv'}, {out / 'compare.md'} and {out / 'compare.png'}")
+    plot_transfers(out / "transfers.png", transfer_events(rows))
+    print(f"\n{table}\nwrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'} and "
+          f"{out / 'transfers.png'}")
     return 0
 
 

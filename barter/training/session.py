@@ -114,7 +114,9 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         method = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
                                 seed=config.seed, example_inputs=example_batch(data, device),
                                 **config.baseline_options)
-    if controller is not None and not config.fsdp:  # a sharded model's forward is collective: no probe
+    # no probe for a sharded model (its forward is collective) nor in a matched-compute continuation (its events are
+    # its source run's record: no transfer of its own, and the loss after them measured under another schedule)
+    if controller is not None and not config.fsdp and config.continue_from is None:
         controller.watch_transfers(*probe_batch(data, device), build_criterion(config.label_smoothing, mixed=False))
     if config.fsdp:
         shard(model)

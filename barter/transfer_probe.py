@@ -34,13 +34,17 @@ from .selection import Proposal, receiver_scores
 DELAYS = (10, 100)  # optimizer steps after a transfer at which the probe loss is measured again
 UPDATE_STEPS = 10  # optimizer steps after a transfer whose relative update sizes are recorded
 ROLES = ("parent", "new", "kept")
+SCORE_FIELDS = ("donor_D", "receiver_R", "parent_S")
+PROBE_FIELDS = ("probe_loss_before", "probe_loss_after", *(f"probe_loss_{d}" for d in DELAYS),
+                *(f"update_{r}" for r in ROLES))
+MEASURED = SCORE_FIELDS + PROBE_FIELDS  # an event's measured numbers, beside its decision (which units moved)
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
 def choice_scores(table: ScoreTable, prop: Proposal, initial: list[int], maximum: list[int]) -> dict[str, Any]:
     """{donor_D, receiver_R, parent_S}: the running scores of the units and layer `prop` chose (None for a
     proposal without them)."""
-    out: dict[str, Any] = {"donor_D": None, "receiver_R": None, "parent_S": None}
+    out: dict[str, Any] = dict.fromkeys(SCORE_FIELDS)
     offsets = [0, *torch.tensor(table.counts).cumsum(0).tolist()]
     if prop.receiver is not None:
         out["receiver_R"] = float(receiver_scores(table.S, table.counts, initial, maximum)[prop.receiver])
@@ -104,8 +108,7 @@ class TransferProbe:
 
     def before(self, event: dict, model: nn.Module, step: int, edits: int) -> None:
         """Record the loss before the transfer `event` describes (called before its donor goes)."""
-        event.update({"probe_loss_before": self._loss_at(model, step, edits), "probe_loss_after": None,
-                      **{f"probe_loss_{d}": None for d in DELAYS}, **{f"update_{r}": None for r in ROLES}})
+        event.update(dict.fromkeys(PROBE_FIELDS), probe_loss_before=self._loss_at(model, step, edits))
 
     def after(self, event: dict, model: nn.Module, groups: dict[str, Any], step: int, edits: int) -> None:
         """Record the loss right after the transfer and start watching its units (called after its clone)."""

@@ -8,13 +8,11 @@ import pytest
 import torch
 
 import barter
-from barter.transfer_probe import DELAYS, ROLES, UPDATE_STEPS
+from barter.transfer_probe import DELAYS, PROBE_FIELDS, ROLES, UPDATE_STEPS
 
 timm = pytest.importorskip("timm")
 T = 150
 WINDOW = (0.05, 0.3)  # transfers up to step 45: every one is followed by 100 steps
-PROBE_FIELDS = {"probe_loss_before", "probe_loss_after", *(f"probe_loss_{d}" for d in DELAYS),
-                *(f"update_{r}" for r in ROLES)}
 
 
 def build():
@@ -107,7 +105,7 @@ def test_every_transfer_records_finite_probe_fields_and_nonzero_scores(runs):
     done = executed(ctl)
     assert len(done) >= 5 and {e["kind"] for e in done} == {"head", "channel"}
     for e in done:
-        assert PROBE_FIELDS <= set(e)
+        assert set(PROBE_FIELDS) <= set(e)
         for key in ("donor_D", "receiver_R", "parent_S"):
             assert math.isfinite(e[key]) and e[key] > 0, (key, e)
         for key in ("probe_loss_before", "probe_loss_after", *(f"probe_loss_{d}" for d in DELAYS)):
@@ -152,7 +150,7 @@ def test_probe_leaves_training_and_random_streams_unchanged(runs):
     assert [{k: v for k, v in e.items() if k not in PROBE_FIELDS} for e in probed.events] == plain.events
     for (n1, p1), (n2, p2) in zip(plain.model.named_parameters(), probed.model.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), n1
-    assert not PROBE_FIELDS & {k for e in plain.events for k in e}
+    assert not set(PROBE_FIELDS) & {k for e in plain.events for k in e}
 
 
 def test_resumed_run_fills_the_fields_due_across_the_cut(runs):

@@ -13,6 +13,7 @@ from interrupted import cut_at_second_epoch_and_resume
 from barter.training import TrainConfig, processes, train
 from barter.training.processes import shard
 from barter.training.runlog import RunDir, load_checkpoint
+from barter.transfer_probe import MEASURED
 
 pytest.importorskip("timm")
 
@@ -50,6 +51,18 @@ def pipeline_worker(rank, ports, out_dir):
     (out_dir / f"result{rank}.json").write_text(json.dumps(asdict(result), default=str))
 
 
+def assert_same_events(a, b):
+    """The same transfers, their measured numbers equal to the tolerance the two runs' weights are."""
+    def decisions(events):
+        return [{k: v for k, v in e.items() if k not in MEASURED} for e in events]
+    assert decisions(a) == decisions(b)
+    for x, y in zip(a, b):
+        for key in MEASURED:
+            assert (x.get(key) is None) == (y.get(key) is None), key
+            if x.get(key) is not None:
+                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
+
+
 def test_training_pipeline_under_torchrun_resumes_and_matches_one_process(tmp_path):
     fork_processes(pipeline_worker, free_ports(2), tmp_path)
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(WORLD)]
@@ -59,7 +72,7 @@ def test_training_pipeline_under_torchrun_resumes_and_matches_one_process(tmp_pa
     assert [m["epoch"] for m in RunDir(tmp_path / "cut").metrics()] == [1, 2]
     single = train(pipeline_config(tmp_path, "single"))  # one process on the same global batches
     one = load_checkpoint(RunDir(single.run_dir).last)
-    assert resumed["controller"]["events"] == one["controller"]["events"]
+    assert_same_events(resumed["controller"]["events"], one["controller"]["events"])
     assert sum(e["skipped"] is None for e in one["controller"]["events"]) >= 3
     assert resumed["flops"] == one["flops"]
     for name, p in one["model"].items():

@@ -20,8 +20,8 @@ ROLE_LABELS = {"parent": "parent", "new": "new unit (clone)", "kept": "kept unit
 
 
 def probed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The executed transfers whose probe loss was recorded."""
-    return [e for e in events if e["skipped"] is None and e.get("probe_loss_before") is not None]
+    """The executed transfers whose probe loss was recorded (a skipped attempt has none)."""
+    return [e for e in events if e.get("probe_loss_before") is not None]
 
 
 def plot_transfers(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:

@@ -17,13 +17,13 @@ WINDOW = (0.05, 0.3)  # transfers up to step 45: every one is followed by 100 st
 
 def build():
     torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=32, patch_size=8,
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=5, img_size=16, patch_size=8,
                              depth=2, embed_dim=64, num_heads=4, mlp_ratio=2.0, drop_path_rate=0.1, proj_drop_rate=0.1)
 
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
+    return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
 
 
 PROBE = batch(-1)

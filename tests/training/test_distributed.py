@@ -7,13 +7,13 @@ from dataclasses import asdict
 
 import pytest
 import torch
+from event_checks import assert_same_events
 from forked import WORLD, fork_processes, free_ports
 from interrupted import cut_at_second_epoch_and_resume
 
 from barter.training import TrainConfig, processes, train
 from barter.training.processes import shard
 from barter.training.runlog import RunDir, load_checkpoint
-from barter.transfer_probe import MEASURED
 
 pytest.importorskip("timm")
 
@@ -49,18 +49,6 @@ def pipeline_worker(rank, ports, out_dir):
         RunDir.save_checkpoint = RunDir.append_metrics = RunDir.write_json = refuse
     result = cut_at_second_epoch_and_resume(pipeline_config(out_dir, "cut"), ports)
     (out_dir / f"result{rank}.json").write_text(json.dumps(asdict(result), default=str))
-
-
-def assert_same_events(a, b):
-    """The same transfers, their measured numbers equal to the tolerance the two runs' weights are."""
-    def decisions(events):
-        return [{k: v for k, v in e.items() if k not in MEASURED} for e in events]
-    assert decisions(a) == decisions(b)
-    for x, y in zip(a, b):
-        for key in MEASURED:
-            assert (x.get(key) is None) == (y.get(key) is None), key
-            if x.get(key) is not None:
-                assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), key
 
 
 def test_training_pipeline_under_torchrun_resumes_and_matches_one_process(tmp_path):

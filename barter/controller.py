@@ -163,7 +163,9 @@ class Controller:
 
     def watch_transfers(self, inputs: Tensor, targets: Tensor, loss_fn: LossFn | None = None) -> None:
         """Record in every executed transfer's event the loss of the fixed batch (`inputs`, `targets`) around it
-        and the relative update sizes of its units after it (`barter.transfer_probe`; training is unchanged)."""
+        and the relative update sizes of its units after it (`barter.transfer_probe`; training is unchanged).
+        A resumed run calls it before `load_state_dict`, which restores what was due. Reads whole parameters: not
+        for a model sharded by FSDP2 (`barter train` leaves it off there)."""
         self.probe = TransferProbe(inputs, targets, loss_fn)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

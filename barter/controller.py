@@ -25,6 +25,7 @@ from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
 from .selection import propose
+from .transfer_probe import LossFn, TransferProbe, choice_scores
 
 MIN_WIDTH = {"head": 0, "channel": 1}  # attention layers may lose every head, FFNs keep one channel
 
@@ -80,6 +81,7 @@ class Controller:
         self._uncounted = 0  # optimizer steps run since the last counted `step`
         self.scaler: Scaler | None = None
         self.averaged: list[AveragedCopy] = []
+        self.probe: TransferProbe | None = None
         self._install_taps()
 
     def _install_taps(self) -> None:
@@ -150,6 +152,13 @@ class Controller:
         """{"head": [...], "channel": [...]}: 1-based optimizer steps after which a proposal runs."""
         return {kind: list(self._schedule.steps[kind]) for kind in KINDS}
 
+    def watch_transfers(self, inputs: Tensor, targets: Tensor, loss_fn: LossFn | None = None) -> None:
+        """Record in every executed transfer's event the loss of the fixed batch (`inputs`, `targets`) around it
+        and the relative update sizes of its units after it (`barter.transfer_probe`; training is unchanged).
+        A resumed run calls it before `load_state_dict`, which restores what was due. Reads whole parameters: not
+        for a model sharded by FSDP2 (`barter train` leaves it off there)."""
+        self.probe = TransferProbe(inputs, targets, loss_fn)
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep `optimizer`'s state in step with surgery; with `auto`, run `step` after each of its steps."""
         if optimizer is not self._optimizer:
@@ -182,6 +191,8 @@ class Controller:
             self._uncounted = 0
         self.step_count += 1
         self._check_taps_ran()
+        if self.probe is not None:
+            self.probe.step(self.model, self.step_count, self.edits)
         for kind in KINDS:
             table = self.tables[kind]
             table.fold()
@@ -219,8 +230,11 @@ class Controller:
                  "donor_index": prop.donor_index,
                  "receiver_layer": None if prop.receiver is None else groups[prop.receiver].module,
                  "receiver_group": None if prop.receiver is None else groups[prop.receiver].name,
-                 "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped}
+                 "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped,
+                 **choice_scores(table, prop, self.initial[kind], self.maximum[kind])}
         if prop.skipped is None:
+            if self.probe is not None:
+                self.probe.before(event, self.model, self.step_count, self.edits)
             self._prepare_edits()
             self.surgeon.remove(groups[prop.donor_layer], prop.donor_index)
             table.remove(prop.donor_layer, prop.donor_index)
@@ -232,6 +246,8 @@ class Controller:
                 averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
             self.edits += 1
+            if self.probe is not None:
+                self.probe.after(event, self.model, {g.name: g for g in groups}, self.step_count, self.edits)
         self.events.append(event)
 
     def _prepare_edits(self) -> None:
@@ -285,6 +301,7 @@ class Controller:
             "tables": {kind: t.state_dict() for kind, t in self.tables.items()},
             "rng": {"select": self.select_rng.get_state(), "noise": self.noise_rng.get_state()},
             "events": [dict(e) for e in self.events],
+            **({} if self.probe is None else {"probe": self.probe.state_dict(self.events)}),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -315,4 +332,6 @@ class Controller:
         self.noise_rng.set_state(sd["rng"]["noise"])
         self.step_count = sd["step"]
         self.events = [dict(e) for e in sd["events"]]
+        if self.probe is not None and "probe" in sd:
+            self.probe.load_state_dict(sd["probe"], self.events, {g.name: g for g in self.surgeon.groups})
         self._drop_finished_taps()

@@ -6,9 +6,10 @@ method, density and seed change. `<out>/compare.csv` holds one row per run, `<ou
 mean +- std over seeds of the final test accuracy and macro-F1, the training FLOPs F_total, and the final
 per-layer widths (heads and FFN channels; BARTER's moved, Static's as initialised, the others full);
 `<out>/compare.png` plots test accuracy against cumulative training FLOPs, one curve per method and density
-(mean ± std over seeds at each epoch). Below the table, compare.md pairs the runs of one seed: every method against
-Static, and every wrapped method against each baseline, at the same density, with the per-seed differences, an
-exact sign test and a paired-t 95% interval (`barter.training.paired`).
+(mean ± std over seeds at each epoch); `<out>/transfers.png` the probe loss around each transfer and its units' next
+update sizes, seeds pooled (`barter.training.transfer_plot`). Below the table, compare.md pairs the runs of one
+seed: every method against Static, and every wrapped method against each baseline, at the same density, with the
+per-seed differences, an exact sign test and a paired-t 95% interval (`barter.training.paired`).
 
 Matched compute: each BARTER run is then continued with its topology fixed (`TrainConfig.continue_from`) up to
 the F_total of the reference run with the same seed, `--matched-to dense` by default. The baselines (RigL, SET,
@@ -266,6 +267,18 @@ def compare_figure(rows: list[Row]) -> Any:
     return fig
 
 
+def transfer_events(rows: list[Row]) -> dict[str, list[dict]]:
+    """{"method ρ=density": the events.jsonl records of its runs, seeds pooled} for transfers.png (a matched
+    continuation repeats its run's transfers: left out)."""
+    pooled: dict[str, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (ROW_ORDER.index(r.method), r.density)):
+        path = r.result.run_dir / "events.jsonl"
+        if r.method != MATCHED and path.is_file():
+            events = [json.loads(line) for line in path.read_text().splitlines()]
+            pooled.setdefault(f"{r.method} ρ={r.density:g}", []).extend(events)
+    return pooled
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The study's options (shared by `barter compare` and `benchmarks/compare.py`)."""
     p.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
@@ -320,7 +333,11 @@ def run_study(args: argparse.Namespace) -> int:
     out = Path(args.out)
     write(out, rows, table)
     plot(out / "compare.png", rows)
-    print(f"\n{table}\nwrote {out / 'compare.csv'}, {out / 'compare.md'} and {out / 'compare.png'}")
+    from .transfer_plot import plot_transfers
+
+    plot_transfers(out / "transfers.png", transfer_events(rows))
+    print(f"\n{table}\nwrote {out / 'compare.csv'}, {out / 'compare.md'}, {out / 'compare.png'} and "
+          f"{out / 'transfers.png'}")
     return 0
 
 

@@ -35,6 +35,7 @@ from .loading import batches_of
 from .recipe import WarmupCosine, build_criterion
 from .runlog import CheckpointError, RunDir, plot_widths
 from .session import Data, Session, build_data, build_session, resolve_device
+from .transfer_plot import plot_transfers, probed
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ def _train(config: TrainConfig, resume: bool, device: torch.device,
         if topology is not None:
             plot_widths(run.path / "widths.png", topology, session.method.events, batches_per_epoch, session.step,
                         title=f"{run.path.name}: units per layer ({config.method}, density {config.density:g})")
+        if probed(session.method.events):
+            plot_transfers(run.path / "transfers.png", {run.path.name: session.method.events})
         last = run.metrics()[-1]
         result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
                            session.best_epoch, session.meter.total_flops, session.wall_s,

@@ -11,7 +11,6 @@ from timm.loss import SoftTargetCrossEntropy
 from torch import Tensor, nn
 
 from ..compat import foreach_mul_
-
 from .config import DECAYS
 
 

@@ -1,5 +1,5 @@
 """A run's directory: config.json, metrics.jsonl, summary.csv, events.jsonl, topology.json, checkpoints, widths.png,
-for S²ViTE `compact/`,
+transfers.png (`barter.training.transfer_plot`), for S²ViTE `compact/`,
 and TensorBoard event files under `tensorboard/` when the `tensorboard` package is installed.
 
 summary.csv has one row per epoch, under timm's column names where timm has one (epoch, train_loss, eval_loss,
@@ -135,7 +135,8 @@ class RunDir:
         self._purge_step = kept[-1]["step"] + 1 if kept else 0  # TensorBoard drops the scalars logged after it
 
     def write_events(self, events: Iterable[dict[str, Any]]) -> None:
-        """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole."""
+        """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole, so the fields measured
+        after a transfer (`barter.transfer_probe`) appear once known."""
         _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
 
     def events(self) -> list[dict[str, Any]]:

@@ -19,10 +19,12 @@ from ..wrapping import wrap
 from . import processes
 from .config import BASELINE_METHODS, WRAP_METHODS, ConfigError, TrainConfig
 from .data import DatasetSpec, build_datasets, build_mixup, resolve_spec
+from .evaluation import EVAL_BATCH
 from .flops import FlopMeter
+from .loading import batches_of
 from .precision import Precision, build_precision
 from .pretrained import build_model, calibration_batches, reloads_on_resume
-from .recipe import WarmupCosine, build_optimizer
+from .recipe import WarmupCosine, build_criterion, build_optimizer
 
 
 @dataclass
@@ -114,6 +116,10 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         method = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
                                 seed=config.seed, example_inputs=example_batch(data, device),
                                 **config.baseline_options)
+    # no probe for a sharded model (its forward is collective) nor in a matched-compute continuation (its events are
+    # its source run's record: no transfer of its own, and the loss after them measured under another schedule)
+    if controller is not None and not config.fsdp and config.continue_from is None:
+        controller.watch_transfers(*probe_batch(data, device), build_criterion(config.label_smoothing, mixed=False))
     if config.fsdp:
         shard(model)
         optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
@@ -148,6 +154,13 @@ def model_arguments(config: TrainConfig, data: Data) -> dict[str, Any]:
     """The keyword arguments of `timm.create_model(config.model, ...)`: the data's shape, then the config's own."""
     return {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": data.img_size,
             **config.model_kwargs}
+
+
+def probe_batch(data: Data, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The batch a run measures its transfers' loss on (`barter.transfer_probe`): the first evaluation batch of
+    the validation split (the test split without one), unaugmented, so the same for every seed and on resume."""
+    dataset = data.val if data.val is not None else data.test
+    return next(batches_of(dataset, [range(min(EVAL_BATCH, len(dataset)))], device, workers=0))
 
 
 def example_batch(data: Data, device: torch.device) -> tuple[Tensor]:

@@ -67,7 +67,7 @@ def test_compare_writes_table_plot_and_resumes(tmp_path):
     argv = ["compare", "--dataset", "fake", "--methods", "dense", "barter", "--densities", "0.5", "--seeds", "0", "1",
             "--epochs", "1", "--matched-to", "none", "--device", "cpu", "--out", str(tmp_path)]
     assert main(argv) == 0
-    assert {"compare.csv", "compare.md", "compare.png"} <= {p.name for p in tmp_path.iterdir()}
+    assert {"compare.csv", "compare.md", "compare.png", "transfers.png"} <= {p.name for p in tmp_path.iterdir()}
     assert "| barter | 0.5 | 2 |" in (tmp_path / "compare.md").read_text()
     table = (tmp_path / "compare.csv").read_text()
     assert main(argv) == 0  # every run is found finished and read back, not trained again

@@ -12,10 +12,13 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from fxsurgery import correct_restarted
 
 from .averaging import AveragedCopy
 from .fsdp import check_optimizer, hold_empty_parameters, sharded_access
@@ -24,8 +27,21 @@ from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
 from .selection import propose
+from .transfer_policy import CloneState, Removal, TransferParts
 
 MIN_WIDTH = {"head": 0, "channel": 1}  # attention layers may lose every head, FFNs keep one channel
+
+
+@dataclass
+class Fade:
+    """A donor on its way out (`Removal.FADE`): its output weights are scaled to 1 − j/length of their value
+    after the j-th counted step since `start`, and it is removed after the step where that reaches 0."""
+
+    kind: str
+    layer: int
+    index: int
+    start: int
+    length: int
 
 
 def _next_forward(table: ScoreTable) -> Any:
@@ -73,6 +89,7 @@ class Controller:
         self.step_count = 0
         self.edits = 0
         self.events: list[dict[str, Any]] = []
+        self.fading: list[Fade] = []
         self._taps: dict[str, list] = {kind: [] for kind in KINDS}
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_hook = None
@@ -170,12 +187,17 @@ class Controller:
     def follow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember `optimizer` (already attached to the surgeon) and count its steps; with `auto`, run `step`
         after each of them."""
+        if self.options.policy.clone_state is CloneState.RESTART and not isinstance(optimizer, torch.optim.Adam):
+            raise ValueError(f"clone_state 'restart' restarts Adam's bias correction; {type(optimizer).__name__} "
+                             "has none (use Adam or AdamW, or clone_state 'paper' or 'carry')")
         self._optimizer = optimizer
         if self._step_hook is not None:
             self._step_hook.remove()
         self._step_hook = optimizer.register_step_post_hook(self._after_optimizer_step)
 
-    def _after_optimizer_step(self, *_: Any) -> None:
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self.options.policy.clone_state is CloneState.RESTART:
+            correct_restarted(optimizer)
         self._uncounted += 1
         if self.auto:
             self.step()
@@ -191,6 +213,7 @@ class Controller:
             self._uncounted = 0
         self.step_count += 1
         self._check_taps_ran()
+        self._advance_fades()
         for kind in KINDS:
             table = self.tables[kind]
             table.fold()
@@ -219,29 +242,77 @@ class Controller:
                                "them without gradients), so BARTER would choose on zero scores")
 
     def _attempt(self, kind: str) -> None:
-        table, groups = self.tables[kind], self.layers[kind]
+        """One proposal of `kind`, executed as the transfer policy says: the donor removed (or set fading), the
+        parent cloned, or one of the two only."""
+        table, groups, policy = self.tables[kind], self.layers[kind], self.options.policy
         prop = propose(table.D, table.S, table.counts, self.initial[kind], self.maximum[kind],
-                       table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng)
+                       table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng,
+                       leaving=self._leaving(kind))
+        clones_only = policy.transfer_parts is TransferParts.CLONES
+        skipped = None if clones_only and prop.skipped == "no eligible donor" else prop.skipped
+        removes = skipped is None and not clones_only
+        clones = skipped is None and policy.transfer_parts is not TransferParts.REMOVALS
         event = {"step": self.step_count, "kind": kind,
-                 "donor_layer": None if prop.donor_layer is None else groups[prop.donor_layer].module,
-                 "donor_group": None if prop.donor_layer is None else groups[prop.donor_layer].name,
-                 "donor_index": prop.donor_index,
-                 "receiver_layer": None if prop.receiver is None else groups[prop.receiver].module,
-                 "receiver_group": None if prop.receiver is None else groups[prop.receiver].name,
-                 "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped}
-        if prop.skipped is None:
+                 "donor_layer": groups[prop.donor_layer].module if removes else None,
+                 "donor_group": groups[prop.donor_layer].name if removes else None,
+                 "donor_index": prop.donor_index if removes else None,
+                 "receiver_layer": None if prop.receiver is None or not clones else groups[prop.receiver].module,
+                 "receiver_group": None if prop.receiver is None or not clones else groups[prop.receiver].name,
+                 "parent_index": prop.parent if clones else None, "new_index": None, "skipped": skipped}
+        if removes or clones:
             self._prepare_edits()
-            self.surgeon.remove(groups[prop.donor_layer], prop.donor_index)
-            table.remove(prop.donor_layer, prop.donor_index)
+        if removes and policy.removal is Removal.FADE:
+            length = self._schedule.cooldown[kind]
+            self.fading.append(Fade(kind, prop.donor_layer, prop.donor_index, self.step_count, length))
+            event["removed_at"] = self.step_count + length
+        elif removes:
+            self._remove(kind, prop.donor_layer, prop.donor_index)
+        if clones:
             event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
                                                     noise_std=self.options.noise_std, generator=self.noise_rng,
-                                                    relative=self.options.noise_relative)
+                                                    relative=self.options.noise_relative,
+                                                    state=policy.clone_state.surgery)
             for averaged in self.averaged:
-                averaged.remove(groups[prop.donor_layer].name, prop.donor_index)
                 averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
             self.edits += 1
         self.events.append(event)
+
+    def _remove(self, kind: str, layer: int, index: int) -> None:
+        """Remove a donor from the model, its scores and the averaged copies; fading units after it in its layer
+        move down one place."""
+        group = self.layers[kind][layer]
+        self.surgeon.remove(group, index)
+        self.tables[kind].remove(layer, index)
+        for averaged in self.averaged:
+            averaged.remove(group.name, index)
+        for fade in self.fading:
+            if (fade.kind, fade.layer) == (kind, layer) and fade.index > index:
+                fade.index -= 1
+        self.edits += 1
+
+    def _leaving(self, kind: str) -> Tensor | None:
+        """Flat bool over `kind`'s units: True for the fading ones (None when none fades)."""
+        fades = [f for f in self.fading if f.kind == kind]
+        if not fades:
+            return None
+        counts = self.tables[kind].counts
+        leaving = torch.zeros(sum(counts), dtype=torch.bool)
+        for fade in fades:
+            leaving[sum(counts[:fade.layer]) + fade.index] = True
+        return leaving
+
+    def _advance_fades(self) -> None:
+        """After a counted step: scale each fading donor's output weights down one more step of its linear fade
+        (from 1 − (j−1)/L to 1 − j/L of their value), and remove the donors that reached 0."""
+        for fade in list(self.fading):
+            j = self.step_count - fade.start
+            self._prepare_edits()
+            group = self.layers[fade.kind][fade.layer]
+            self.surgeon.scale_output(group, fade.index, max(fade.length - j, 0) / (fade.length - j + 1))
+            if j >= fade.length:
+                self.fading.remove(fade)
+                self._remove(fade.kind, fade.layer, fade.index)
 
     def _prepare_edits(self) -> None:
         """Edit through the model's current layout: plain, or sharded by FSDP2 after the wrap (`barter.fsdp`)."""
@@ -294,6 +365,7 @@ class Controller:
             "tables": {kind: t.state_dict() for kind, t in self.tables.items()},
             "rng": {"select": self.select_rng.get_state(), "noise": self.noise_rng.get_state()},
             "events": [dict(e) for e in self.events],
+            "fading": [asdict(f) for f in self.fading],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -324,4 +396,5 @@ class Controller:
         self.noise_rng.set_state(sd["rng"]["noise"])
         self.step_count = sd["step"]
         self.events = [dict(e) for e in sd["events"]]
+        self.fading = [Fade(**f) for f in sd.get("fading", [])]
         self._drop_finished_taps()

@@ -261,10 +261,11 @@ class Controller:
                  "parent_index": prop.parent if clones else None, "new_index": None, "skipped": skipped}
         if removes or clones:
             self._prepare_edits()
+        fade = self._fade_length(kind) if removes and policy.removal is Removal.FADE else 0
         if removes and policy.removal is Removal.FADE:
-            length = self._schedule.cooldown[kind]
-            self.fading.append(Fade(kind, prop.donor_layer, prop.donor_index, self.step_count, length))
-            event["removed_at"] = self.step_count + length
+            event["removed_at"] = self.step_count + fade
+        if fade:
+            self.fading.append(Fade(kind, prop.donor_layer, prop.donor_index, self.step_count, fade))
         elif removes:
             self._remove(kind, prop.donor_layer, prop.donor_index)
         if clones:
@@ -275,8 +276,16 @@ class Controller:
             for averaged in self.averaged:
                 averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
+        if clones or (removes and not fade):
             self.edits += 1
         self.events.append(event)
+
+    def _fade_length(self, kind: str) -> int:
+        """Steps a donor of `kind` fades over: its cooldown, cut short to end by the run's last step (0 at the last
+        step itself: it is removed at once)."""
+        length = self._schedule.cooldown[kind]
+        total = self._schedule.total
+        return max(0, min(length, total - self.step_count)) if total else length
 
     def _remove(self, kind: str, layer: int, index: int) -> None:
         """Remove a donor from the model, its scores and the averaged copies; fading units after it in its layer
@@ -289,7 +298,6 @@ class Controller:
         for fade in self.fading:
             if (fade.kind, fade.layer) == (kind, layer) and fade.index > index:
                 fade.index -= 1
-        self.edits += 1
 
     def _leaving(self, kind: str) -> Tensor | None:
         """Flat bool over `kind`'s units: True for the fading ones (None when none fades)."""
@@ -313,6 +321,7 @@ class Controller:
             if j >= fade.length:
                 self.fading.remove(fade)
                 self._remove(fade.kind, fade.layer, fade.index)
+                self.edits += 1
 
     def _prepare_edits(self) -> None:
         """Edit through the model's current layout: plain, or sharded by FSDP2 after the wrap (`barter.fsdp`)."""

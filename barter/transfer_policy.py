@@ -48,7 +48,8 @@ class CloneState(str, Enum):
 
 class Removal(str, Enum):
     """How a donor leaves. paper: removed at its transfer; fade: its output weights scaled linearly to zero over
-    the cooldown of its kind (1 − j/L after the j-th step of L), then removed, which then changes nothing."""
+    the cooldown of its kind (1 − j/L after the j-th step of L; cut short to end by the run's last step), then
+    removed, which then changes nothing."""
 
     PAPER = "paper"
     FADE = "fade"

@@ -10,6 +10,7 @@ import barter
 from barter.controller import MIN_WIDTH
 from barter.options import Options
 from barter.schedule import rnd
+from barter.training.runlog import width_history
 from barter.transfer_policy import POLICIES, PolicyName
 from fxsurgery.clone_state import RESTART_KEY
 
@@ -114,6 +115,7 @@ def test_clones_only_starts_under_the_budget_ends_at_it_and_keeps_the_function()
     reference, _ = new()
     budget = {kind: width(reference, kind) for kind in ("head", "channel")}
     ctl, opt = new(transfer_parts="clones")
+    initial = ctl.topology()
     planned = {kind: len(ctl.schedule[kind]) for kind in ("head", "channel")}
     assert planned == {kind: len(reference.schedule[kind]) for kind in ("head", "channel")}
     assert {kind: width(ctl, kind) + planned[kind] for kind in planned} == budget
@@ -137,6 +139,7 @@ def test_clones_only_starts_under_the_budget_ends_at_it_and_keeps_the_function()
     assert most == budget and {kind: width(ctl, kind) for kind in planned} == budget
     for g in ctl.layers["channel"]:
         assert g.count >= MIN_WIDTH["channel"]
+    assert replays(ctl, initial)
 
 
 def fc2(ctl, layer):
@@ -176,13 +179,21 @@ def test_restart_needs_adam():
         new(optimizer=lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr), clone_state="restart")
 
 
+def replays(ctl, initial) -> bool:
+    """Whether widths.png's history, replayed back from the final widths through the events, starts at `initial`."""
+    history = width_history(ctl.topology(), ctl.events)
+    return {group: {kind: series[0][1]} for kind, groups in history.items()
+            for group, series in groups.items()} == initial
+
+
 def test_fade_zeroes_the_donor_before_removing_it_and_the_removal_changes_nothing():
     ctl, opt = new(removal="fade")
+    initial = ctl.topology()
     seen = []
     remove = ctl.surgeon.remove
 
     def spy(group, index):
-        weights = output_slice(ctl.model, group.kind, group.module, index)
+        weights = output_slice(ctl.model, group.kind, group.module, index).detach()
         y0 = outputs(ctl.model)
         remove(group, index)
         seen.append((float(weights.abs().max()), float((outputs(ctl.model) - y0).abs().max())))
@@ -191,7 +202,7 @@ def test_fade_zeroes_the_donor_before_removing_it_and_the_removal_changes_nothin
     fractions = []
 
     def watch(step):
-        fading = [(f, output_slice(ctl.model, f.kind, ctl.layers[f.kind][f.layer].module, f.index).clone())
+        fading = [(f, output_slice(ctl.model, f.kind, ctl.layers[f.kind][f.layer].module, f.index).detach().clone())
                   for f in ctl.fading]
 
         def after():
@@ -209,6 +220,17 @@ def test_fade_zeroes_the_donor_before_removing_it_and_the_removal_changes_nothin
     assert fractions and max(abs(f) for f in fractions) < 1e-5
     for e in executed:
         assert e["removed_at"] == e["step"] + ctl._schedule.cooldown[e["kind"]]
+    assert replays(ctl, initial)
+
+
+def test_fades_are_cut_short_to_end_by_the_last_step():
+    ctl, opt = new(removal="fade", window=(0.5, 1.0))
+    budget = {kind: width(ctl, kind) for kind in ("head", "channel")}
+    run(ctl, opt, range(1, T + 1))
+    executed = [e for e in ctl.events if e["skipped"] is None]
+    assert executed[-1]["step"] == T and executed[-1]["removed_at"] == T  # proposed at the last step: removed at once
+    assert all(e["removed_at"] <= T for e in executed) and not ctl.fading
+    assert {kind: width(ctl, kind) for kind in budget} == budget
 
 
 def test_a_run_resumed_mid_fade_equals_the_uninterrupted_one():

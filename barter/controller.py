@@ -74,6 +74,7 @@ class Controller:
         self.method = method
         self.auto = auto
         self.options = options
+        self.policy = options.policy  # the parts of a transfer (`barter.transfer_policy.TransferPolicy`)
         self._schedule = schedule
         self._due = {kind: Counter(schedule.steps[kind]) for kind in KINDS}
         self.initial = {kind: [g.count for g in layers[kind]] for kind in KINDS}
@@ -187,7 +188,7 @@ class Controller:
     def follow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember `optimizer` (already attached to the surgeon) and count its steps; with `auto`, run `step`
         after each of them."""
-        if self.options.policy.clone_state is CloneState.RESTART and not isinstance(optimizer, torch.optim.Adam):
+        if self.policy.clone_state is CloneState.RESTART and not isinstance(optimizer, torch.optim.Adam):
             raise ValueError(f"clone_state 'restart' restarts Adam's bias correction; {type(optimizer).__name__} "
                              "has none (use Adam or AdamW, or clone_state 'paper' or 'carry')")
         self._optimizer = optimizer
@@ -196,7 +197,7 @@ class Controller:
         self._step_hook = optimizer.register_step_post_hook(self._after_optimizer_step)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if self.options.policy.clone_state is CloneState.RESTART:
+        if self.policy.clone_state is CloneState.RESTART:
             correct_restarted(optimizer)
         self._uncounted += 1
         if self.auto:
@@ -244,7 +245,7 @@ class Controller:
     def _attempt(self, kind: str) -> None:
         """One proposal of `kind`, executed as the transfer policy says: the donor removed (or set fading), the
         parent cloned, or one of the two only."""
-        table, groups, policy = self.tables[kind], self.layers[kind], self.options.policy
+        table, groups, policy = self.tables[kind], self.layers[kind], self.policy
         prop = propose(table.D, table.S, table.counts, self.initial[kind], self.maximum[kind],
                        table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng,
                        leaving=self._leaving(kind))

@@ -61,6 +61,8 @@ class Options:
                     choices = [k.value for k in kind]
                     raise ValueError(f"{name} must be one of {choices}, got {options[name]!r}") from None
         opts = cls(**options)  # type: ignore[arg-type]
+        if not isinstance(opts.transfer_policy, PolicyName):
+            raise ValueError(f"transfer_policy must be one of {[k.value for k in PolicyName]}, got None")
         if not 0 <= opts.beta < 1:
             raise ValueError(f"beta must be in [0, 1), got {opts.beta}")
         policy = opts.policy

@@ -47,11 +47,12 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
 
 
+@pytest.mark.parametrize("parent", [0, PARENT, 31])  # the first, a middle and the last of 32 channels
 @pytest.mark.parametrize("how", list(StateAtClone))
-def test_state_after_a_clone_equals_the_formula_of_each_policy(how):
+def test_state_after_a_clone_equals_the_formula_of_each_policy(how, parent):
     surgeon, opt, _ = setup(adamw)
     before = moments(surgeon, opt)
-    new = surgeon.clone(surgeon.group(GROUP), PARENT, state=how)
+    new = surgeon.clone(surgeon.group(GROUP), parent, state=how)
     after = moments(surgeon, opt)
     for (name, key), old in before.items():
         now = after[name, key]
@@ -61,18 +62,19 @@ def test_state_after_a_clone_equals_the_formula_of_each_policy(how):
         rows = name.endswith("fc1.weight") or name.endswith("fc1.bias")
         units = (lambda t: t) if rows else (lambda t: t.T)  # unit i: fc1's row i, fc2's column i
         old_u, now_u = units(old), units(now)
-        others = [i for i in range(len(old_u)) if i != PARENT]
+        others = [i for i in range(len(old_u)) if i != parent]
         assert torch.equal(now_u[others], old_u[others]), (name, key)  # kept units keep their state
+        assert old_u[parent].abs().sum() > 0
         if how is StateAtClone.SPLIT:
             scale = 1.0 if rows else {"exp_avg": 0.5, "exp_avg_sq": 0.25}[key]  # output columns: m/2, v/4
-            expected = old_u[PARENT] * scale
+            expected = old_u[parent] * scale
         else:
-            expected = torch.zeros_like(old_u[PARENT])
-        assert torch.equal(now_u[PARENT], expected) and torch.equal(now_u[new], expected), (how, name, key)
+            expected = torch.zeros_like(old_u[parent])
+        assert torch.equal(now_u[parent], expected) and torch.equal(now_u[new], expected), (how, name, key)
     if how is StateAtClone.RESTART:
         fc2 = surgeon.model.get_parameter("blocks.0.mlp.fc2.weight")
         stamp = opt.state[fc2][RESTART_KEY]
-        assert (stamp[:, [PARENT, new]] == 3).all() and (stamp[:, others] == 0).all()
+        assert (stamp[:, [parent, new]] == 3).all() and (stamp[:, others] == 0).all()
     else:
         assert all(key != RESTART_KEY for _, key in after)
 

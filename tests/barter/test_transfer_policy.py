@@ -233,14 +233,17 @@ def test_fades_are_cut_short_to_end_by_the_last_step():
     assert {kind: width(ctl, kind) for kind in budget} == budget
 
 
-def test_a_run_resumed_mid_fade_equals_the_uninterrupted_one():
-    ref, opt = new(removal="fade")
+@pytest.mark.parametrize("options", [dict(removal="fade"), dict(clone_state="restart"), dict(clone_state="carry")],
+                         ids=["fade", "restart", "carry"])
+def test_a_run_resumed_mid_window_equals_the_uninterrupted_one(options):
+    """Fades in progress (the controller's state) and restarted bias corrections (the optimizer's) resume."""
+    ref, opt = new(**options)
     run(ref, opt, range(1, T + 1))
-    part, opt = new(removal="fade")
+    part, opt = new(**options)
     run(part, opt, range(1, 11))
-    assert part.fading
+    assert part.fading if "removal" in options else any(e["skipped"] is None for e in part.events)
     saved = copy.deepcopy((part.model.state_dict(), opt.state_dict(), part.state_dict()))
-    fresh, opt2 = new(removal="fade")
+    fresh, opt2 = new(**options)
     fresh.load_state_dict(saved[2])
     fresh.model.load_state_dict(saved[0])
     opt2.load_state_dict(saved[1])

@@ -8,8 +8,10 @@ times a kept unit's (3.2× at k = 1 for β = (0.9, 0.999)).
 ``SPLIT``: both carry the parent's state, scaled as the clone scales the weights. The clone copies input-side
 slices and halves output slices (W/2 ± ε); a state of degree d in the weights (a first moment or momentum: d = 1,
 a second moment: d = 2, ``STATE_DEGREE``) is copied on input-side slices and scaled by (1/2)^d on output slices,
-so m → m/2, v → v/4, and Adam's normalised update m̂/√v̂ of each half equals the parent's: both continue at the
-parent's pace from the parent's direction (ε is ignored; the step counter is kept).
+so m → m/2, v → v/4: Adam's normalised update m̂/√v̂ is invariant to that, so each half starts at the parent's pace
+in the parent's direction (ε is ignored; the step counter is kept). What comes after is not the parent's: each
+half's output gradient is the parent's whole gradient (the twins' features are identical), four times as heavy
+against v/4 as it was against v.
 
 ``RESTART``: both start from zero moments, as ``ZERO``, and Adam's bias correction restarts for their elements
 alone. torch's Adam keeps one step counter per parameter tensor, so the clone stamps the step t0 it happened

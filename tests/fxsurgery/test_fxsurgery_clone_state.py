@@ -47,10 +47,15 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
 
 
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+@pytest.mark.parametrize("make", [adamw, adam])
 @pytest.mark.parametrize("parent", [0, PARENT, 31])  # the first, a middle and the last of 32 channels
 @pytest.mark.parametrize("how", list(StateAtClone))
-def test_state_after_a_clone_equals_the_formula_of_each_policy(how, parent):
-    surgeon, opt, _ = setup(adamw)
+def test_state_after_a_clone_equals_the_formula_of_each_policy(how, parent, make):
+    surgeon, opt, _ = setup(make)
     before = moments(surgeon, opt)
     new = surgeon.clone(surgeon.group(GROUP), parent, state=how)
     after = moments(surgeon, opt)

@@ -253,13 +253,16 @@ class Controller:
         skipped = None if clones_only and prop.skipped == "no eligible donor" else prop.skipped
         removes = skipped is None and not clones_only
         clones = skipped is None and policy.transfer_parts is not TransferParts.REMOVALS
+        # an executed transfer names the parts that ran; a skipped proposal, what it had chosen
+        donor = prop.donor_layer is not None and (removes or skipped is not None)
+        receiver = prop.receiver is not None and (clones or skipped is not None)
         event = {"step": self.step_count, "kind": kind,
-                 "donor_layer": groups[prop.donor_layer].module if removes else None,
-                 "donor_group": groups[prop.donor_layer].name if removes else None,
-                 "donor_index": prop.donor_index if removes else None,
-                 "receiver_layer": None if prop.receiver is None or not clones else groups[prop.receiver].module,
-                 "receiver_group": None if prop.receiver is None or not clones else groups[prop.receiver].name,
-                 "parent_index": prop.parent if clones else None, "new_index": None, "skipped": skipped}
+                 "donor_layer": groups[prop.donor_layer].module if donor else None,
+                 "donor_group": groups[prop.donor_layer].name if donor else None,
+                 "donor_index": prop.donor_index if donor else None,
+                 "receiver_layer": groups[prop.receiver].module if receiver else None,
+                 "receiver_group": groups[prop.receiver].name if receiver else None,
+                 "parent_index": prop.parent if receiver else None, "new_index": None, "skipped": skipped}
         if removes or clones:
             self._prepare_edits()
         fade = self._fade_length(kind) if removes and policy.removal is Removal.FADE else 0
@@ -314,9 +317,10 @@ class Controller:
     def _advance_fades(self) -> None:
         """After a counted step: scale each fading donor's output weights down one more step of its linear fade
         (from 1 − (j−1)/L to 1 − j/L of their value), and remove the donors that reached 0."""
+        if self.fading:
+            self._prepare_edits()
         for fade in list(self.fading):
             j = self.step_count - fade.start
-            self._prepare_edits()
             group = self.layers[fade.kind][fade.layer]
             self.surgeon.scale_output(group, fade.index, max(fade.length - j, 0) / (fade.length - j + 1))
             if j >= fade.length:

@@ -69,8 +69,9 @@ class Options:
         lo, hi = policy.window
         if not 0 <= lo <= hi <= 1:
             raise ValueError(f"window must satisfy 0 <= start <= end <= 1, got {policy.window}")
-        if not (math.isfinite(policy.count_scale) and policy.count_scale > 0):
-            raise ValueError(f"count_scale multiplies the transfer counts: it must be > 0, got {policy.count_scale}")
+        scale = policy.count_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"count_scale multiplies the transfer counts: it must be a number > 0, got {scale!r}")
         if opts.noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {opts.noise_std}")
         if opts.init not in INITS:

@@ -254,8 +254,9 @@ def test_a_run_resumed_mid_window_equals_the_uninterrupted_one(options):
 
 @pytest.mark.parametrize("options,message", [
     (dict(transfer_parts="neither"), r"transfer_parts must be one of \['both', 'removals', 'clones'\]"),
-    (dict(count_scale=0), "count_scale .* must be > 0, got 0"),
-    (dict(count_scale=float("inf")), "count_scale .* must be > 0"),
+    (dict(count_scale=0), "count_scale .* must be a number > 0, got 0"),
+    (dict(count_scale=float("inf")), "count_scale .* must be a number > 0"),
+    (dict(count_scale="2"), "count_scale .* must be a number > 0, got '2'"),
     (dict(clone_state="fresh"), r"clone_state must be one of \['paper', 'carry', 'restart'\], got 'fresh'"),
     (dict(removal="slow"), r"removal must be one of \['paper', 'fade'\]"),
     (dict(transfer_policy="mine"), r"transfer_policy must be one of \['paper'\]"),

@@ -139,7 +139,7 @@ def test_bad_config_file_names_the_field(tmp_path, capsys, text, message):
     (["--drop-last", "--model-kwargs", "[1]"], "model_kwargs: expected a mapping"),
     (["--beta", "1.5"], "beta must be in [0, 1)"),
     (["--window", "0.1"], "barter_options.window: expected 2 values"),
-    (["--count-scale", "0"], "count_scale multiplies the transfer counts: it must be > 0, got 0"),
+    (["--count-scale", "0"], "count_scale multiplies the transfer counts: it must be a number > 0, got 0"),
     (["--removal", "slow"], "argument --removal: invalid choice: 'slow'"),
 ])
 def test_bad_flag_values_name_the_field(capsys, argv, message):

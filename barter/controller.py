@@ -12,10 +12,13 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from fxsurgery import correct_restarted
 
 from .averaging import AveragedCopy
 from .compat import copy_plainly, copy_with, hooks_set_aside
@@ -25,9 +28,22 @@ from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
 from .selection import propose
+from .transfer_policy import CloneState, Removal, TransferParts
 from .transfer_probe import LossFn, TransferProbe, choice_scores
 
 MIN_WIDTH = {"head": 0, "channel": 1}  # attention layers may lose every head, FFNs keep one channel
+
+
+@dataclass
+class Fade:
+    """A donor on its way out (`Removal.FADE`): its output weights are scaled to 1 − j/length of their value
+    after the j-th counted step since `start`, and it is removed after the step where that reaches 0."""
+
+    kind: str
+    layer: int
+    index: int
+    start: int
+    length: int
 
 
 def _next_forward(table: ScoreTable) -> Any:
@@ -60,6 +76,7 @@ class Controller:
         self.method = method
         self.auto = auto
         self.options = options
+        self.policy = options.policy  # the parts of a transfer (`barter.transfer_policy.TransferPolicy`)
         self._schedule = schedule
         self._due = {kind: Counter(schedule.steps[kind]) for kind in KINDS}
         self.initial = {kind: [g.count for g in layers[kind]] for kind in KINDS}
@@ -75,6 +92,7 @@ class Controller:
         self.step_count = 0
         self.edits = 0
         self.events: list[dict[str, Any]] = []
+        self.fading: list[Fade] = []
         self._taps: dict[str, list] = {kind: [] for kind in KINDS}
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_hook = None
@@ -170,12 +188,17 @@ class Controller:
     def follow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remember `optimizer` (already attached to the surgeon) and count its steps; with `auto`, run `step`
         after each of them."""
+        if self.policy.clone_state is CloneState.RESTART and not isinstance(optimizer, torch.optim.Adam):
+            raise ValueError(f"clone_state 'restart' restarts Adam's bias correction; {type(optimizer).__name__} "
+                             "has none (use Adam or AdamW, or clone_state 'paper' or 'carry')")
         self._optimizer = optimizer
         if self._step_hook is not None:
             self._step_hook.remove()
         self._step_hook = optimizer.register_step_post_hook(self._after_optimizer_step)
 
-    def _after_optimizer_step(self, *_: Any) -> None:
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if self.policy.clone_state is CloneState.RESTART:
+            correct_restarted(optimizer)
         self._uncounted += 1
         if self.auto:
             self.step()
@@ -193,6 +216,7 @@ class Controller:
         self._check_taps_ran()
         if self.probe is not None:
             self.probe.step(self.model, self.step_count, self.edits)
+        self._advance_fades()
         for kind in KINDS:
             table = self.tables[kind]
             table.fold()
@@ -221,34 +245,98 @@ class Controller:
                                "them without gradients), so BARTER would choose on zero scores")
 
     def _attempt(self, kind: str) -> None:
-        table, groups = self.tables[kind], self.layers[kind]
+        """One proposal of `kind`, executed as the transfer policy says: the donor removed (or set fading), the
+        parent cloned, or one of the two only."""
+        table, groups, policy = self.tables[kind], self.layers[kind], self.policy
         prop = propose(table.D, table.S, table.counts, self.initial[kind], self.maximum[kind],
-                       table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng)
+                       table.blocked(self.step_count), self.minimum[kind], self.method, self.select_rng,
+                       leaving=self._leaving(kind))
+        clones_only = policy.transfer_parts is TransferParts.CLONES
+        skipped = None if clones_only and prop.skipped == "no eligible donor" else prop.skipped
+        removes = skipped is None and not clones_only
+        clones = skipped is None and policy.transfer_parts is not TransferParts.REMOVALS
+        # an executed transfer names the parts that ran; a skipped proposal, what it had chosen
+        donor = prop.donor_layer is not None and (removes or skipped is not None)
+        receiver = prop.receiver is not None and (clones or skipped is not None)
         event = {"step": self.step_count, "kind": kind,
-                 "donor_layer": None if prop.donor_layer is None else groups[prop.donor_layer].module,
-                 "donor_group": None if prop.donor_layer is None else groups[prop.donor_layer].name,
-                 "donor_index": prop.donor_index,
-                 "receiver_layer": None if prop.receiver is None else groups[prop.receiver].module,
-                 "receiver_group": None if prop.receiver is None else groups[prop.receiver].name,
-                 "parent_index": prop.parent, "new_index": None, "skipped": prop.skipped,
-                 **choice_scores(table, prop, self.initial[kind], self.maximum[kind])}
-        if prop.skipped is None:
+                 "donor_layer": groups[prop.donor_layer].module if donor else None,
+                 "donor_group": groups[prop.donor_layer].name if donor else None,
+                 "donor_index": prop.donor_index if donor else None,
+                 "receiver_layer": groups[prop.receiver].module if receiver else None,
+                 "receiver_group": groups[prop.receiver].name if receiver else None,
+                 "parent_index": prop.parent if receiver else None, "new_index": None, "skipped": skipped,
+                 **choice_scores(table, prop, self.initial[kind], self.maximum[kind], donor=donor,
+                                 receiver=receiver)}
+        if removes or clones:
             if self.probe is not None:
                 self.probe.before(event, self.model, self.step_count, self.edits)
             self._prepare_edits()
-            self.surgeon.remove(groups[prop.donor_layer], prop.donor_index)
-            table.remove(prop.donor_layer, prop.donor_index)
+        fade = self._fade_length(kind) if removes and policy.removal is Removal.FADE else 0
+        if removes and policy.removal is Removal.FADE:
+            event["removed_at"] = self.step_count + fade
+        if fade:
+            self.fading.append(Fade(kind, prop.donor_layer, prop.donor_index, self.step_count, fade))
+        elif removes:
+            self._remove(kind, prop.donor_layer, prop.donor_index)
+        if clones:
             event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
                                                     noise_std=self.options.noise_std, generator=self.noise_rng,
-                                                    relative=self.options.noise_relative)
+                                                    relative=self.options.noise_relative,
+                                                    state=policy.clone_state.surgery)
             for averaged in self.averaged:
-                averaged.remove(groups[prop.donor_layer].name, prop.donor_index)
                 averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
+        if clones or (removes and not fade):
             self.edits += 1
-            if self.probe is not None:
-                self.probe.after(event, self.model, {g.name: g for g in groups}, self.step_count, self.edits)
+        if (removes or clones) and self.probe is not None:
+            self.probe.after(event, self.model, {g.name: g for g in groups}, self.step_count, self.edits)
         self.events.append(event)
+
+    def _fade_length(self, kind: str) -> int:
+        """Steps a donor of `kind` fades over: its cooldown, cut short to end by the run's last step (0 at the last
+        step itself: it is removed at once)."""
+        length = self._schedule.cooldown[kind]
+        total = self._schedule.total
+        return max(0, min(length, total - self.step_count)) if total else length
+
+    def _remove(self, kind: str, layer: int, index: int) -> None:
+        """Remove a donor from the model, its scores and the averaged copies; fading units after it in its layer
+        move down one place."""
+        group = self.layers[kind][layer]
+        self.surgeon.remove(group, index)
+        self.tables[kind].remove(layer, index)
+        if self.probe is not None:
+            self.probe.removed(group, index)
+        for averaged in self.averaged:
+            averaged.remove(group.name, index)
+        for fade in self.fading:
+            if (fade.kind, fade.layer) == (kind, layer) and fade.index > index:
+                fade.index -= 1
+
+    def _leaving(self, kind: str) -> Tensor | None:
+        """Flat bool over `kind`'s units: True for the fading ones (None when none fades)."""
+        fades = [f for f in self.fading if f.kind == kind]
+        if not fades:
+            return None
+        counts = self.tables[kind].counts
+        leaving = torch.zeros(sum(counts), dtype=torch.bool)
+        for fade in fades:
+            leaving[sum(counts[:fade.layer]) + fade.index] = True
+        return leaving
+
+    def _advance_fades(self) -> None:
+        """After a counted step: scale each fading donor's output weights down one more step of its linear fade
+        (from 1 − (j−1)/L to 1 − j/L of their value), and remove the donors that reached 0."""
+        if self.fading:
+            self._prepare_edits()
+        for fade in list(self.fading):
+            j = self.step_count - fade.start
+            group = self.layers[fade.kind][fade.layer]
+            self.surgeon.scale_output(group, fade.index, max(fade.length - j, 0) / (fade.length - j + 1))
+            if j >= fade.length:
+                self.fading.remove(fade)
+                self._remove(fade.kind, fade.layer, fade.index)
+                self.edits += 1
 
     def _prepare_edits(self) -> None:
         """Edit through the model's current layout: plain, or sharded by FSDP2 after the wrap (`barter.fsdp`)."""
@@ -302,6 +390,7 @@ class Controller:
             "rng": {"select": self.select_rng.get_state(), "noise": self.noise_rng.get_state()},
             "events": [dict(e) for e in self.events],
             **({} if self.probe is None else {"probe": self.probe.state_dict(self.events)}),
+            "fading": [asdict(f) for f in self.fading],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -334,4 +423,5 @@ class Controller:
         self.events = [dict(e) for e in sd["events"]]
         if self.probe is not None and "probe" in sd:
             self.probe.load_state_dict(sd["probe"], self.events, {g.name: g for g in self.surgeon.groups})
+        self.fading = [Fade(**f) for f in sd.get("fading", [])]
         self._drop_finished_taps()

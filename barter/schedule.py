@@ -18,12 +18,14 @@ def rnd(x: float) -> int:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Proposal steps and donor cooldown length (in steps) per unit kind."""
+    """Proposal steps and donor cooldown length (in steps) per unit kind; `total`: the optimizer steps of the run
+    (0: not known)."""
 
     t_start: int
     t_end: int
     steps: dict[str, list[int]] = field(default_factory=dict)
     cooldown: dict[str, int] = field(default_factory=dict)
+    total: int = 0
 
     def last(self, kind: str) -> int:
         """Step of the last proposal of `kind` (0 if it has none): scores stop being collected after it."""
@@ -59,4 +61,4 @@ def make_schedule(total_steps: int, counts: dict[str, int], window: tuple[float,
         offset = 0.5 if kind == "head" else 0.0
         steps[kind] = [max(1, rnd(t_start + (k - offset) * delta)) for k in range(1, k_total + 1)]
         cooldown[kind] = math.ceil(delta if kind == "head" else 2 * delta)
-    return Schedule(t_start, t_end, steps, cooldown)
+    return Schedule(t_start, t_end, steps, cooldown, total_steps)

@@ -28,42 +28,60 @@ def _uniform(n: int, generator: torch.Generator) -> int:
     return int(torch.randint(n, (1,), generator=generator).item())
 
 
-def receiver_scores(S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int]) -> Tensor:
-    """R_l = (n_l,0 / n_l) * mean S over layer l for eligible layers (0 < n_l < n_l^max), -inf elsewhere; computed as
-    n_l,0 * sum S / n_l² with one rounding, so layers that tie exactly stay tied (and the lower index wins)."""
+def receiver_scores(S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int],
+                    staying: Sequence[int] | None = None) -> Tensor:
+    """R_l = (n_l,0 / n_l) * mean S over layer l for eligible layers (0 < n_l < n_l^max, and some unit `staying`,
+    not leaving), -inf elsewhere; computed as n_l,0 * sum S / n_l² with one rounding, so layers that tie exactly
+    stay tied (and the lower index wins)."""
     out = torch.full((len(counts),), float("-inf"), dtype=torch.float64)
+    staying = counts if staying is None else staying
     for layer, seg in enumerate(S.split(list(counts))):
         n = counts[layer]
-        if 0 < n < maximum[layer]:
+        if 0 < staying[layer] and n < maximum[layer]:
             out[layer] = initial[layer] * seg.double().sum() / (n * n)
     return out
 
 
-def donor_mask(counts: Sequence[int], receiver: int, blocked: Tensor, min_width: Sequence[int]) -> Tensor:
-    """Units outside the receiver, not in cooldown, whose layer keeps >= its min_width units after removal."""
-    ok_layer = torch.tensor([n - 1 >= min_width[layer] and layer != receiver for layer, n in enumerate(counts)])
+def donor_mask(counts: Sequence[int], receiver: int, blocked: Tensor, min_width: Sequence[int],
+               staying: Sequence[int] | None = None) -> Tensor:
+    """Units outside the receiver, not blocked (in cooldown, or leaving), whose layer keeps >= its min_width units
+    after removal (of the units `staying` there, when some are leaving)."""
+    staying = counts if staying is None else staying
+    ok_layer = torch.tensor([staying[layer] - 1 >= min_width[layer] and layer != receiver
+                             for layer in range(len(counts))])
     return ok_layer.repeat_interleave(torch.tensor(list(counts), dtype=torch.long)) & ~blocked.cpu()
 
 
 def propose(D: Tensor, S: Tensor, counts: Sequence[int], initial: Sequence[int], maximum: Sequence[int],
-            blocked: Tensor, min_width: Sequence[int], method: str, generator: torch.Generator) -> Proposal:
+            blocked: Tensor, min_width: Sequence[int], method: str, generator: torch.Generator,
+            leaving: Tensor | None = None) -> Proposal:
     """Select one transfer of a unit kind.
 
     D, S: flat running scores; blocked: flat bool, True for units in cooldown; min_width: per layer, the
-    fewest units it may keep (1 for FFN channels, 0 for heads). The random variants draw from `generator`
-    (receiver, then parent, then donor).
+    fewest units it may keep (1 for FFN channels, 0 for heads). leaving: flat bool, True for units on their way
+    out (a fading donor): neither parent nor donor, and not counted in their layer's width. The random variants
+    draw from `generator` (receiver, then parent, then donor).
     """
     if not (torch.isfinite(D).all() and torch.isfinite(S).all()):
         return Proposal(skipped="non-finite scores")
-    R = receiver_scores(S, counts, initial, maximum)
+    staying, parents = None, S
+    if leaving is not None and bool(leaving.any()):
+        staying = [int((~seg).sum()) for seg in leaving.cpu().split(list(counts))]
+        blocked = blocked.cpu() | leaving.cpu()
+        parents = torch.where(leaving.to(S.device), float("-inf"), S)
+    R = receiver_scores(S, counts, initial, maximum, staying)
     eligible = torch.isfinite(R).nonzero().flatten()
     if len(eligible) == 0:
         return Proposal(skipped="no eligible receiver")
     random_receiver = method in ("random_receiver", "random_pair")
     r = int(eligible[_uniform(len(eligible), generator)]) if random_receiver else int(R.argmax())
     start = sum(counts[:r])
-    parent = _uniform(counts[r], generator) if random_receiver else int(S[start:start + counts[r]].argmax())
-    mask = donor_mask(counts, r, blocked, min_width)
+    if random_receiver:
+        stays = [i for i in range(counts[r]) if staying is None or not bool(leaving[start + i])]
+        parent = stays[_uniform(len(stays), generator)]
+    else:
+        parent = int(parents[start:start + counts[r]].argmax())
+    mask = donor_mask(counts, r, blocked, min_width, staying)
     candidates = mask.nonzero().flatten()
     if len(candidates) == 0:
         return Proposal(receiver=r, parent=parent, skipped="no eligible donor")

@@ -41,15 +41,16 @@ MEASURED = SCORE_FIELDS + PROBE_FIELDS  # an event's measured numbers, beside it
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
-def choice_scores(table: ScoreTable, prop: Proposal, initial: list[int], maximum: list[int]) -> dict[str, Any]:
+def choice_scores(table: ScoreTable, prop: Proposal, initial: list[int], maximum: list[int], *, donor: bool = True,
+                  receiver: bool = True) -> dict[str, Any]:
     """{donor_D, receiver_R, parent_S}: the running scores of the units and layer `prop` chose (None for a
-    proposal without them)."""
+    proposal without them, or for the side, `donor` or `receiver`, that the transfer does not run)."""
     out: dict[str, Any] = dict.fromkeys(SCORE_FIELDS)
     offsets = [0, *torch.tensor(table.counts).cumsum(0).tolist()]
-    if prop.receiver is not None:
+    if receiver and prop.receiver is not None:
         out["receiver_R"] = float(receiver_scores(table.S, table.counts, initial, maximum)[prop.receiver])
         out["parent_S"] = float(table.S[offsets[prop.receiver] + prop.parent])
-    if prop.donor_layer is not None:
+    if donor and prop.donor_layer is not None:
         out["donor_D"] = float(table.D[offsets[prop.donor_layer] + prop.donor_index])
     return out
 
@@ -111,15 +112,12 @@ class TransferProbe:
         event.update(dict.fromkeys(PROBE_FIELDS), probe_loss_before=self._loss_at(model, step, edits))
 
     def after(self, event: dict, model: nn.Module, groups: dict[str, Any], step: int, edits: int) -> None:
-        """Record the loss right after the transfer and start watching its units (called after its clone)."""
-        donor = groups[event["donor_group"]]
-        for w in list(self._watched):
-            if w.group is donor and w.index == event["donor_index"]:
-                self._finish(w)  # the unit itself was removed: its list ends here
-            elif w.group is donor and w.index > event["donor_index"]:
-                w.index -= 1
+        """Record the loss right after the transfer and start watching its units (called after its clone; a
+        transfer that clones nothing, removals only, has no units to watch)."""
         event["probe_loss_after"] = self._loss_at(model, step, edits)
         self._due += [(event, d, step + d) for d in DELAYS]
+        if event["receiver_group"] is None:
+            return
         receiver = groups[event["receiver_group"]]
         twins = (event["parent_index"], event["new_index"])
         units = {"parent": twins[0], "new": twins[1],
@@ -127,6 +125,15 @@ class TransferProbe:
         for role, index in units.items():
             if index is not None:
                 self._watched.append(_Watched(event, role, receiver, index, unit_weights(model, receiver, index)))
+
+    def removed(self, group: Any, index: int) -> None:
+        """Unit `index` of `group` left the model: a watched unit after it moves down one place; the unit itself
+        ends its list there."""
+        for w in list(self._watched):
+            if w.group is group and w.index == index:
+                self._finish(w)
+            elif w.group is group and w.index > index:
+                w.index -= 1
 
     def step(self, model: nn.Module, step: int, edits: int) -> None:
         """After optimizer step `step` (before its transfers): the delayed losses and update sizes due now."""

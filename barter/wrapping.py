@@ -13,11 +13,12 @@ from fxsurgery import Surgeon, analyse
 from .analysis import ModelBase, default_example_inputs, keep_base
 from .calibration import Batch, LossFn, calibrated_scores
 from .compact_init import compact
-from .controller import Controller
+from .controller import MIN_WIDTH, Controller
 from .fsdp import check_optimizer, refuse_sharded
 from .loss_scale import Scaler
 from .options import METHODS, Options
 from .schedule import KINDS, make_schedule, transfer_count
+from .transfer_policy import TransferParts
 
 WRAPPED_ATTRIBUTE = "_barter_wrapped"  # set on a model `wrap` made compact: a second wrap is refused
 
@@ -32,8 +33,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     as training makes it (a model called with keyword arguments, like a Hugging Face one, needs example_kwargs);
     without either, a zero batch of a timm model's input size.
     method: "barter", "static" (never transfers), "random_receiver", "random_donor" or "random_pair".
-    options: see `barter.options.Options` (beta, window, head_ratio, channel_ratio, noise_std,
-    noise_relative, init, allocation). calibration: the (inputs, targets) batches (a DataLoader) that init="score"
+    options: see `barter.options.Options` (beta, head_ratio, channel_ratio, noise_std, noise_relative, init,
+    allocation, and the parts of a transfer: transfer_policy, transfer_parts, count_scale, window, clone_state,
+    removal; `barter.transfer_policy`). calibration: the (inputs, targets) batches (a DataLoader) that init="score"
     measures each unit's D on, with `loss_fn(outputs, targets)` (default cross-entropy); `ctl.initial_units` says
     which units were kept. An optimizer passed here (made before wrap) is attached before the model shrinks;
     one made later goes through `ctl.attach_optimizer`. With `auto`, transfers run from the optimizer's
@@ -68,7 +70,9 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     kept = compact(surgeon, layers, density=density, init=opts.init, allocation=opts.allocation,
                    generator=select_rng, importance=surgeon.unit_norms if scores is None else lambda g: scores[g.name])
     budgets = _transfer_budgets(layers, method, opts)
-    ctl = Controller(surgeon, layers, make_schedule(total_steps, budgets, opts.window), method=method, auto=auto,
+    if opts.policy.transfer_parts is TransferParts.CLONES:
+        budgets = {kind: _make_room(surgeon, layers[kind], kept, budgets[kind]) for kind in KINDS}
+    ctl = Controller(surgeon, layers, make_schedule(total_steps, budgets, opts.policy.window), method=method, auto=auto,
                      options=opts, select_rng=select_rng, noise_rng=noise_rng, initial_units=kept)
     if optimizer is not None:
         ctl.follow_optimizer(optimizer)
@@ -102,13 +106,32 @@ def _read_arguments(model: nn.Module, *, method: str, density: float, total_step
 
 
 def _transfer_budgets(layers: dict[str, list], method: str, options: Options) -> dict[str, int]:
-    """How many transfers of each kind the schedule holds: none for "static" or a kind that cannot transfer."""
+    """How many transfers of each kind the schedule holds (the policy's count scale applied): none for "static" or a
+    kind that cannot transfer."""
     counts = {kind: [g.count for g in layers[kind]] for kind in KINDS}
-    ratio = {"head": options.head_ratio, "channel": options.channel_ratio}
+    scale = options.policy.count_scale
+    ratio = {"head": options.head_ratio * scale, "channel": options.channel_ratio * scale}
     return {
         kind: 0 if method == "static" else transfer_count(sum(counts[kind]), ratio[kind], _feasible(layers[kind]))
         for kind in KINDS
     }
+
+
+def _make_room(surgeon: Surgeon, groups: list, kept: dict[str, list[int]], clones: int) -> int:
+    """Take up to `clones` units off `groups` before training, one at a time from the widest layer (its last unit;
+    ties to the lower layer), so that clones-only transfers end at the width budget; returns how many came off
+    (the clones to schedule). `kept` (units of the model as built, by group) loses them too."""
+    taken = 0
+    while taken < clones:
+        room = [g.count - max(MIN_WIDTH[g.kind], g.min_count) for g in groups]
+        if not room or max(room) <= 0:
+            break
+        g = groups[room.index(max(room))]
+        surgeon.remove(g, g.count - 1)
+        if g.name in kept:
+            kept[g.name] = kept[g.name][:-1]
+        taken += 1
+    return taken
 
 
 def _feasible(groups: list) -> bool:

@@ -32,6 +32,7 @@ Glossary (as the code uses the words):
   the others, so the group is kept but not ``exact``.
 """
 from .analysis.value import Analysis, analyse
+from .clone_state import StateAtClone, correct_restarted
 from .dataflow.rules import register_rule
 from .editing import TensorAccess, replace_data
 from .errors import AnalysisError, OptimizerStateError, TraceError, UnservedCall
@@ -40,4 +41,5 @@ from .slicing import ParamSlice, solve_counts
 from .surgeon import Surgeon
 
 __all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError",
-           "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess", "replace_data", "solve_counts"]
+           "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess", "replace_data", "solve_counts",
+           "StateAtClone", "correct_restarted"]

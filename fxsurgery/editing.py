@@ -7,13 +7,15 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .clone_state import StateAtClone, clone_step, stamp_restarts, state_at_clone
 from .dataflow.constants import ConstantSpec, set_path
 from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
 from .module_sizes import sync_sizes
-from .slicing import ParamSlice, by_tensor, clone_state, clone_unit, in_turn, state_tensors
+from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, state_tensors
 from .taps import TapPoint
 
 TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
+StateEdit = Callable[[torch.Tensor, str], TensorEdit]  # (parameter, state key) -> the edit of that state tensor
 CONSTANT_PREFIX = "_fxsurgery_constant"  # the host attributes that hold count-dependent graph constants (slots)
 
 
@@ -72,17 +74,24 @@ class Editor:
             why = "; ".join(g.notes) if g.kind == "head" else "a layer keeps at least one channel"
             raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s) ({why})")
         count = g.count
-        self.edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx), lambda sl, t: sl.keep(t, count, idx))
+        self.edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx),
+                  lambda p, key: lambda sl, t: sl.keep(t, count, idx))
 
     def clone(self, g: UnitGroup, parent: int, std: float, generator: torch.Generator | None,
-              relative: bool) -> None:
+              relative: bool, state: StateAtClone = StateAtClone.ZERO) -> None:
         """Append a copy of unit ``parent``; split noise (``noise``) on its output weights, which the edit then
-        reads as the noise did (each tensor's values are read once)."""
+        reads as the noise did (each tensor's values are read once); its optimizer state as ``state`` says."""
         count, read = g.count, {}
         noise = self.noise(g, parent, std, generator, relative, read)
-        self.edit(g, count + 1,
-                  lambda sl, t: clone_unit(t, sl, count, parent, noise.get(sl.name)),
-                  lambda sl, t: clone_state(t, sl, count, parent), read=read)
+        if state is StateAtClone.RESTART:
+            stamp_restarts(self.optimizers, [self.tensor(name) for name, _ in by_tensor(g.slices)])
+
+        def state_edit(p: torch.Tensor, key: str) -> TensorEdit:
+            step = clone_step(self.optimizers, p)
+            return lambda sl, t: state_at_clone(t, sl, count, parent, how=state, key=key, step=step)
+
+        self.edit(g, count + 1, lambda sl, t: clone_unit(t, sl, count, parent, noise.get(sl.name)), state_edit,
+                  read=read)
 
     def noise(self, g: UnitGroup, parent: int, std: float, generator: torch.Generator | None,
               relative: bool, read: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -103,19 +112,20 @@ class Editor:
             out[sl.name] = (torch.randn(w.shape, generator=generator, device=dev, dtype=torch.float32) * sigma).to(w)
         return out
 
-    def edit(self, g: UnitGroup, new_count: int, data_fn: TensorEdit, state_fn: TensorEdit | None, *,
+    def edit(self, g: UnitGroup, new_count: int, data_fn: TensorEdit, state_fn: StateEdit | None, *,
              read: dict[str, torch.Tensor] | None = None) -> None:
         """Compute every new tensor first, then swap them in: a failure leaves the model untouched. A tensor
-        sliced along two dims (a head-mixing map) takes its edits in turn (``slicing.in_turn``). Without
-        ``state_fn`` optimizer state is left alone (the self-check's trial edits). ``read``: values read already,
-        by tensor name, each dropped once used (a sharded tensor is gathered once)."""
+        sliced along two dims (a head-mixing map) takes its edits in turn (``slicing.in_turn``). ``state_fn(p, key)``:
+        the edit of ``p``'s optimizer state ``key``; without it optimizer state is left alone (the self-check's trial
+        edits). ``read``: values read already, by tensor name, each dropped once used (a sharded tensor is gathered
+        once)."""
         tensors = [(name, slices, self.tensor(name)) for name, slices in by_tensor(g.slices)]
         optimizers = self.optimizers if state_fn is not None else []
-        states = [(slices, st, k) for _, slices, t in tensors for st, k in state_tensors(optimizers, t)]
+        states = [(slices, st, k, t) for _, slices, t in tensors for st, k in state_tensors(optimizers, t)]
         access, read = self.access, {} if read is None else read
         new_data = [(t, in_turn(data_fn, slices, read.pop(name) if name in read else access.values(t)))
                     for name, slices, t in tensors]
-        new_state = [(st, k, in_turn(state_fn, slices, access.values(st[k]))) for slices, st, k in states]
+        new_state = [(st, k, in_turn(state_fn(t, k), slices, access.values(st[k]))) for slices, st, k, t in states]
         for t, d in new_data:
             access.write(t, d)
         for st, k, v in new_state:

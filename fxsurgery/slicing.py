@@ -229,9 +229,3 @@ def clone_unit(t: torch.Tensor, sl: ParamSlice, count: int, parent: int, noise: 
     sl.unit(out, count + 1, parent).copy_(half + eps)
     return out
 
-
-def clone_state(t: torch.Tensor, sl: ParamSlice, count: int, parent: int) -> torch.Tensor:
-    """Optimizer state after a clone: the parent and the new unit start from zero."""
-    out = sl.append(t, count, torch.zeros_like(sl.unit(t, count, parent)))  # a new tensor: the parent is zeroed in it
-    sl.unit(out, count + 1, parent).zero_()
-    return out

@@ -9,6 +9,7 @@ import torch.nn as nn
 from .analysis.model import install_model
 from .analysis.value import Analysis, analyse, check_installed, run_once, structure, structure_difference
 from .capture.graph_forward import GraphForward
+from .clone_state import StateAtClone
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
 from .report import explain
@@ -96,16 +97,37 @@ class Surgeon:
         self._editor.keep(g, idx)
 
     def clone(self, group: UnitGroup, parent: int, noise_std: float = 0.0,
-              generator: torch.Generator | None = None, relative: bool = False) -> int:
+              generator: torch.Generator | None = None, relative: bool = False,
+              state: StateAtClone = StateAtClone.ZERO) -> int:
         """Append a copy of unit ``parent``; its output weights are split W/2 + ε and W/2 − ε with
         ε ~ N(0, σ²), σ = ``noise_std`` (times the std of the parent's output weights if ``relative``).
-        Returns the new unit's index."""
+        ``state``: the attached optimizers' state of the parent and the copy, zeroed, split with the weights or
+        restarted (``fxsurgery.clone_state``). Returns the new unit's index."""
         g = self._own(group)
         if not 0 <= parent < g.count:
             raise IndexError(f"{g.name}: parent {parent} out of range for {g.count} units")
         new = g.count
-        self._editor.clone(g, parent, noise_std, generator, relative)
+        self._editor.clone(g, parent, noise_std, generator, relative, StateAtClone(state))
         return new
+
+    @torch.no_grad()
+    def scale_output(self, group: UnitGroup, index: int, factor: float) -> None:
+        """Multiply unit ``index``'s output slices (where it enters the others) by ``factor`` in place: 0 masks it
+        as a removal would, a factor between fades it. Optimizer state and sizes are left as they are."""
+        g = self._own(group)
+        if not 0 <= index < g.count:
+            raise IndexError(f"{g.name}: unit {index} out of range for {g.count} units")
+        access = self._editor.access
+        for name, slices in by_tensor(g.slices):
+            outputs = [sl for sl in slices if sl.output]
+            if not outputs:
+                continue
+            t = self._editor.tensor(name)
+            values = access.values(t)
+            for sl in outputs:
+                sl.unit(values, g.count, index).mul_(factor)
+            if values.data_ptr() != t.data_ptr():  # gathered (a sharded tensor): lay the values out again
+                access.write(t, values)
 
     def unit_norms(self, group: UnitGroup) -> torch.Tensor:
         """L2 norm of each unit's parameters (all its slices together, each element once), shape ``(count,)``."""

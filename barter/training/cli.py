@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..options import ALLOCATIONS, INITS, Options
+from ..transfer_policy import POLICY_ENUMS
 from . import commands, compare
 from .arguments import CommandParser
 from .config import (
@@ -37,11 +38,20 @@ from .presets import DEFAULT_PRESET, NEEDS_INIT, PRESETS, preset
 
 OPTION_PREFIX = "barter_option_"  # namespace prefix of the barter.wrap option flags
 OPTION_HELP = {
-    "beta": "EMA decay of the scores", "window": "reallocation window START END, as fractions of training",
+    "beta": "EMA decay of the scores",
+    "window": "reallocation window START END, as fractions of training (default: the transfer policy's, 0.1 0.4)",
     "head_ratio": "head transfers per initial head", "channel_ratio": "channel transfers per initial channel",
     "noise_std": "split noise sigma", "noise_relative": "noise_std relative to the parent's output weights",
     "init": "which units compact initialisation keeps (score: largest D on --calibration batches)",
     "allocation": "initial widths: uniform (rho per layer) or global (units ranked across layers, same parameters)",
+    "transfer_policy": "named policy setting every part of a transfer not given below (paper: the paper's)",
+    "transfer_parts": "both parts of a transfer, or removals / clones only (widths end under / start under the "
+                      "budget, which is never exceeded)",
+    "count_scale": "transfer counts K times this (0.5, 2, 4, ...)",
+    "clone_state": "optimizer state at a clone: paper (moments zeroed, step counter kept), carry (parent's moments, "
+                   "output slices m/2 and v/4), restart (zeroed, Adam's bias correction restarted for them)",
+    "removal": "paper (donor removed at its transfer) or fade (its output weights faded to zero over its cooldown, "
+               "then removed)",
 }
 RESUME_FIELDS = ("device", "workers", "progress")  # what a resumed run may change
 
@@ -85,7 +95,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_field_flags(fields, field_types(), helps=FIELD_HELP, choices=choices)
     options = parser.add_argument_group("barter.wrap options (TrainConfig.barter_options)")
     add_field_flags(options, field_types(Options), helps=OPTION_HELP,
-                    choices={"init": INITS, "allocation": ALLOCATIONS}, prefix=OPTION_PREFIX)
+                    choices={"init": INITS, "allocation": ALLOCATIONS,
+                             **{name: tuple(m.value for m in kind) for name, kind in POLICY_ENUMS.items()}},
+                    prefix=OPTION_PREFIX)
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """Values for annotated dataclass fields: text from a command line or values from a YAML/JSON file, checked
-against the field's type (`int`, `float`, `bool`, `str`, `X | None`, `Literal`, `tuple`, `list`, `dict`).
+against the field's type (`int`, `float`, `bool`, `str`, `X | None`, `Literal`, a `str` Enum, `tuple`, `list`,
+`dict`). An Enum's value stays its text (the name a config file holds); the consumer makes it the member.
 
 Text is parsed the way a user writes it: "none" is None, "yes"/"no" are booleans, a dict or a sequence is
 YAML flow (`{num_heads: 4}`, `[0.1, 0.4]`). A value of the wrong type raises `FieldValueError` naming the field.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import types
 import typing
+from enum import Enum
 from typing import Any
 
 import yaml
@@ -54,7 +56,18 @@ def describe(hint: Any) -> str:
         return "{key: value}"
     if origin in (tuple, list):
         return "[" + ", ".join(describe(a) for a in args if a is not Ellipsis) + "]"
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        return " | ".join(str(member.value) for member in hint)
     return getattr(hint, "__name__", str(hint))
+
+
+def optional_inner(hint: Any) -> Any:
+    """The type `X` of `X | None` (a hint without None as it is)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(inner) == 1:
+            return inner[0]
+    return hint
 
 
 def _first_fit(name: str, hints: list[Any], value: Any) -> Any:
@@ -112,6 +125,11 @@ def _scalar(name: str, hint: Any, value: Any) -> Any:
         if isinstance(value, str):
             return value
         raise FieldValueError(f"{name}: expected text, got {value!r}")
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        names = [member.value for member in hint]
+        if isinstance(value, hint) or value in names:
+            return hint(value).value
+        raise FieldValueError(f"{name}: must be one of {', '.join(map(repr, names))}, got {value!r}")
     if isinstance(hint, type) and not isinstance(value, hint):
         raise FieldValueError(f"{name}: expected {describe(hint)}, got {value!r}")
     return value

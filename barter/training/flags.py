@@ -10,7 +10,7 @@ import argparse
 import typing
 from typing import Any
 
-from .fieldtypes import describe
+from .fieldtypes import describe, optional_inner
 
 
 def add_field_flags(parser: argparse._ActionsContainer, hints: dict[str, Any], *, helps: dict[str, str],
@@ -23,10 +23,11 @@ def add_field_flags(parser: argparse._ActionsContainer, hints: dict[str, Any], *
         if hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text, **options)
             continue
+        inner = optional_inner(hint)
         if name in choices:
             options["choices"] = choices[name]
-        elif typing.get_origin(hint) in (tuple, list):
-            options.update(nargs="+", metavar=describe(typing.get_args(hint)[0]).upper())
+        elif typing.get_origin(inner) in (tuple, list):
+            options.update(nargs="+", metavar=describe(typing.get_args(inner)[0]).upper())
         else:
             options["metavar"] = describe(hint).upper().replace(" ", "")
         parser.add_argument(flag, help=f"{text} [{describe(hint)}]", **options)

@@ -195,20 +195,22 @@ def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
     """{kind: {group name: [(step, width), ...]}} from the final topology and the executed transfers.
 
     Replaying the transfers backwards from the final widths gives the initial ones; each executed transfer
-    then moves one unit of its kind from the donor layer to the receiver layer at its step.
+    then takes one unit of its kind from the donor layer (at its step, or when a fading donor is removed) and
+    gives one to the receiver layer (at its step); a transfer that ran one part only changes one layer.
     """
     done = [e for e in events if e["skipped"] is None]
+    removals = [(e.get("removed_at", e["step"]), e["donor_group"], e["kind"], -1) for e in done]
+    clones = [(e["step"], e["receiver_group"], e["kind"], +1) for e in done]
+    changes = sorted(change for change in removals + clones if change[1] is not None)
     width = {(module, kind): n for module, kinds in final.items() for kind, n in kinds.items()}
-    for e in done:
-        width[(e["donor_group"], e["kind"])] += 1
-        width[(e["receiver_group"], e["kind"])] -= 1
+    for _, group, kind, change in changes:
+        width[(group, kind)] -= change
     history: dict[str, dict[str, list[tuple[int, int]]]] = {}
     for (module, kind), n in width.items():
         history.setdefault(kind, {})[module] = [(0, n)]
-    for e in done:
-        for module, change in ((e["donor_group"], -1), (e["receiver_group"], 1)):
-            series = history[e["kind"]][module]
-            series.append((e["step"], series[-1][1] + change))
+    for step, group, kind, change in changes:
+        series = history[kind][group]
+        series.append((step, series[-1][1] + change))
     return history
 
 

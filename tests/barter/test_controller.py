@@ -90,7 +90,7 @@ class FakeSurgeon:
         rows, cols = _rows(g, keep)
         self._set(g, rows, cols, self._mods(g)[1].weight.data[:, cols].clone())
 
-    def clone(self, g, parent, noise_std=0.0, generator=None, relative=False):
+    def clone(self, g, parent, noise_std=0.0, generator=None, relative=False, state=None):
         units = list(range(g.count)) + [parent]
         rows, cols = _rows(g, units)
         w = self._mods(g)[1].weight.data[:, cols].clone()

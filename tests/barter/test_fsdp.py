@@ -3,7 +3,8 @@ and a tiny Llama run transfers chosen on non-zero scores; both processes log the
 gathered parameters after every transfer, equal to one unsharded process on the same global batches; Adam's moments
 follow each transfer (kept units unchanged, the new unit's zero) and, like the parameters, stay sharded: no rank keeps a
 whole tensor alive behind its shard; and what BARTER cannot resize is refused: a model
-sharded before the wrap, an optimizer built before sharding, a 2-D (HSDP) mesh, FSDP1 and DeepSpeed's parameters."""
+sharded before the wrap, an optimizer built before sharding, a 2-D (HSDP) mesh, FSDP1 and DeepSpeed's parameters.
+Fading donors and restarted bias corrections (transfer policy options) match one process too."""
 import math
 import os
 from datetime import timedelta
@@ -26,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 STEPS, BATCH, VOCAB, TOKENS = 10, 8, 64, 12
 OPTIONS = {"density": 0.5, "window": (0.1, 0.9), "head_ratio": 0.5, "channel_ratio": 0.05}
+GENTLE = {"removal": "fade", "clone_state": "restart"}  # the transfer parts that act after the transfer's step
 
 
 def vit() -> torch.nn.Module:
@@ -114,14 +116,15 @@ def check_moments_follow(ctl, event, before, after) -> None:
                     assert torch.equal(sl.unit(value, n, i), sl.unit(before[sl.name][key], n - 1, i)), sl.name
 
 
-def train(case: str, sharded: bool) -> dict:
+def train(case: str, sharded: bool, policy: dict | None = None) -> dict:
     """STEPS Adam steps of a wrapped model on fixed global batches, each process on its share; with `sharded`,
     fully_shard per block and at the root after the wrap. Returns the events, the gathered parameters after every
-    executed transfer, and the scores each transfer was chosen on."""
+    executed transfer, and the scores each transfer was chosen on. `policy`: transfer policy options (the paper's
+    transfers have their moments checked at every transfer)."""
     build, blocks, batch, loss_of, example = CASES[case]()
     torch.manual_seed(0)
     model = build()
-    ctl = barter.wrap(model, total_steps=STEPS, seed=0, **OPTIONS, **example)
+    ctl = barter.wrap(model, total_steps=STEPS, seed=0, **OPTIONS, **(policy or {}), **example)
     if sharded:
         for block in blocks(model):
             fully_shard(block)
@@ -138,7 +141,7 @@ def train(case: str, sharded: bool) -> dict:
     def after_transfer(*_):
         if ctl.step_count in due:
             executed = [e for e in ctl.events if e["step"] == ctl.step_count and e["skipped"] is None]
-            if len(executed) == 1:  # the moments before the step's one transfer
+            if len(executed) == 1 and not policy:  # the moments before the step's one transfer
                 check_moments_follow(ctl, executed[0], before["moments"], moments(model, optimizer))
                 checked.append(ctl.step_count)
             transfers.append({"step": ctl.step_count, "params": gathered_state_dict(model),
@@ -194,7 +197,8 @@ def worker(rank, init_file, out_dir):
                             timeout=timedelta(minutes=2))  # a divergence fails instead of hanging
     try:
         runs = {case: train(case, sharded=True) for case in CASES}
-        torch.save({"runs": runs, "refusals": refusals()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        gentle = train("vit", sharded=True, policy=GENTLE)
+        torch.save({"runs": runs, "gentle": gentle, "refusals": refusals()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -205,9 +209,15 @@ def assert_close_states(a: dict, b: dict, **tolerance) -> None:
         torch.testing.assert_close(a[name], b[name], msg=name, **tolerance)
 
 
-def test_fsdp2_transfers_match_one_process_and_unsupported_sharding_is_refused(tmp_path):
-    fork_processes(worker, str(tmp_path / "init"), str(tmp_path))
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the WORLD processes of one forked FSDP2 run saved."""
+    out = tmp_path_factory.mktemp("fsdp")
+    fork_processes(worker, str(out / "init"), str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_fsdp2_transfers_match_one_process_and_unsupported_sharding_is_refused(ranks):
     for case in CASES:
         sharded, other = ranks[0]["runs"][case], ranks[1]["runs"][case]
         executed = [e for e in sharded["events"] if e["skipped"] is None]
@@ -229,6 +239,18 @@ def test_fsdp2_transfers_match_one_process_and_unsupported_sharding_is_refused(t
     assert "build it after fully_shard" in messages[1]
     assert "2-D mesh (HSDP or tensor parallel)" in messages[2]
     assert all("FSDP1 (FullyShardedDataParallel)" in m and "FSDP2" in m for m in messages[3:])
+
+
+def test_fsdp2_fades_and_restarted_bias_corrections_match_one_process(ranks):
+    """Fading output weights (scaled through the sharded access) and Adam's restarted bias correction (on DTensor
+    state) under FSDP2 equal one unsharded process."""
+    sharded, other = ranks[0]["gentle"], ranks[1]["gentle"]
+    single = train("vit", sharded=False, policy=GENTLE)
+    executed = [e for e in single["events"] if e["skipped"] is None]
+    assert len(executed) >= 3 and any(e["removed_at"] > e["step"] for e in executed)
+    assert sharded["events"] == other["events"] == single["events"]
+    assert_close_states(sharded["final"], other["final"], rtol=0, atol=0)
+    assert_close_states(sharded["final"], single["final"], rtol=0, atol=1e-5)
 
 
 def test_deepspeed_partitioned_parameters_are_refused():

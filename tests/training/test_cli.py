@@ -162,7 +162,22 @@ def test_config_file_then_flags(tmp_path, capsys):
     assert "seed: 7\n" in printed and "lr: 0.0001\n" in printed and "weight_decay: 0.2\n" in printed
 
 
+def test_transfer_policy_flags_and_file_entries_become_wrap_options(tmp_path, capsys):
+    config, _ = parse("--transfer-policy", "paper", "--transfer-parts", "clones", "--count-scale", "2",
+                      "--clone-state", "restart", "--removal", "fade", "--window", "0.2", "0.6")
+    assert config.barter_options == {"transfer_policy": "paper", "transfer_parts": "clones", "count_scale": 2.0,
+                                     "clone_state": "restart", "removal": "fade", "window": (0.2, 0.6)}
+    config.validate()
+    (tmp_path / "c.yaml").write_text("barter_options: {clone_state: carry, removal: paper}\n")
+    config, _ = parse("-c", str(tmp_path / "c.yaml"), "--count-scale", "0.5")
+    assert config.barter_options == {"clone_state": "carry", "removal": "paper", "count_scale": 0.5}
+    assert main(["train", "-c", str(tmp_path / "c.yaml"), "--print-config"]) == 0
+    assert "clone_state: carry\n" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("text,message", [
+    ("barter_options: {clone_state: fresh}\n", "barter_options.clone_state: must be one of 'paper', 'carry', "
+                                               "'restart', got 'fresh'"),
     ("lrr: 1\n", "unknown config field(s): lrr"),
     ("epochs: many\n", "epochs: expected an integer, got 'many'"),
     ("barter_options: {betta: 0.9}\n", "barter_options: unknown option(s) betta"),
@@ -182,6 +197,8 @@ def test_bad_config_file_names_the_field(tmp_path, capsys, text, message):
     (["--drop-last", "--model-kwargs", "[1]"], "model_kwargs: expected a mapping"),
     (["--beta", "1.5"], "beta must be in [0, 1)"),
     (["--window", "0.1"], "barter_options.window: expected 2 values"),
+    (["--count-scale", "0"], "count_scale multiplies the transfer counts: it must be a number > 0, got 0"),
+    (["--removal", "slow"], "argument --removal: invalid choice: 'slow'"),
 ])
 def test_bad_flag_values_name_the_field(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

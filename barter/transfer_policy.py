@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from fxsurgery import StateAtClone
+if TYPE_CHECKING:
+    from fxsurgery import StateAtClone
 
 
 class TransferParts(str, Enum):
@@ -41,7 +43,10 @@ class CloneState(str, Enum):
 
     @property
     def surgery(self) -> StateAtClone:
-        """fxsurgery's generic name of this state."""
+        """fxsurgery's generic name of this state (imported here: the `barter` command's parser reads this module
+        without importing torch)."""
+        from fxsurgery import StateAtClone
+
         return {CloneState.PAPER: StateAtClone.ZERO, CloneState.CARRY: StateAtClone.SPLIT,
                 CloneState.RESTART: StateAtClone.RESTART}[self]
 

@@ -26,8 +26,8 @@ LIGHTNING_COMPAT = Path("barter/integrations/lightning_compat.py")
 COMPAT_MODULES = (TORCH_COMPAT, BARTER_COMPAT, LIGHTNING_COMPAT)
 LIBRARIES = ("torch", "lightning", "pytorch_lightning")
 # underscore names of other libraries' objects that are no private torch API: a NamedTuple's public methods, and the
-# attention kernel a transformers config names
-OTHER_LIBRARIES = {"_replace", "_asdict", "_fields", "_make", "_attn_implementation"}
+# attention kernel a transformers config names, and the flags an argparse parser knows (read for typo suggestions)
+OTHER_LIBRARIES = {"_replace", "_asdict", "_fields", "_make", "_attn_implementation", "_option_string_actions"}
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 

@@ -14,15 +14,16 @@ slices (their output weights zeroed on a copy, and their activations zeroed thro
 the outputs unchanged; the optimizer state and the EMA copy keep the parameters' shapes; a resumed run ends equal to
 the uninterrupted one; an export loads equal.
 
-CI runs the explicit examples (together every value of every axis) and a few drawn ones; `make soak` draws many
-more (tests/conftest.py prints the seed that replays a run). DDP and FSDP2 need processes and are tested on their
-own (tests/barter/test_ddp.py, tests/barter/test_fsdp_train.py), not in this matrix.
+CI runs the explicit examples (together every value of every axis) and a few drawn ones; `make soak` runs every
+combination of the axes (tests/conftest.py prints the seed that replays a run). DDP and FSDP2 need processes and
+are tested on their own (tests/barter/test_ddp.py, tests/barter/test_fsdp_train.py), not in this matrix.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import io
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -47,7 +48,6 @@ STEPS = 6
 RESUME_AT = 3  # the step count at which the checkpoint is taken: after the first transfers
 OPTIONS = {"window": (0.1, 0.9), "head_ratio": 1.0, "channel_ratio": 0.25, "noise_std": 0.01}
 TOLERANCE = {"amp_bf16": 5e-2}  # relative to the outputs' scale; 1e-5 for float32
-EXAMPLES = settings.default.max_examples
 
 
 @dataclass
@@ -264,17 +264,9 @@ def assert_export_loads_equal(run: Run, path) -> None:
     assert_close(run, outputs(run, loaded.eval(), STEPS), outputs(run, reference, STEPS), "the loaded export")
 
 
-# Together every value of every axis; CI runs these and a few drawn combinations.
-@example(model="timm_vit", runtime="compile", width="half", lifecycle="checkpoint_resume", seed=0)
-@example(model="hf_encoder", runtime="ema", width="one_unit", lifecycle="export_load", seed=1)
-@example(model="hf_decoder_cache", runtime="amp_bf16", width="half", lifecycle="transfers", seed=2)
-@example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
-@example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
-@settings(max_examples=3 if settings.get_current_profile_name() == "ci" else EXAMPLES)
-@given(model=st.sampled_from(sorted(CASES)), runtime=st.sampled_from(RUNTIMES), width=st.sampled_from(sorted(WIDTHS)),
-       lifecycle=st.sampled_from(LIFECYCLES), seed=st.integers(0, 2**16))
-def test_features_hold_in_combination(tmp_path_factory, model, runtime, width, lifecycle, seed):
-    """`seed` draws the layer forced to its edge, the units removed and the clones' parents."""
+def check_combination(tmp_path_factory, model: str, runtime: str, width: str, lifecycle: str, seed: int) -> None:
+    """Train the combination, take its lifecycle step, force a layer to its edge; `seed` draws the layer, the units
+    removed and the clones' parents."""
     case, density = CASES[model], WIDTHS[width]
     run = start(case, runtime, density)
     checkpoint = train(run, range(STEPS), checkpoint_at=RESUME_AT if lifecycle == "checkpoint_resume" else None)
@@ -290,3 +282,25 @@ def test_features_hold_in_combination(tmp_path_factory, model, runtime, width, l
     if lifecycle == "export_load":
         assert_export_loads_equal(run, tmp_path_factory.mktemp("export"))
     assert_forced_edge(run, random.Random(seed))
+
+
+# Together every value of every axis; CI runs these and a few drawn combinations (`make soak` more).
+@example(model="timm_vit", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=0)
+@example(model="hf_encoder", runtime="ema", width="one_unit", lifecycle="export_load", seed=1)
+@example(model="hf_decoder_cache", runtime="amp_bf16", width="half", lifecycle="transfers", seed=2)
+@example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
+@example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
+@settings(max_examples=3 if settings.get_current_profile_name() == "ci" else 20)
+@given(model=st.sampled_from(sorted(CASES)), runtime=st.sampled_from(RUNTIMES), width=st.sampled_from(sorted(WIDTHS)),
+       lifecycle=st.sampled_from(LIFECYCLES), seed=st.integers(0, 2**16))
+def test_features_hold_in_combination(tmp_path_factory, model, runtime, width, lifecycle, seed):
+    check_combination(tmp_path_factory, model, runtime, width, lifecycle, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, runtime, width, lifecycle",
+                         list(itertools.product(sorted(CASES), RUNTIMES, sorted(WIDTHS), LIFECYCLES)))
+@settings(max_examples=1)
+@given(seed=st.integers(0, 2**16))
+def test_every_combination(tmp_path_factory, model, runtime, width, lifecycle, seed):
+    check_combination(tmp_path_factory, model, runtime, width, lifecycle, seed)

@@ -399,3 +399,28 @@ def test_a_compact_model_analysed_again_has_exact_single_head_groups() -> None:
             masked.blocks[i].attn.proj.weight.zero_()
         assert [g.count for g in heads] == [0, 0, 0]
         assert (model(x) - masked(x)).abs().max().item() <= 1e-9
+
+
+def test_the_surgeon_of_a_copy_edits_the_copy_alone() -> None:
+    """`of_copy`: a deep copy of the installed model gets the same groups at their counts, without the optimizer;
+    its edits reach the copy only, and equal the same edit of the model. A model that is no such copy is refused."""
+    torch.manual_seed(0)
+    model, x = TinyTransformer(Style()), torch.randn(2, 6, 5)
+    s = Surgeon(model, (x,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    s.attach_optimizer(optimizer)
+    train_steps(model, optimizer, x)
+    s.remove(s.groups[0], 1)
+    twin = s.of_copy(copy.deepcopy(model))
+    assert [(g.name, g.count) for g in twin.groups] == [(g.name, g.count) for g in s.groups]
+    for g in twin.groups:
+        twin.remove(g, 0)
+    assert all(optimizer.state[p]["momentum_buffer"].shape == p.shape for p in model.parameters())
+    with torch.no_grad():
+        before = model(x)
+        for g in s.groups:
+            s.remove(g, 0)
+        torch.testing.assert_close(twin.model(x), model(x))
+    assert not torch.equal(before, model(x))
+    with pytest.raises(ValueError, match="other tensors or shapes"):
+        s.of_copy(TinyTransformer(Style()))

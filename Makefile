@@ -28,10 +28,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "forks and not slow" tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
-# The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py).
+# The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py),
+# and every combination of the combination matrix's axes (tests/combinations), each with a freshly drawn seed.
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py \
 		tests/fxsurgery/test_fxsurgery_module_calls.py
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
+		tests/combinations
 
 clean:
 	rm -rf $(VENV)

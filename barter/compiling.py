@@ -21,9 +21,12 @@ from .controller import Controller
 
 def compile_model(model: nn.Module, controller: Controller | None = None, **options: Any) -> nn.Module:
     """`torch.compile(model, **options)`, the recompile limit raised to fit `controller`'s transfers (one new
-    topology per scheduled proposal; Static and a finished schedule need none)."""
+    topology per scheduled proposal; Static and a finished schedule need none), and dynamo made to guard on module
+    hooks (score taps are hooks where a host serves a call through its own forward; unguarded, a graph traced with
+    or without them would be reused after they are added or removed, or for another model of the class)."""
     if controller is not None:
         allow_recompiles(sum(len(steps) for steps in controller.schedule.values()) + 1)
+    dynamo_config().skip_nnmodule_hook_guards = False
     return torch.compile(model, **options)
 
 

@@ -235,10 +235,11 @@ class Controller:
     def _check_taps_ran(self) -> None:
         """After a training forward and backward (some tap ran), every tapped layer with units must have been
         tapped too: a layer whose tap never ran would keep zero scores and be chosen on ties, blind."""
+        ran = {kind: self.tables[kind].take_ran() for kind in KINDS}
         tapped = [(kind, i, g) for kind in KINDS if self._taps[kind] for i, g in enumerate(self.layers[kind])]
-        if not any(self.tables[kind].dirty for kind, _, _ in tapped):
+        if not any(ran[kind] for kind, _, _ in tapped):
             return  # no training forward since the last step (nothing to score)
-        silent = [g.name for kind, i, g in tapped if g.count and i not in self.tables[kind].armed]
+        silent = [g.name for kind, i, g in tapped if g.count and i not in ran[kind]]
         if silent:
             raise RuntimeError(f"the score taps of {', '.join(silent)} did not run in this training step while "
                                "others did: the model's forward bypassed the graphs fxsurgery installed (or ran "

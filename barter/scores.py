@@ -57,15 +57,17 @@ class ScoreTable:
         self.pending = torch.zeros(2, n, device=device)
         self.samples = 0  # batch size of the pending scores
         self.armed: set[int] = set()  # layers whose gradient hook is registered since the last fold
+        self.ran: set[int] = set()  # layers tapped since the controller last looked (`take_ran`; a fold keeps it)
         self.fresh = torch.zeros((), dtype=torch.bool, device=device)  # a gradient hook wrote `pending`
         self.cool_until = torch.full((n,), -1, dtype=torch.long)  # last step at which a unit may not donate
         self.nonfinite = torch.zeros((), dtype=torch.long, device=device)  # backwards skipped, not finite
         self._offsets = [0, *accumulate(self.counts)]
 
-    @property
-    def dirty(self) -> bool:
-        """Scores may be pending: a gradient hook was registered since the last fold."""
-        return bool(self.armed)
+    def take_ran(self) -> set[int]:
+        """The layers tapped since the last call: a fold in between (reading the scores, a gradient-accumulation
+        forward) does not forget them."""
+        ran, self.ran = self.ran, set()
+        return ran
 
     @property
     def D(self) -> Tensor:
@@ -116,6 +118,7 @@ class ScoreTable:
                 act = a.detach()
                 self.samples = a.shape[0]
                 self.armed.add(layer)
+                self.ran.add(layer)
                 a.register_hook(lambda g: self.record(layer, act, g, 1.0 if scale is None else scale()))
         return fn
 
@@ -156,7 +159,7 @@ class ScoreTable:
         self.counts = list(sd["counts"])
         self.ema = sd["ema"].to(self.ema.device, torch.float32).clone()
         self.pending = torch.zeros_like(self.ema)
-        self.armed = set()
+        self.armed, self.ran = set(), set()
         self.fresh.fill_(False)
         self.cool_until = sd["cool_until"].clone()
         self.nonfinite.fill_(sd.get("nonfinite", 0))

@@ -1,6 +1,7 @@
 """The public entry point: find unit groups in a model and remove or clone units in place."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Sequence
 
 import torch
@@ -62,6 +63,30 @@ class Surgeon:
             if g.name == name:
                 return g
         raise KeyError(f"no group named {name!r}; groups: {[g.name for g in self.groups]}")
+
+    def of_copy(self, model: nn.Module) -> "Surgeon":
+        """The surgeon of ``model``, a deep copy of this surgeon's model made after the install (an averaged copy of
+        it): the same groups at their counts, no optimizer attached. The copy is not analysed again: at compact
+        widths an analysis may find fewer groups (a 1 x 1 heads x heads map does not tell which axis is the head's).
+        ValueError when ``model`` is not such a copy."""
+        hosts = {plumbing.host for plumbing in self._editor.plumbing.values()}
+        shapes = {name: tuple(t.shape) for name, t in self.model.state_dict(keep_vars=True).items()}
+        if {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()} != shapes:
+            raise ValueError(f"{type(model).__name__} has other tensors or shapes than the installed model")
+        uninstalled = sorted(h for h in hosts if (GraphForward.of(self.model.get_submodule(h)) is None)
+                             != (GraphForward.of(model.get_submodule(h)) is None))
+        if uninstalled:
+            raise ValueError(f"{type(model).__name__} is no copy of the installed model: its hosts {uninstalled} "
+                             "run another forward")
+        memo: dict[int, Any] = {id(self._editor.optimizers): []}
+        pairs = [(self.model.named_modules(), model.named_modules()),
+                 (self.model.named_parameters(), model.named_parameters()),
+                 (self.model.named_buffers(), model.named_buffers())]
+        for live, copied in pairs:
+            memo.update((id(a), b) for (_, a), (_, b) in zip(live, copied))
+        surgeon = copy.deepcopy(self, memo)
+        surgeon._editor.access = TensorAccess()
+        return surgeon
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep ``optimizer``'s per-parameter state in step with every remove and clone."""

@@ -4,6 +4,7 @@ events of eager training, one compile per topology at most, and no graph break f
 dynamo's guards and recompiles do not depend on the backend, so the tests compile with the "eager" backend
 (no code generation): the CPU cost is dynamo's tracing alone.
 """
+import pytest
 import timm
 import torch
 from torch._dynamo.utils import counters
@@ -45,3 +46,27 @@ def test_compiled_training_matches_eager_and_compiles_once_per_topology():
     graphs = counters["stats"]["unique_graphs"]
     assert graphs - 1 <= compiled.edits + 1  # recompiles
     assert graphs >= len(topologies)  # every topology ran compiled: no fallback to eager at the recompile limit
+
+
+def test_a_second_model_compiled_in_the_process_runs_its_own_score_taps():
+    """dynamo reuses a frame's graph for another instance of a module class and, by default, does not guard on
+    module hooks: once the first model's head taps are gone (after its last head proposal), a second wrapped GPT-2
+    (its attention serves the call with a cache through its own forward, tapped by a hook) ran a graph without its
+    taps, and the controller refused the step."""
+    transformers = pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    config = transformers.GPT2Config(vocab_size=30, n_positions=16, n_embd=16, n_layer=2, n_head=2, n_inner=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 30, (2, 7), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        call = {"input_ids": ids[:, :-1], "use_cache": True}
+        ctl = barter.wrap(model, optimizer, total_steps=6, density=0.5, example_kwargs=call, window=(0.1, 0.9))
+        forward = compile_model(model, ctl, backend="eager")
+        for _ in range(4):  # past the head proposal at step 3, after which the head taps are removed
+            logits = forward(**call).logits
+            torch.nn.functional.cross_entropy(logits.reshape(-1, 30), ids[:, 1:].reshape(-1)).backward()
+            optimizer.step()  # the controller checks that every layer's taps ran
+            optimizer.zero_grad()

@@ -91,7 +91,7 @@ def test_next_forward_folds_the_previous_backward():
     blk.taps["channel"] = table.tap(0)
     blk.register_forward_pre_hook(lambda module, args: table.next_forward())  # as the controller does
     blk(torch.randn(2, 3, 8)).sum().backward()
-    assert table.dirty and table.ema.abs().sum() == 0
+    assert table.armed and table.ema.abs().sum() == 0
     ref = torch.stack(reference(blk.kept["channel"], blk.kept["channel"].grad))
     blk(torch.randn(2, 3, 8))  # the next forward folds
     torch.testing.assert_close(table.ema.double(), 0.5 * ref, rtol=1e-5, atol=1e-8)

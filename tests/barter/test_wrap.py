@@ -273,6 +273,23 @@ def test_a_layer_whose_tap_did_not_run_is_an_error_not_a_zero_score():
         opt.step()
 
 
+def test_reading_one_kinds_scores_before_the_step_is_no_missing_tap():
+    """`ctl.scores(kind)` folds that kind's pending scores; the step still knows its layers were tapped, and still
+    refuses a layer that was not."""
+    ctl, opt = new()
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(ctl.model(x), y).backward()
+    assert all(float(d.abs().sum()) > 0 for d, _ in ctl.scores("head").values())
+    opt.step()
+    assert ctl.step_count == 1
+    bypassed = ctl.model.blocks[1].mlp
+    bypassed.forward = type(bypassed).forward.__get__(bypassed)
+    torch.nn.functional.cross_entropy(ctl.model(x), y).backward()
+    ctl.scores("channel")
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.mlp:channel did not run"):
+        opt.step()
+
+
 class TwoConvolutions(torch.nn.Module):
     """A small CNN whose two channel groups (c1's 8, c2's 16) are both hosted at the root module ''."""
 

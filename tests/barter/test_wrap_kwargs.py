@@ -66,7 +66,7 @@ def test_a_model_called_with_keywords_is_analysed_on_example_kwargs_and_transfer
     assert ctl.surgeon.example_inputs == () and set(ctl.surgeon.example_kwargs) == {"pixel_values", "labels"}
     assert len(ctl.layers["head"]) == len(ctl.layers["channel"]) == 3
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    ctl.track(ema)  # the averaged copy is analysed on the same keyword call
+    ctl.track(ema)  # the averaged copy follows the groups found on the keyword call
     assert train(ctl, opt, ema=ema)
     assert any(e["skipped"] is None for e in ctl.events)
     for kind in ("head", "channel"):

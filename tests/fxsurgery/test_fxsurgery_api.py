@@ -487,3 +487,28 @@ def test_the_first_call_leaves_an_object_of_the_example_call_untouched() -> None
     Surgeon(model, (torch.randn(2, 4, 5),), {"memory": memory})
     # the trace and the meta run of the hosts' calls still pass it proxies and meta tensors (to be fixed apart)
     assert not any(isinstance(seen, torch.Tensor) and not seen.is_meta for seen in memory.seen)
+
+
+def test_the_surgeon_of_a_copy_edits_the_copy_alone() -> None:
+    """`of_copy`: a deep copy of the installed model gets the same groups at their counts, without the optimizer;
+    its edits reach the copy only, and equal the same edit of the model. A model that is no such copy is refused."""
+    torch.manual_seed(0)
+    model, x = TinyTransformer(Style()), torch.randn(2, 6, 5)
+    s = Surgeon(model, (x,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    s.attach_optimizer(optimizer)
+    train_steps(model, optimizer, x)
+    s.remove(s.groups[0], 1)
+    twin = s.of_copy(copy.deepcopy(model))
+    assert [(g.name, g.count) for g in twin.groups] == [(g.name, g.count) for g in s.groups]
+    for g in twin.groups:
+        twin.remove(g, 0)
+    assert all(optimizer.state[p]["momentum_buffer"].shape == p.shape for p in model.parameters())
+    with torch.no_grad():
+        before = model(x)
+        for g in s.groups:
+            s.remove(g, 0)
+        torch.testing.assert_close(twin.model(x), model(x))
+    assert not torch.equal(before, model(x))
+    with pytest.raises(ValueError, match="other tensors or shapes"):
+        s.of_copy(TinyTransformer(Style()))

@@ -21,11 +21,14 @@ Every model is fine-tuned with the same optimizer (AdamW, decoupled weight decay
 smoothing, steps and data order per seed. The table gives test accuracy and macro-F1 (mean ± sd over seeds), the
 accuracy right after compression, parameters, fine-tuning F_total (FLOPs counted from the executed shapes) and the
 median step time; below it, the per-seed paired differences with a sign test and a paired-t 95% interval
-(`barter.training.paired`), over the seeds where both methods ran. torch-pruning's search widens before it gives
-up (channel ratio up to 0.95, then up to 0.99, then uniform instead of global pruning; the row says which one was
-used); a seed where it cannot reach the budget is reported in the row with the nearest parameter count reached, not
-fatal. Each seed's rows are appended to OUT/compress.jsonl as they finish and the dense model is saved to OUT/dense
-with its sha256 (manifest.json); `--resume` skips what is there. The table goes to stdout and to OUT/compress.md.
+(`barter.training.paired`), over the seeds where both methods ran (the table names them and why any is left out).
+torch-pruning's search widens before it gives up (channel ratio up to 0.95, then up to 0.99, then both again on a
+head-ratio grid four times finer, then uniform instead of global pruning; the row says which one was used); a seed
+where it cannot reach the budget is reported in the row with the nearest parameter count reached, not fatal. Each
+seed's rows are appended to OUT/compress.jsonl as they finish, after a first line of the run's settings, and the dense
+model is saved to OUT/dense with its sha256 (manifest.json); `--resume` skips what is there, and refuses, naming the
+setting, a rerun whose settings or dense model differ from the finished rows'. The table goes to stdout and to
+OUT/compress.md.
 
     .venv/bin/python benchmarks/compress.py --quick      # tiny sizes, seconds
     .venv/bin/python benchmarks/compress.py              # the README's table (minutes on two cores)
@@ -124,8 +127,26 @@ class BudgetUnreachable(RuntimeError):
         self.nearest = nearest
 
 
-# torch-pruning's searches, tried in turn: (global pruning, largest channel ratio); near 1 it may leave a layer whole
-SEARCHES = ((True, 0.95), (True, 0.99), (False, 0.99))
+@dataclass(frozen=True)
+class Search:
+    """One way of searching torch-pruning's ratios: global or per-layer (uniform) ranking, the largest channel ratio
+    tried (near 1 torch-pruning may leave a layer whole) and how much finer than the form's the head-ratio grid is."""
+
+    global_pruning: bool
+    top: float
+    fineness: int = 1
+
+    def describe(self, grid: int) -> str:
+        """The row's note: "global, 20-point head grid, ratio <= 0.95"."""
+        return (f"{'global' if self.global_pruning else 'uniform'}, {grid * self.fineness}-point head grid, "
+                f"ratio <= {self.top}")
+
+
+# tried in turn, the recipe's own first. A finer head grid reaches head counts the form's grid steps over; a larger
+# channel ratio can give more parameters, not fewer, when it makes torch-pruning leave a layer whole, so each grid
+# tries 0.95 before 0.99.
+SEARCHES = (Search(True, 0.95), Search(True, 0.99), Search(True, 0.95, fineness=4), Search(True, 0.99, fineness=4),
+            Search(False, 0.99, fineness=4))
 
 
 def build_model(setup: Setup, data: Data) -> nn.Module:
@@ -230,18 +251,21 @@ def tp_pruned(dense: nn.Module, example: torch.Tensor, *, ratio: float, head_rat
 def tp_within_budget(dense: nn.Module, example: torch.Tensor, budget: int, kept_heads: int, importance: str,
                      calibration: list, search: tuple[int, int]) -> tuple[nn.Module, str]:
     """The largest torch-pruning model within `budget` parameters and the search that found it. Each of SEARCHES in
-    turn: the head ratio (on a grid) that keeps the number of heads closest to `kept_heads` (torch-pruning leaves a
+    turn: the head ratio (on its grid) that keeps the number of heads closest to `kept_heads` (torch-pruning leaves a
     layer whole rather than remove all its heads, so heads kept do not fall steadily with the ratio), then a bisection
     on the channel ratio. BudgetUnreachable with the nearest count when none gets within the budget."""
-    nearest = None
-    for global_pruning, top in SEARCHES:
-        def pruned(ratio: float, head_ratio: float, flag: bool = global_pruning) -> nn.Module:
+    nearest, head_ratios = None, {}
+    for way in SEARCHES:
+        def pruned(ratio: float, head_ratio: float, flag: bool = way.global_pruning) -> nn.Module:
             return tp_pruned(dense, example, ratio=ratio, head_ratio=head_ratio, importance=importance,
                              calibration=calibration, global_pruning=flag)
 
-        head_ratio = min((abs(sum(widths(pruned(0.5, k / search[0]))[0]) - kept_heads), k / search[0])
-                         for k in range(1, search[0]))[1]
-        low, high = 0.0, top
+        points = search[0] * way.fineness
+        if (way.global_pruning, points) not in head_ratios:
+            head_ratios[way.global_pruning, points] = min(
+                (abs(sum(widths(pruned(0.5, k / points))[0]) - kept_heads), k / points) for k in range(1, points))[1]
+        head_ratio = head_ratios[way.global_pruning, points]
+        low, high = 0.0, way.top
         best = pruned(high, head_ratio)
         nearest = min(parameters(best), nearest or parameters(best))
         if parameters(best) > budget:
@@ -253,7 +277,7 @@ def tp_within_budget(dense: nn.Module, example: torch.Tensor, budget: int, kept_
                 high, best = middle, model
             else:
                 low = middle
-        return best, f"{'global' if global_pruning else 'uniform'}, ratio <= {top}"
+        return best, way.describe(search[0])
     raise BudgetUnreachable(budget, nearest)
 
 

@@ -80,3 +80,32 @@ def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, m
     assert module.main(["--quick", "--resume", "--out", str(tmp_path / "cut")]) == 0
     assert comparable((tmp_path / "cut" / "compress.md").read_text()) == comparable(
         (tmp_path / "whole" / "compress.md").read_text())
+
+
+def test_a_budget_the_recipes_head_grid_steps_over_is_reached_with_the_finer_grid(monkeypatch):
+    """Three layers of three heads and a target of three heads: the 4-point head grid keeps four heads at best
+    (torch-pruning leaves a layer whole), too many for the budget at any channel ratio; the finer grid keeps three."""
+    module = load_benchmark(monkeypatch)
+    from barter.rebuild import timm_with_models
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    dense = timm_with_models().create_model("vit_tiny_patch16_224", num_classes=3, in_chans=1, img_size=8,
+                                            embed_dim=24, depth=3, num_heads=3, mlp_ratio=2.0, patch_size=4)
+    example = torch.randn(2, 1, 8, 8)
+
+    def pruned(ratio, head_ratio):
+        return module.tp_pruned(dense, example, ratio=ratio, head_ratio=head_ratio, importance="magnitude",
+                                calibration=[])
+
+    coarse = [sum(module.widths(pruned(0.5, k / 4))[0]) for k in range(1, 4)]
+    assert 3 not in coarse and min(abs(h - 3) for h in coarse) == 1  # the form's grid cannot keep three heads
+    closest = min((abs(h - 3), k / 4) for k, h in enumerate(coarse, start=1))[1]
+    budget = module.parameters(pruned(0.95, 9 / 16))  # three heads, one per layer, from the 16-point grid
+    assert budget < min(module.parameters(pruned(top, closest)) for top in (0.95, 0.99))
+    model, search = module.tp_within_budget(dense, example, budget, 3, "magnitude", [], (4, 6))
+    assert module.parameters(model) <= budget and sum(module.widths(model)[0]) == 3
+    assert search == "global, 16-point head grid, ratio <= 0.95"
+    with pytest.raises(module.BudgetUnreachable):  # the order: without the finer grid, only uniform pruning is left
+        monkeypatch.setattr(module, "SEARCHES", module.SEARCHES[:2])
+        module.tp_within_budget(dense, example, budget, 3, "magnitude", [], (4, 6))

@@ -52,7 +52,7 @@ from torch.utils.data import Dataset, Subset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import barter  # noqa: E402
 from barter.rebuild import timm_with_models  # noqa: E402
-from barter.serialization import verify_files, write_manifest  # noqa: E402
+from barter.serialization import read_manifest, verify_files, write_manifest  # noqa: E402
 from barter.training import TrainConfig  # noqa: E402
 from barter.training.batches import epoch_batches  # noqa: E402
 from barter.training.evaluation import evaluate  # noqa: E402
@@ -313,8 +313,32 @@ def compress_and_tune(method: str, dense: nn.Module, data: Data, config: TrainCo
 
 
 def read_records(file: Path) -> list[dict]:
-    """The rows of compress.jsonl, one per method and seed (none when the file is absent)."""
+    """The records of compress.jsonl: the run's settings, then a row per method and seed (none when the file is
+    absent)."""
     return [json.loads(line) for line in file.read_text().splitlines() if line] if file.exists() else []
+
+
+def fields(record: dict) -> dict:
+    """A record of compress.jsonl without its kind."""
+    return {key: value for key, value in record.items() if key != "kind"}
+
+
+def settings_of(args: argparse.Namespace, setup: Setup, data: Data) -> dict:
+    """What a resumed run must share with the finished rows (the seeds may differ), as compress.jsonl holds it."""
+    settings = {"form": "quick" if args.quick else "full", "dataset": args.dataset,
+                "data_dir": str(Path(args.data_dir).resolve()) if args.dataset == "folder" else None,
+                "train_images": len(data.train), "test_images": len(data.test), "classes": data.num_classes,
+                "density": args.density, "allocation": args.allocation,
+                **{key: value for key, value in asdict(setup).items() if key != "seeds"}}
+    return json.loads(json.dumps(settings))
+
+
+def refuse_other_settings(parser: argparse.ArgumentParser, recorded: dict | None, settings: dict, file: Path) -> None:
+    """Exit with an error naming the first of `settings` that the finished rows of `file` were run with otherwise."""
+    for key, value in settings.items():
+        if recorded is not None and recorded.get(key) != value:
+            parser.error(f"--resume: the finished rows of {file} were run with {key} {recorded.get(key)!r}, this run "
+                         f"has {value!r}; rerun with their settings, or without --resume to start over")
 
 
 class Progress:
@@ -340,6 +364,16 @@ def mean_sd(values: list[float], scale: float = 100.0) -> str:
     if len(values) == 1:
         return f"{values[0] * scale:.2f}"
     return f"{statistics.mean(values) * scale:.2f} ± {statistics.stdev(values) * scale:.2f}"
+
+
+def paired_seeds(paired: tuple[int, ...], seeds: list[int], unreached: list[Unreached], pair: tuple[str, str]) -> str:
+    """The seeds a paired difference is over and why any other of `seeds` is left out: "0, 1, 3 (seed 2: budget not
+    reached by tp-taylor)"."""
+    left = []
+    for seed in (s for s in seeds if s not in paired):
+        methods = [u.method for u in unreached if u.seed == seed and u.method in pair]
+        left.append(f"seed {seed}: " + (f"budget not reached by {' and '.join(methods)}" if methods else "not run"))
+    return (", ".join(map(str, paired)) or "none") + (f" ({'; '.join(left)})" if left else "")
 
 
 def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, setup: Setup, density: float,
@@ -369,17 +403,18 @@ def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, set
                      f"{statistics.mean(o.step_s for o in runs) * 1e3:.1f} | "
                      f"{statistics.mean(o.transfers for o in runs):g} | {widths_cell(runs)} |")
     lines += ["", "Paired differences (method − reference, percentage points; per seed, mean [paired-t 95% interval], "
-              "exact sign test p, paired t-test p; only the seeds where both methods ran):", "",
-              "| method | reference | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | Δ F1 per seed | "
-              "Δ F1 mean [95% CI] | sign p | t p |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "exact sign test p, paired t-test p), over the seeds where both methods ran:", "",
+              "| method | reference | paired over seeds | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | "
+              "Δ F1 per seed | Δ F1 mean [95% CI] | sign p | t p |", "|---" * 11 + "|"]
+    seeds = sorted({o.seed for o in outcomes} | {u.seed for u in unreached})
     for method, reference in PAIRS:
         ours = {o.seed: o for o in outcomes if o.method == method}
         theirs = {o.seed: o for o in outcomes if o.method == reference}
         acc = paired_difference({s: o.acc for s, o in ours.items()}, {s: o.acc for s, o in theirs.items()})
         f1 = paired_difference({s: o.macro_f1 for s, o in ours.items()}, {s: o.macro_f1 for s, o in theirs.items()})
-        if acc is not None:
-            lines.append(f"| {method} | {reference} | " + " | ".join(difference_cells(acc) + difference_cells(f1))
-                         + " |")
+        cells = difference_cells(acc) + difference_cells(f1) if acc else ["—"] * 8
+        over = paired_seeds(acc.seeds if acc else (), seeds, unreached, (method, reference))
+        lines.append(f"| {method} | {reference} | {over} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -409,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         data = replace(data, train=sample(data.train, setup.train_images), test=sample(data.test, setup.test_images))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    records = read_records(out / "compress.jsonl") if args.resume else []
+    recorded = next((fields(r) for r in records if r["kind"] == "settings"), None)
+    settings = settings_of(args, setup, data)
+    refuse_other_settings(parser, recorded, settings, out / "compress.jsonl")
     torch.manual_seed(0)
     dense = build_model(setup, data)
     if args.resume and (out / "dense" / "manifest.json").exists():
@@ -427,16 +466,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.save(dense.state_dict(), out / "dense" / "dense.pt")
         (out / "dense" / "dense.json").write_text(json.dumps(summary))
         write_manifest(out / "dense")
+    settings["dense_sha256"] = read_manifest(out / "dense")["dense.pt"]
+    refuse_other_settings(parser, recorded, settings, out / "compress.jsonl")
     print(f"dense: {summary['parameters']:,} parameters, test acc {summary['acc']:.4f} "
           f"({time.perf_counter() - started:.0f}s)", flush=True)
     probe = barter.wrap(copy.deepcopy(dense), total_steps=1, density=args.density, method="static",
                         example_inputs=(torch.zeros(2, data.in_chans, setup.img_size, setup.img_size),))
     budget, kept_heads = parameters(probe.model), sum(k.get("head", 0) for k in probe.topology().values())
     probe.close()
-    records = read_records(out / "compress.jsonl") if args.resume else []
-    done = {(r["method"], r["seed"]) for r in records}
-    if not args.resume:
-        (out / "compress.jsonl").write_text("")
+    if recorded is None:  # a new file, or one cut before its first row
+        with (out / "compress.jsonl").open("a" if args.resume else "w") as log:
+            log.write(json.dumps({"kind": "settings", **settings}) + "\n")
+    done = {(r["method"], r["seed"]) for r in records if r["kind"] != "settings"}
     progress = Progress(len(METHODS) * len(setup.seeds), done=len(done))
     for seed in setup.seeds:
         for method in METHODS:
@@ -455,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.write(json.dumps(record) + "\n")
             records.append(record)
             progress.advance(line)
-    outcomes = [Outcome(**{**r, "widths": tuple(r["widths"])}) for r in records if r.pop("kind") == "outcome"]
-    unreached = [Unreached(**r) for r in records if "nearest" in r]
+    outcomes = [Outcome(**{**fields(r), "widths": tuple(r["widths"])}) for r in records if r["kind"] == "outcome"]
+    unreached = [Unreached(**fields(r)) for r in records if r["kind"] == "unreached"]
     command = "python benchmarks/compress.py " + " ".join(sys.argv[1:] if argv is None else argv)
     table = report(sorted(outcomes, key=lambda o: o.seed), unreached, summary, setup, args.density, args.allocation,
                    budget, command.strip())

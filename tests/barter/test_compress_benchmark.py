@@ -17,8 +17,9 @@ def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
-    table = (tmp_path / "compress.md").read_text()
-    assert table in capsys.readouterr().out
+    table, printed = (tmp_path / "compress.md").read_text(), capsys.readouterr().out
+    assert table in printed
+    assert "dense: epoch 1/1 (" in printed  # the dense model's training shows its epochs
     budget = int(re.search(r"density 0.3 \(([\d,]+) parameters", table).group(1).replace(",", ""))
     main_table, paired_table = table.split("Paired differences")
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in main_table.splitlines() if line.startswith("| ")}
@@ -27,7 +28,7 @@ def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch
         assert all(budget * 0.9 < p <= budget for p in parameters), (method, parameters)
     assert rows["static"][1] == rows["barter"][1] == f"{budget:,}"  # BARTER's widths set the budget
     assert int(rows["barter"][7]) > 0 and int(rows["static"][7]) == 0  # transfers
-    pair = re.compile(r"\| (static|barter) \| (static|tp-\w+) \| [+-]")
+    pair = re.compile(r"\| (static|barter) \| (static|tp-\w+) \| 0, 1 \| [+-]")
     paired = [line for line in paired_table.splitlines() if pair.match(line)]
     assert len(paired) == len(module.PAIRS)
 
@@ -55,7 +56,11 @@ def test_a_budget_unreachable_at_one_seed_marks_its_row_and_keeps_the_others(tmp
     assert "budget not reached at seed 1 (nearest" in row
     for method in ("tp-taylor", "static", "barter"):
         assert "not reached" not in next(line for line in table.splitlines() if line.startswith(f"| {method} |"))
-    assert "| static | tp-magnitude | +" in table or "| static | tp-magnitude | -" in table
+    paired = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in table.split("Paired differences")[1]
+              .splitlines() if line.startswith("| ")}
+    assert paired["| static", "tp-magnitude"][2] == "0 (seed 1: budget not reached by tp-magnitude)"
+    assert re.fullmatch(r"[+-]\d+\.\d+", paired["| static", "tp-magnitude"][3])  # seed 0's difference alone
+    assert paired["| static", "tp-taylor"][2] == "0, 1" and len(paired["| static", "tp-taylor"][3].split()) == 2
 
 
 def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, monkeypatch):
@@ -75,7 +80,7 @@ def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, m
     monkeypatch.setattr(module, "compress_and_tune", cut_at_seed_1)
     with pytest.raises(KeyboardInterrupt):
         module.main(["--quick", "--out", str(tmp_path / "cut")])
-    assert len((tmp_path / "cut" / "compress.jsonl").read_text().splitlines()) == len(module.METHODS)
+    assert len((tmp_path / "cut" / "compress.jsonl").read_text().splitlines()) == 1 + len(module.METHODS)  # settings
     monkeypatch.setattr(module, "compress_and_tune", real)
     assert module.main(["--quick", "--resume", "--out", str(tmp_path / "cut")]) == 0
     assert comparable((tmp_path / "cut" / "compress.md").read_text()) == comparable(
@@ -109,3 +114,33 @@ def test_a_budget_the_recipes_head_grid_steps_over_is_reached_with_the_finer_gri
     with pytest.raises(module.BudgetUnreachable):  # the order: without the finer grid, only uniform pruning is left
         monkeypatch.setattr(module, "SEARCHES", module.SEARCHES[:2])
         module.tp_within_budget(dense, example, budget, 3, "magnitude", [], (4, 6))
+
+
+def test_resume_refuses_a_rerun_whose_settings_or_dense_model_differ_and_names_the_setting(tmp_path, monkeypatch,
+                                                                                          capsys):
+    module = load_benchmark(monkeypatch)
+    torch = pytest.importorskip("torch")
+
+    def cut(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "compress_and_tune", cut)
+    with pytest.raises(KeyboardInterrupt):
+        module.main(["--quick", "--out", str(tmp_path)])
+    log = tmp_path / "compress.jsonl"
+    written = log.read_text()
+    assert '"density": 0.3' in written and '"dense_sha256": "' in written
+    capsys.readouterr()
+    for flags, setting in ((["--quick", "--density", "0.5"], "density"), (["--quick", "--allocation", "global"],
+                                                                          "allocation"), ([], "form")):
+        with pytest.raises(SystemExit) as exit_:
+            module.main([*flags, "--resume", "--out", str(tmp_path)])
+        assert exit_.value.code == 2 and f"were run with {setting} " in capsys.readouterr().err, setting
+        assert log.read_text() == written
+    weights = torch.load(tmp_path / "dense" / "dense.pt", weights_only=True)
+    weights["head.bias"] += 1  # another dense model, with a manifest of its own: the files check passes
+    torch.save(weights, tmp_path / "dense" / "dense.pt")
+    module.write_manifest(tmp_path / "dense")
+    with pytest.raises(SystemExit):
+        module.main(["--quick", "--resume", "--out", str(tmp_path)])
+    assert "were run with dense_sha256 " in capsys.readouterr().err and log.read_text() == written

@@ -380,12 +380,13 @@ def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, set
            allocation: str, budget: int, command: str) -> str:
     """The markdown table (a method's row names the seeds where it could not reach the budget) and the paired
     differences."""
+    seeds = sorted({o.seed for o in outcomes} | {u.seed for u in unreached})  # a resumed run's too
     lines = [f"`{command}`", "",
              f"Dense ViT ({setup.model}, {dense['parameters']:,} parameters) trained {setup.dense_epochs} epochs: "
              f"test accuracy {dense['acc'] * 100:.2f}%, macro-F1 {dense['macro_f1'] * 100:.2f}, training F_total "
              f"{dense['flops']:.3e}. Budget: BARTER's compact model at density {density:g} ({budget:,} parameters; "
              f"BARTER allocation {allocation}). Fine-tuning: {setup.tune_epochs} epochs, seeds "
-             f"{', '.join(map(str, setup.seeds))}; calibration {setup.calibration} batches of {setup.batch_size}.",
+             f"{', '.join(map(str, seeds))}; calibration {setup.calibration} batches of {setup.batch_size}.",
              "", "| method | parameters | acc. after compression (%) | accuracy (%) | macro-F1 (%) | F_total "
              "(fine-tuning) | step (ms) | transfers | heads / channels per layer |", "|---" * 9 + "|"]
     for method in METHODS:
@@ -406,7 +407,6 @@ def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, set
               "exact sign test p, paired t-test p), over the seeds where both methods ran:", "",
               "| method | reference | paired over seeds | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | "
               "Δ F1 per seed | Δ F1 mean [95% CI] | sign p | t p |", "|---" * 11 + "|"]
-    seeds = sorted({o.seed for o in outcomes} | {u.seed for u in unreached})
     for method, reference in PAIRS:
         ours = {o.seed: o for o in outcomes if o.method == method}
         theirs = {o.seed: o for o in outcomes if o.method == reference}
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         with (out / "compress.jsonl").open("a" if args.resume else "w") as log:
             log.write(json.dumps({"kind": "settings", **settings}) + "\n")
     done = {(r["method"], r["seed"]) for r in records if r["kind"] != "settings"}
-    progress = Progress(len(METHODS) * len(setup.seeds), done=len(done))
+    progress = Progress(len(METHODS) * len(setup.seeds), done=sum(seed in setup.seeds for _, seed in done))
     for seed in setup.seeds:
         for method in METHODS:
             if (method, seed) in done:

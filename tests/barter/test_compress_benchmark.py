@@ -82,9 +82,12 @@ def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, m
         module.main(["--quick", "--out", str(tmp_path / "cut")])
     assert len((tmp_path / "cut" / "compress.jsonl").read_text().splitlines()) == 1 + len(module.METHODS)  # settings
     monkeypatch.setattr(module, "compress_and_tune", real)
+    whole = comparable((tmp_path / "whole" / "compress.md").read_text())
     assert module.main(["--quick", "--resume", "--out", str(tmp_path / "cut")]) == 0
-    assert comparable((tmp_path / "cut" / "compress.md").read_text()) == comparable(
-        (tmp_path / "whole" / "compress.md").read_text())
+    assert comparable((tmp_path / "cut" / "compress.md").read_text()) == whole
+    # a resume naming fewer seeds runs nothing and still reports every finished seed
+    assert module.main(["--quick", "--resume", "--seeds", "0", "--out", str(tmp_path / "cut")]) == 0
+    assert comparable((tmp_path / "cut" / "compress.md").read_text()) == whole
 
 
 def test_a_budget_the_recipes_head_grid_steps_over_is_reached_with_the_finer_grid(monkeypatch):

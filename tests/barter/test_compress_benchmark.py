@@ -12,10 +12,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compress.py"
 
 
 def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("compress_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_benchmark(monkeypatch)
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     table, printed = (tmp_path / "compress.md").read_text(), capsys.readouterr().out
     assert table in printed
@@ -34,6 +31,7 @@ def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch
 
 
 def load_benchmark(monkeypatch):
+    """benchmarks/compress.py as a module (not a package's): its dataclasses look their module up in sys.modules."""
     spec = importlib.util.spec_from_file_location("compress_benchmark", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)

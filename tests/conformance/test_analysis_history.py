@@ -11,7 +11,7 @@ import torch
 from conformance_checks import model_cases, training_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_conformance import OTHER_LIBRARIES, OUTSIDE_TIMM
+from test_conformance import conformance_cases
 from test_families_table import FAMILIES
 
 from fxsurgery import Analysis, analyse
@@ -19,15 +19,8 @@ from fxsurgery import Analysis, analyse
 
 def every_case() -> dict[str, tuple]:
     """name -> (builder, input) over the conformance lists (a model on several lists at its first list's settings)."""
-    cases = model_cases() + model_cases(FAMILIES, depth=None) + model_cases(OUTSIDE_TIMM)
-    for package, path in OTHER_LIBRARIES.items():
-        try:
-            __import__(package)
-        except ImportError:
-            continue
-        cases += model_cases(path)
     found: dict[str, tuple] = {}
-    for name, build, x in cases:
+    for name, build, x in conformance_cases() + model_cases(FAMILIES, depth=None):
         found.setdefault(name, (build, x))
     return found
 

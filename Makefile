@@ -29,12 +29,15 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
 # The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py),
-# and every combination of the combination matrix's axes (tests/combinations), each with a freshly drawn seed.
+# every combination of the combination matrix's axes (tests/combinations), each with a freshly drawn seed, and every
+# conformance model analysed fresh, called and trained (tests/conformance/test_analysis_history.py, one draw each).
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py \
 		tests/fxsurgery/test_fxsurgery_module_calls.py
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
 		tests/combinations
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
+		tests/conformance/test_analysis_history.py
 
 clean:
 	rm -rf $(VENV)

@@ -109,13 +109,15 @@ def training_loss(out: object, y: torch.Tensor) -> torch.Tensor:
     return sum(t.float().square().mean() for t in outputs(out))
 
 
-def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
-    """In float64: cloning unit 0 of every exact group leaves the outputs unchanged; removing it
-    (on a fresh copy) equals the original with that unit's output slices zeroed (its projection columns, and its
-    rows of any head-mixing map)."""
-    model = copy.deepcopy(model).double().eval()
-    x = x.double() if x.is_floating_point() else x  # token ids stay integers
-    original = copy.deepcopy(model)
+def in_float64(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
+    """A float64 copy of ``model`` in eval mode and ``x`` in float64 (token ids stay integers): the oracle's
+    tolerances are float64's."""
+    return copy.deepcopy(model).double().eval(), x.double() if x.is_floating_point() else x
+
+
+def check_analysis(model: nn.Module, x: torch.Tensor, result: Conformance) -> Surgeon:
+    """The analysis of ``model`` (never called before: analysed as a user wraps it): its group counts, what it leaves
+    out, the attention and FFN modules neither grouped nor reported, and its seconds."""
     t = time.perf_counter()
     s = Surgeon(model, (x,))
     result.analyse_s = time.perf_counter() - t
@@ -124,6 +126,16 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
     result.exact = sum(g.exact for g in s.groups)
     result.left_out = [f"{lo.module}: {'; '.join(lo.reasons)}" for lo in s.left_out]
     result.unaccounted = unaccounted_modules(model, s)
+    return s
+
+
+def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
+    """In float64: cloning unit 0 of every exact group leaves the outputs unchanged; removing it
+    (on a fresh copy) equals the original with that unit's output slices zeroed (its projection columns, and its
+    rows of any head-mixing map)."""
+    model, x = in_float64(model, x)
+    original = copy.deepcopy(model)
+    s = check_analysis(model, x, result)
     fresh, masked = copy.deepcopy(original), copy.deepcopy(original)  # before train mode moves BN statistics
     with torch.no_grad():
         result.modes_ok = True
@@ -191,12 +203,16 @@ def check_training(model: nn.Module, x: torch.Tensor, result: Conformance, steps
     result.train_ok = ok and result.transfers > 0
 
 
-def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor) -> Conformance:
-    """All checks for one model; an exception is recorded, not raised."""
+def check(name: str, build: Callable[[], nn.Module], x: torch.Tensor, *, analysis_only: bool = False) -> Conformance:
+    """All checks for one model (with ``analysis_only``, its analysis alone: the group counts a table states); an
+    exception is recorded, not raised. The model is built here and never called before it is analysed."""
     result = Conformance(name)
     try:
         torch.manual_seed(0)
         model = build()
+        if analysis_only:
+            check_analysis(*in_float64(model, x), result)
+            return result
         check_surgery(model, x, result)
         check_training(model, x, result)
     except Exception as e:  # the table must go on; the error is the finding

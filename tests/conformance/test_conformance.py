@@ -39,7 +39,8 @@ OTHER_LIBRARIES = {"transformers": HERE / "models_hugging_face.json",
                    "vit_pytorch": HERE / "models_einops_open_clip.json"}
 
 
-def params():
+def conformance_cases() -> list:
+    """(name, builder, input) of every list this test runs whose library is installed."""
     cases = model_cases() + model_cases(OUTSIDE_TIMM)
     for package, path in OTHER_LIBRARIES.items():
         try:
@@ -47,7 +48,11 @@ def params():
         except ImportError:
             continue
         cases += model_cases(path)
-    for name, build, x in cases:
+    return cases
+
+
+def params():
+    for name, build, x in conformance_cases():
         marks = [pytest.mark.slow] if name in SLOW else []
         yield pytest.param(name, build, x, id=name, marks=marks)
 

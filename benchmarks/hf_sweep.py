@@ -32,7 +32,8 @@ HIDDEN, LAYERS, ATTENTION_HEADS, KEY_VALUE_HEADS, FFN, VOCAB, POSITIONS, IMAGE, 
 MAX_PARAMETERS = 20_000_000  # a config that stays bigger than this was not made tiny
 BATCH, LENGTH = 2, 8
 SIZES = {  # config attribute -> tiny value, by the names transformers' configs use
-    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim"), HIDDEN),
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "word_embed_proj_dim",
+                     "pooler_hidden_size"), HIDDEN),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
                      "num_decoder_layers", "num_encoder_layers"), LAYERS),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
@@ -41,12 +42,16 @@ SIZES = {  # config attribute -> tiny value, by the names transformers' configs 
     **dict.fromkeys(("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff",
                      "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size",
                      "dense_intermediate_size"), FFN),
-    "head_dim": HIDDEN // ATTENTION_HEADS, "d_kv": HIDDEN // ATTENTION_HEADS, "kv_channels": HIDDEN // ATTENTION_HEADS,
+    **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"),
+                    HIDDEN // ATTENTION_HEADS),
+    "qk_head_dim": 2 * HIDDEN // ATTENTION_HEADS,  # multi-head latent attention: nope + rope
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), HIDDEN // 2),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "top_k", "moe_topk"), 2),
     "vocab_size": VOCAB,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length"), POSITIONS),
-    "image_size": IMAGE, "patch_size": PATCH,
+    **dict.fromkeys(("n_group", "topk_group"), 1),  # expert groups of the router
+    "image_size": IMAGE, "patch_size": PATCH, "window_size": 4,
 }
 TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
              "cls_token_id", "mask_token_id", "unk_token_id")
@@ -94,7 +99,7 @@ def classes() -> list[str]:
                   if name.endswith(HEADS) and not name.startswith(("Auto", "TF", "Flax")))
 
 
-def first_words(text: str, words: int = 14) -> str:
+def first_words(text: str, words: int = 20) -> str:
     return " ".join(str(text).split()[:words])
 
 
@@ -107,7 +112,10 @@ def shrink(config: Any, seen: set[int] | None = None) -> None:
         return
     seen.add(id(config))
     attributes = config.to_dict() if hasattr(config, "to_dict") else {}
+    staged = _int_list(getattr(config, "depths", None))  # a hierarchical model: its width and stage count derive
     for name, value in list(vars(config).items()) + [(n, getattr(config, n, None)) for n in attributes]:
+        if staged and name in ("hidden_size", "num_layers", "num_hidden_layers"):
+            continue
         if isinstance(value, PretrainedConfig):
             shrink(value, seen)
         elif name in SIZES and isinstance(value, int) and not isinstance(value, bool):

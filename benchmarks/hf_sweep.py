@@ -9,7 +9,7 @@ neither text nor images, a Trainer call the model itself does not serve) and the
 channels only, refused (an `AnalysisError` / `TraceError`, or no group with the reasons left out) with the reason's
 first words, or a raw exception (anything else), which fails the sweep. Ends with `hf sweep: <counts>`.
 
-    python benchmarks/hf_sweep.py --timeout-per-model 60 --out hf_sweep.md
+    python benchmarks/hf_sweep.py --timeout-per-model 120 --out runs/hf_sweep.md   (in `make soak`)
 """
 from __future__ import annotations
 
@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"not a swept class of the installed transformers: {', '.join(unknown)}")
     names = names[:args.limit] if args.limit is not None else names
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     worker = Worker() if args.timeout_per_model else None
     rows = []
     try:

@@ -160,13 +160,16 @@ def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     try:
         config = config_class()
         shrink(config)
+        with torch.device("meta"):  # sized before any memory is filled
+            size = sum(p.numel() for p in cls(config).parameters())
+        if size > MAX_PARAMETERS:
+            raise NotBuilt(f"config cannot be made tiny: {size:,} parameters")
         torch.manual_seed(0)
         model = cls(config)
+    except NotBuilt:
+        raise
     except Exception as err:  # noqa: BLE001 - any failure of the model's own code: the class is not built
         raise NotBuilt(f"config cannot be made tiny: {type(err).__name__}: {err}") from err
-    size = sum(p.numel() for p in model.parameters())
-    if size > MAX_PARAMETERS:
-        raise NotBuilt(f"config cannot be made tiny: {size:,} parameters")
     call = trainer_call(name, model)
     try:
         with torch.no_grad():

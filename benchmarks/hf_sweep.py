@@ -196,6 +196,9 @@ def trainer_call(name: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         raise NotBuilt(f"main input {main!r} is neither text nor images")
     vocab = _nested(config, "vocab_size") or VOCAB
     ids = torch.randint(3, max(4, min(vocab, VOCAB)), (BATCH, LENGTH), generator=generator)
+    eos = _nested(config, "eos_token_id")
+    if isinstance(eos, int) and eos < vocab:
+        ids[:, -1] = eos  # each sequence ends as a tokenizer ends it (a classifier may read the end token)
     labels = classes_labels if classify else ids.clone()
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 

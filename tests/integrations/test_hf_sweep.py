@@ -10,13 +10,20 @@ import pytest
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_sweep.py"
-SLICE = (  # decoders, encoders, encoder-decoders, mixture of experts, vision transformers, a convolutional net
+RAW_IN_ANALYSIS = pytest.mark.xfail(  # strict: passes once the analysis refuses instead
+    strict=True, reason="the analysis raises a bare IndexError on the expert router (dataflow/grouping.py, "
+                        "_Builder.cls on a pin's ids)")
+SLICE = (  # decoders, encoders, an encoder-decoder, mixture of experts, vision transformers, a convolutional net
     "BertForSequenceClassification", "GPT2ForSequenceClassification", "T5ForConditionalGeneration",
-    "BartForConditionalGeneration", "LlamaForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "FalconForCausalLM",
-    "BloomForCausalLM", "DebertaV2ForSequenceClassification", "RobertaForMaskedLM",
-    "DistilBertForSequenceClassification", "Qwen2ForCausalLM", "MixtralForCausalLM", "ViTForImageClassification", "BeitForImageClassification",
-    "DeiTForImageClassification", "Swinv2ForImageClassification", "ConvNextForImageClassification",
-    "MobileViTForImageClassification",
+    "LlamaForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "FalconForCausalLM", "BloomForCausalLM",
+    "DebertaV2ForSequenceClassification", "RobertaForMaskedLM", "DistilBertForSequenceClassification",
+    "AlbertForMaskedLM", "BioGptForCausalLM", "Qwen2ForCausalLM", pytest.param("MixtralForCausalLM",
+                                                                               marks=RAW_IN_ANALYSIS),
+    "ViTForImageClassification", "BeitForImageClassification", "DeiTForImageClassification",
+    "Swinv2ForImageClassification", "ConvNextForImageClassification",
+    # the slowest to analyse (30 s and more each on 2 loaded cores); the whole sweep runs in `make soak`
+    pytest.param("BartForConditionalGeneration", marks=pytest.mark.slow),
+    pytest.param("MobileViTForImageClassification", marks=pytest.mark.slow),
 )
 
 

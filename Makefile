@@ -29,8 +29,11 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
 # The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py),
-# every combination of the combination matrix's axes (tests/combinations), each with a freshly drawn seed, and every
-# conformance model analysed fresh, called and trained (tests/conformance/test_analysis_history.py, one draw each).
+# every combination of the combination matrix's axes (tests/combinations), each with a freshly drawn seed, every
+# conformance model analysed fresh, called and trained (tests/conformance/test_analysis_history.py, one draw each),
+# then fxsurgery's analysis on every *ForCausalLM / *ForSequenceClassification / *ForImageClassification /
+# *ForMaskedLM / *ForConditionalGeneration class of the installed transformers (benchmarks/hf_sweep.py), failing on a
+# raw exception.
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py \
 		tests/fxsurgery/test_fxsurgery_module_calls.py
@@ -38,6 +41,7 @@ soak: $(STAMP)
 		tests/combinations
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
 		tests/conformance/test_analysis_history.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/hf_sweep.py --timeout-per-model 120 --out runs/hf_sweep.md
 
 clean:
 	rm -rf $(VENV)

@@ -3,7 +3,6 @@ and offer every group that passes the self-check."""
 from __future__ import annotations
 
 import itertools
-import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -16,7 +15,7 @@ from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
-from ..errors import AnalysisError, TraceError
+from ..errors import AnalysisError, TraceError, unforeseen
 from ..groups import ConstantSlot, GroupPlumbing, LeftOut, UnitGroup
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
@@ -188,8 +187,7 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
         except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
             shared.templates[key] = str(err)
         except Exception as err:  # an unforeseen failure refuses this host, naming it, the error and where it arose
-            shared.templates[key] = (f"analysing {host or 'the model'} ({type(module).__name__}) failed: "
-                                     f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+            shared.templates[key] = unforeseen(f"analysing {host or 'the model'} ({type(module).__name__})", err)
     return shared.templates[key]
 
 

@@ -12,7 +12,7 @@ from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
 from ..dataflow.paths import common_module
-from ..errors import AnalysisError, TraceError
+from ..errors import AnalysisError, TraceError, unforeseen
 from .find import TracedCall, locate_groups
 
 LeaveOut = Callable[[str, list[str]], None]  # report a module as left out, with reasons
@@ -102,6 +102,9 @@ def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -
             result, region_calls = locate_groups(gm, values, prefix)
         except AnalysisError as err:  # this region is left out; the others go on
             leave_out(prefix, [str(err)])
+            continue
+        except Exception as err:  # an unforeseen failure leaves this region out, naming the error and where it arose
+            leave_out(prefix, [unforeseen(f"locating the unit groups of {prefix or 'the model'}", err)])
             continue
         for path, call in region_calls.items():
             calls.setdefault(join_path(prefix, path), call)

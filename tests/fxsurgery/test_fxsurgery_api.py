@@ -451,6 +451,26 @@ def test_an_unforeseen_error_in_a_host_is_a_refusal_naming_it_with_its_traceback
     assert "failed: KeyError: 'an unforeseen key'" in message and "Traceback" in message
 
 
+def test_an_unforeseen_error_locating_groups_is_a_refusal_naming_it_with_its_traceback(monkeypatch):
+    """An exception other than AnalysisError while locating the groups of a traced graph (as a mixture-of-experts
+    router once raised IndexError there) leaves that graph out with a reason naming it, the error and its traceback:
+    a refusal, never a raw exception."""
+    import fxsurgery.analysis.regions as regions
+    from fxsurgery import analyse
+
+    def broken(*args, **kwargs):
+        raise IndexError("index out of range in self")
+
+    monkeypatch.setattr(regions, "locate_groups", broken)
+    torch.manual_seed(0)
+    with pytest.raises(AnalysisError) as raised:
+        analyse(timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, num_classes=3).eval(),
+                (torch.randn(1, 3, 32, 32),))
+    message = str(raised.value)
+    assert "locating the unit groups of the model failed: IndexError: index out of range" in message
+    assert "Traceback" in message
+
+
 def test_a_model_whose_example_call_fails_is_refused_naming_the_error() -> None:
     """The analysis calls the model once first: a call that fails there is an AnalysisError naming the model and
     the original error, not a raw exception from deep inside a capture."""

@@ -1,0 +1,65 @@
+"""benchmarks/hf_sweep.py on a fixed slice of transformers' zoo: each class is built tiny from its config's defaults
+and analysed on the Trainer's keyword call, and finds groups or refuses with a reason, never a raw exception (the
+whole zoo runs in `make soak`)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_sweep.py"
+SLOW = pytest.mark.slow  # 20 s and more each on 2 loaded cores: in `make soak` with the rest of the zoo
+SLICE = (  # decoders, encoders, an encoder-decoder, mixture of experts, vision transformers, a convolutional net
+    "FalconForCausalLM", "BloomForCausalLM", "MixtralForCausalLM", "ViTForImageClassification",
+    "BeitForImageClassification", "DeiTForImageClassification", "ConvNextForImageClassification",
+    *(pytest.param(name, marks=SLOW) for name in (
+        "BertForSequenceClassification", "GPT2ForSequenceClassification", "T5ForConditionalGeneration",
+        "LlamaForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "DebertaV2ForSequenceClassification",
+        "RobertaForMaskedLM", "DistilBertForSequenceClassification", "AlbertForMaskedLM", "BioGptForCausalLM",
+        "Qwen2ForCausalLM", "Swinv2ForImageClassification", "BartForConditionalGeneration",
+        "MobileViTForImageClassification")),
+)
+
+
+@pytest.fixture(scope="module")
+def sweep(request):
+    spec = importlib.util.spec_from_file_location("hf_sweep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    request.addfinalizer(lambda: sys.modules.pop(spec.name, None))
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", SLICE)
+def test_class_finds_groups_or_refuses_with_a_reason(sweep, name):
+    row = sweep.sweep_one(name)
+    assert row.built, row.why
+    assert row.outcome not in sweep.FAILURES, f"{row.outcome.value}: {row.why}\n{row.trace}"
+    if row.outcome is sweep.Outcome.REFUSED:
+        assert row.why, "a refusal without its reason"
+    else:
+        assert row.heads + row.channels > 0
+
+
+def test_class_whose_input_is_neither_text_nor_images_is_not_built_with_the_reason(sweep):
+    row = sweep.sweep_one("WhisperForConditionalGeneration")
+    assert row.outcome is sweep.Outcome.NOT_BUILT and "'input_features'" in row.why
+
+
+def test_the_table_counts_each_outcome_and_a_raw_exception_fails_the_sweep(sweep, tmp_path, monkeypatch, capsys):
+    rows = {"BertForMaskedLM": sweep.Row("BertForMaskedLM", sweep.Outcome.HEADS, heads=2, channels=2),
+            "GPT2ForSequenceClassification": sweep.Row("GPT2ForSequenceClassification", sweep.Outcome.RAW,
+                                                       why="KeyError: 'h'", trace="Traceback ...")}
+    monkeypatch.setattr(sweep, "sweep_one", rows.__getitem__)
+    out = tmp_path / "sweep.md"
+    assert sweep.main(["--classes", *rows, "--out", str(out)]) == 1
+    assert sweep.main(["--classes", "BertForMaskedLM", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "| BertForMaskedLM | yes | heads found | 2 | 2 |" in table
+    assert "hf sweep: 1 classes, 1 built; heads found 1" in table
+    assert "KeyError: 'h'" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        sweep.main(["--classes", "NoSuchModelForCausalLM"])

@@ -112,9 +112,7 @@ def correct_restarted(optimizer: torch.optim.Optimizer) -> None:
             if not st or RESTART_KEY not in st:
                 continue
             stamp = st[RESTART_KEY]
-            restarted = stamp > 0
-            if not bool(restarted.any()):
-                continue
+            restarted = stamp > 0  # no host sync to skip an unstamped tensor: its correction adds exact zeros
             t = float(st["step"])
             m = st["exp_avg"]
             v = st["max_exp_avg_sq"] if group.get("amsgrad") else st["exp_avg_sq"]

@@ -3,7 +3,8 @@
 A transfer removes the donor and clones the parent. `TransferPolicy` says which of the two run
 (`TransferParts`), how many transfers are scheduled (`count_scale` times the paper's K) and where (`window`),
 what the optimizer state of the clone's two halves starts from (`CloneState`), and how a donor leaves
-(`Removal`). `POLICIES[PolicyName.PAPER]` is the paper's choice for each.
+(`Removal`). `POLICIES[PolicyName.PAPER]` is the paper's choice for each. `VARIANTS` names the option sets the
+studies compare (paper, carry, fade, count0.5, ...).
 
 Width budget when one side runs: the budget is Σ n_l,0 per unit kind at density rho, the units the static
 baseline trains, and the model never holds more. Removals only: each transfer removes its donor and clones
@@ -15,8 +16,10 @@ fade in progress until then.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -80,3 +83,34 @@ class TransferPolicy:
 POLICIES = {PolicyName.PAPER: TransferPolicy()}
 POLICY_ENUMS = {"transfer_policy": PolicyName, "transfer_parts": TransferParts, "clone_state": CloneState,
                 "removal": Removal}  # the options whose values are these enums' names
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named set of transfer options that the studies (benchmarks/transfers.py, benchmarks/compress.py,
+    `barter compare --variants`) run BARTER under; the options not set stay the paper's."""
+
+    name: str
+    summary: str
+    options: Mapping[str, object]
+
+    @property
+    def label(self) -> str:
+        """The studies' row of BARTER under this variant: "barter (fade)"."""
+        return f"barter ({self.name})"
+
+    def wrap_options(self) -> dict[str, object]:
+        """The `barter.wrap` keyword options, as plain values (an enum by its name) that a config file records."""
+        return {key: value.value if isinstance(value, Enum) else value for key, value in self.options.items()}
+
+
+VARIANTS: Mapping[str, Variant] = MappingProxyType({variant.name: variant for variant in (
+    Variant("paper", "the paper's policy", {"transfer_policy": PolicyName.PAPER}),
+    Variant("carry", "the parent's moments carried to both halves", {"clone_state": CloneState.CARRY}),
+    Variant("restart", "zero moments with a restarted bias correction", {"clone_state": CloneState.RESTART}),
+    Variant("fade", "the donor faded out over its cooldown", {"removal": Removal.FADE}),
+    Variant("removals", "removals only", {"transfer_parts": TransferParts.REMOVALS}),
+    Variant("clones", "clones only", {"transfer_parts": TransferParts.CLONES}),
+    Variant("count0.5", "transfer counts x 0.5", {"count_scale": 0.5}),
+    Variant("count2", "transfer counts x 2", {"count_scale": 2.0}),
+)})

@@ -15,6 +15,11 @@ channels) with
   static                   `barter.wrap(init="score", method="static")` from the same weights: per layer the units of
                            largest D = |sum a*g| on the calibration batches, never moved.
   barter                   the same start, with BARTER's transfers during fine-tuning.
+  barter (VARIANT)         with `--variants`: BARTER under each named set of transfer options
+                           (`barter.transfer_policy.VARIANTS`: paper, carry, restart, fade, removals, clones,
+                           count0.5, count2), each paired with Static and torch-pruning like barter.
+
+`--methods` runs some of the methods only (static is the reference of every BARTER row: give it with them).
 
 Taylor importance and the score D read the same calibration batches (the first of the seed's shuffle, eval mode).
 Every model is fine-tuned with the same optimizer (AdamW, decoupled weight decay), warmup + cosine schedule, label
@@ -61,10 +66,21 @@ from barter.training.loading import batches_of  # noqa: E402
 from barter.training.paired import difference_cells, paired_difference  # noqa: E402
 from barter.training.recipe import WarmupCosine, build_criterion, build_optimizer  # noqa: E402
 from barter.training.session import Data, build_data  # noqa: E402
+from barter.transfer_policy import VARIANTS  # noqa: E402
 
 METHODS = ("tp-magnitude", "tp-taylor", "static", "barter")
-PAIRS = (("static", "tp-magnitude"), ("static", "tp-taylor"), ("barter", "static"), ("barter", "tp-magnitude"),
-         ("barter", "tp-taylor"))
+REFERENCES = ("static", "tp-magnitude", "tp-taylor")  # what each BARTER row is paired with
+
+
+WRAPPED = {"static": ("static", {}), "barter": ("barter", {}),  # row: barter.wrap's method and transfer options
+           **{variant.label: ("barter", variant.wrap_options()) for variant in VARIANTS.values()}}
+
+
+def pairs_of(methods: list[str]) -> list[tuple[str, str]]:
+    """The paired differences among `methods`: Static against torch-pruning, each BARTER row against all three."""
+    candidates = [("static", "tp-magnitude"), ("static", "tp-taylor")]
+    candidates += [(method, reference) for method in methods if method not in REFERENCES for reference in REFERENCES]
+    return [(method, reference) for method, reference in candidates if method in methods and reference in methods]
 
 
 @dataclass(frozen=True)
@@ -298,9 +314,10 @@ def compress_and_tune(method: str, dense: nn.Module, data: Data, config: TrainCo
         model = copy.deepcopy(dense)
         optimizer = build_optimizer(model.parameters(), lr=setup.tune_lr, weight_decay=config.weight_decay,
                                     decay="before")
-        controller = barter.wrap(model, optimizer, total_steps=steps, density=density, method=method, seed=seed,
+        wrapped, options = WRAPPED[method]
+        controller = barter.wrap(model, optimizer, total_steps=steps, density=density, method=wrapped, seed=seed,
                                  example_inputs=(example,), init="score", allocation=allocation,
-                                 calibration=calibration)
+                                 calibration=calibration, **options)
     before = evaluate(model, data.test, data.num_classes, torch.device("cpu"), 0)["acc"]
     flops, step_s = train(model, optimizer, data, config, epochs=setup.tune_epochs, lr=setup.tune_lr, seed=seed)
     after = evaluate(model, data.test, data.num_classes, torch.device("cpu"), 0)
@@ -329,6 +346,8 @@ def settings_of(args: argparse.Namespace, setup: Setup, data: Data) -> dict:
                 "data_dir": str(Path(args.data_dir).resolve()) if args.dataset == "folder" else None,
                 "train_images": len(data.train), "test_images": len(data.test), "classes": data.num_classes,
                 "density": args.density, "allocation": args.allocation,
+                "methods": [method for method in METHODS if method in args.methods],
+                "variants": {name: VARIANTS[name].wrap_options() for name in args.variants},
                 **{key: value for key, value in asdict(setup).items() if key != "seeds"}}
     return json.loads(json.dumps(settings))
 
@@ -377,9 +396,9 @@ def paired_seeds(paired: tuple[int, ...], seeds: list[int], unreached: list[Unre
 
 
 def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, setup: Setup, density: float,
-           allocation: str, budget: int, command: str) -> str:
-    """The markdown table (a method's row names the seeds where it could not reach the budget) and the paired
-    differences."""
+           allocation: str, budget: int, command: str, methods: list[str]) -> str:
+    """The markdown table, a row per method of `methods` (naming the seeds where it could not reach the budget), and
+    the paired differences."""
     seeds = sorted({o.seed for o in outcomes} | {u.seed for u in unreached})  # a resumed run's too
     lines = [f"`{command}`", "",
              f"Dense ViT ({setup.model}, {dense['parameters']:,} parameters) trained {setup.dense_epochs} epochs: "
@@ -389,7 +408,7 @@ def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, set
              f"{', '.join(map(str, seeds))}; calibration {setup.calibration} batches of {setup.batch_size}.",
              "", "| method | parameters | acc. after compression (%) | accuracy (%) | macro-F1 (%) | F_total "
              "(fine-tuning) | step (ms) | transfers | heads / channels per layer |", "|---" * 9 + "|"]
-    for method in METHODS:
+    for method in methods:
         runs = [o for o in outcomes if o.method == method]
         notes = [f"search {s}" for s in sorted({o.search for o in runs if o.search})]
         notes += [f"budget not reached at seed {u.seed} (nearest {u.nearest:,})"
@@ -407,7 +426,7 @@ def report(outcomes: list[Outcome], unreached: list[Unreached], dense: dict, set
               "exact sign test p, paired t-test p), over the seeds where both methods ran:", "",
               "| method | reference | paired over seeds | Δ acc per seed | Δ acc mean [95% CI] | sign p | t p | "
               "Δ F1 per seed | Δ F1 mean [95% CI] | sign p | t p |", "|---" * 11 + "|"]
-    for method, reference in PAIRS:
+    for method, reference in pairs_of(methods):
         ours = {o.seed: o for o in outcomes if o.method == method}
         theirs = {o.seed: o for o in outcomes if o.method == reference}
         acc = paired_difference({s: o.acc for s, o in ours.items()}, {s: o.acc for s, o in theirs.items()})
@@ -426,12 +445,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--density", type=float, default=0.3, help="BARTER's density rho, which sets the budget")
     parser.add_argument("--allocation", choices=("uniform", "global"), default="uniform",
                         help="BARTER's initial widths (the budget is the uniform one's either way)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+                        help=f"any of {', '.join(METHODS)} (default: all)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[], metavar="VARIANT",
+                        help=f"BARTER rows under named transfer options, any of {', '.join(VARIANTS)} (default: "
+                             "none); needs static in --methods, their reference")
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the form's)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--out", default="runs/compress", help="folder of compress.md, compress.jsonl and dense/")
     parser.add_argument("--resume", action="store_true",
                         help="reuse OUT/dense and skip the methods and seeds already in OUT/compress.jsonl")
     args = parser.parse_args(argv)
+    if args.variants and "static" not in args.methods:
+        parser.error("--variants: static is the reference of every BARTER row; add it to --methods")
+    methods = [m for m in METHODS if m in args.methods] + [VARIANTS[v].label for v in dict.fromkeys(args.variants)]
     torch.set_num_threads(args.threads)
     setup = QUICK if args.quick else FULL
     if args.seeds:
@@ -478,9 +505,10 @@ def main(argv: list[str] | None = None) -> int:
         with (out / "compress.jsonl").open("a" if args.resume else "w") as log:
             log.write(json.dumps({"kind": "settings", **settings}) + "\n")
     done = {(r["method"], r["seed"]) for r in records if r["kind"] != "settings"}
-    progress = Progress(len(METHODS) * len(setup.seeds), done=sum(seed in setup.seeds for _, seed in done))
+    progress = Progress(len(methods) * len(setup.seeds),
+                        done=sum(seed in setup.seeds and method in methods for method, seed in done))
     for seed in setup.seeds:
-        for method in METHODS:
+        for method in methods:
             if (method, seed) in done:
                 continue
             try:
@@ -500,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     unreached = [Unreached(**fields(r)) for r in records if r["kind"] == "unreached"]
     command = "python benchmarks/compress.py " + " ".join(sys.argv[1:] if argv is None else argv)
     table = report(sorted(outcomes, key=lambda o: o.seed), unreached, summary, setup, args.density, args.allocation,
-                   budget, command.strip())
+                   budget, command.strip(), methods)
     (out / "compress.md").write_text(table)
     print(f"\n{table}\nwrote {out / 'compress.md'} ({time.perf_counter() - started:.0f}s)")
     return 0

@@ -1,9 +1,10 @@
 """Which part of a transfer costs or earns accuracy: BARTER under named transfer-policy variants against Static at
 the same density, step budget and seeds, from scratch (preset `mnist5k_quick` by default).
 
-Variants (`barter.wrap` options, `barter.transfer_policy`): paper (the paper's policy), carry and restart (optimizer
-state at a clone), fade (the donor faded out over its cooldown), removals and clones (one part of a transfer only),
-count0.5 and count2 (transfer counts times 0.5 / 2). Static is run at every density and seed as the reference.
+Variants (`barter.transfer_policy.VARIANTS`, sets of `barter.wrap` options): paper (the paper's policy), carry and
+restart (optimizer state at a clone), fade (the donor faded out over its cooldown), removals and clones (one part of a
+transfer only), count0.5 and count2 (transfer counts times 0.5 / 2). Static is run at every density and seed as the
+reference.
 Each run is `barter.training.train` of the preset under `OUT/runs/<preset>-<variant>-rho<density>-seed<seed>`, and
 its result is appended to OUT/transfers.jsonl as it finishes; `--resume` skips the runs found there (a run cut
 short resumes from its last checkpoint). OUT/transfers.md holds the table: per variant and density, test accuracy
@@ -30,18 +31,9 @@ from barter.training.compare import mean_std  # noqa: E402
 from barter.training.paired import difference_cells, paired_difference  # noqa: E402
 from barter.training.presets import DEFAULT_PRESET, PRESETS  # noqa: E402
 from barter.training.transfer_plot import probed  # noqa: E402
+from barter.transfer_policy import VARIANTS  # noqa: E402
 
 REFERENCE = "static"
-VARIANTS: dict[str, dict[str, object]] = {  # name: the barter.wrap options it sets (the rest: the paper's)
-    "paper": {"transfer_policy": "paper"},
-    "carry": {"clone_state": "carry"},
-    "restart": {"clone_state": "restart"},
-    "fade": {"removal": "fade"},
-    "removals": {"transfer_parts": "removals"},
-    "clones": {"transfer_parts": "clones"},
-    "count0.5": {"count_scale": 0.5},
-    "count2": {"count_scale": 2.0},
-}
 
 
 @dataclass(frozen=True)
@@ -72,8 +64,8 @@ def mean_difference(events: list[dict], field: str) -> float | None:
 
 def config_of(base: TrainConfig, variant: str, density: float, seed: int) -> TrainConfig:
     """The run of `variant` (or Static) at `density` and `seed`, named after all three."""
-    method, options = (REFERENCE, {}) if variant == REFERENCE else ("barter", VARIANTS[variant])
-    return replace(base, method=method, density=density, seed=seed, barter_options=dict(options),
+    method, options = (REFERENCE, {}) if variant == REFERENCE else ("barter", VARIANTS[variant].wrap_options())
+    return replace(base, method=method, density=density, seed=seed, barter_options=options,
                    name=f"{base.preset}-{variant}-rho{density:g}-seed{seed}")
 
 

@@ -10,6 +10,8 @@ per-layer widths (heads and FFN channels; BARTER's moved, Static's as initialise
 update sizes, seeds pooled (`barter.training.transfer_plot`). Below the table, compare.md pairs the runs of one
 seed: every method against Static, and every wrapped method against each baseline, at the same density, with the
 per-seed differences, an exact sign test and a paired-t 95% interval (`barter.training.paired`).
+`--variants fade count0.5 ...` adds BARTER under named transfer options (`barter.transfer_policy.VARIANTS`, over
+the preset's `barter_options`), a row each (`barter (fade)`), paired like barter.
 
 Matched compute: each BARTER run is then continued with its topology fixed (`TrainConfig.continue_from`) up to
 the F_total of the reference run with the same seed, `--matched-to dense` by default. The baselines (RigL, SET,
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..baselines import METHODS as BASELINES
+from ..transfer_policy import VARIANTS
 from .arguments import CommandParser
 from .config import METHODS, ConfigError, TrainConfig, infer_dataset
 from .errors import USER_ERRORS
@@ -50,7 +53,8 @@ DEFAULT_SEEDS = (0, 1, 2)
 MATCHED = "barter (matched)"
 REFERENCES = ("dense", *BASELINES)  # runs whose F_total a matched BARTER continuation may reach
 _AFTER_BARTER = METHODS.index("barter") + 1
-ROW_ORDER = (*METHODS[:_AFTER_BARTER], MATCHED, *METHODS[_AFTER_BARTER:])  # table rows: the continuation after BARTER
+ROW_ORDER = (*METHODS[:_AFTER_BARTER], MATCHED, *(v.label for v in VARIANTS.values()),  # table rows: BARTER's
+             *METHODS[_AFTER_BARTER:])  # continuation and variants after it
 CSV_FIELDS = ("method", "density", "seed", "epochs", "steps", "acc", "macro_f1", "best_acc", "flops", "wall_s",
               "transfers", "widths", "run_dir")
 
@@ -73,12 +77,13 @@ class Row:
                 "widths": "" if self.widths is None else json.dumps(self.widths), "run_dir": str(r.run_dir)}
 
 
-def run(config: TrainConfig) -> RunResult:
-    """Train `config` under its default name, or resume / read back the run of that name found on disk."""
+def run(config: TrainConfig, name: str | None = None) -> RunResult:
+    """Train `config` under `name` (default: its default name), or resume / read back the run of that name found on
+    disk."""
     from .loop import train
     from .runlog import RunDir
 
-    config = replace(config, name=config.default_name())
+    config = replace(config, name=name or config.default_name())
     path = Path(config.out_dir) / config.name
     return train(config, resume=RunDir(path).last.exists())
 
@@ -104,8 +109,9 @@ def record(method: str, config: TrainConfig, result: RunResult) -> Row:
 
 
 def study(base: TrainConfig, methods: list[str], densities: list[float], seeds: list[int],
-          matched_to: str | None) -> list[Row]:
-    """Every (method, density, seed) run (Dense once per seed: it has no density), then the matched-compute
+          matched_to: str | None, variants: tuple[str, ...] = ()) -> list[Row]:
+    """Every (method, density, seed) run (Dense once per seed: it has no density) and BARTER's under each named
+    variant (`barter.transfer_policy.VARIANTS`, its options over the preset's), then the matched-compute
     continuation of every BARTER run."""
     rows: list[Row] = []
     for seed in seeds:
@@ -113,6 +119,12 @@ def study(base: TrainConfig, methods: list[str], densities: list[float], seeds: 
             for density in [1.0] if method == "dense" else densities:
                 config = replace(base, method=method, density=density, seed=seed)
                 rows.append(record(method, config, run(config)))
+        for variant in (VARIANTS[name] for name in variants):
+            for density in densities:
+                config = replace(base, method="barter", density=density, seed=seed,
+                                 barter_options={**base.barter_options, **variant.wrap_options()})
+                name = f"{base.preset}-barter-{variant.name}-rho{density:g}-seed{seed}"
+                rows.append(record(variant.label, config, run(config, name)))
     if matched_to is None or "barter" not in methods:
         return rows
     reference = {(r.seed, r.density): r.result for r in rows if r.method == matched_to}
@@ -285,6 +297,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"training setup of every run (default {DEFAULT_PRESET}: MNIST-5k)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS), metavar="METHOD",
                    help=f"any of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)})")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[], metavar="VARIANT",
+                   help=f"also BARTER under named transfer options, a row each paired like barter: any of "
+                        f"{', '.join(VARIANTS)} (default: none)")
     p.add_argument("--densities", nargs="+", type=float, default=list(DEFAULT_DENSITIES), metavar="RHO")
     p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
     p.add_argument("--epochs", type=int, help="epochs of every run (default: the preset's)")
@@ -328,7 +343,8 @@ def run_study(args: argparse.Namespace) -> int:
     base = infer_dataset(replace(preset(args.preset), device=args.device, progress=False,
                                  out_dir=str(Path(args.out) / "runs"), **overrides), overrides)
     base.validate()
-    rows = study(base, args.methods, args.densities, args.seeds, matched_to)
+    rows = study(base, args.methods, args.densities, args.seeds, matched_to,
+                 tuple(dict.fromkeys(args.variants)))
     table = markdown(rows, base, matched_to)
     out = Path(args.out)
     write(out, rows, table)

@@ -27,7 +27,7 @@ def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch
     assert int(rows["barter"][7]) > 0 and int(rows["static"][7]) == 0  # transfers
     pair = re.compile(r"\| (static|barter) \| (static|tp-\w+) \| 0, 1 \| [+-]")
     paired = [line for line in paired_table.splitlines() if pair.match(line)]
-    assert len(paired) == len(module.PAIRS)
+    assert len(paired) == len(module.pairs_of(list(module.METHODS))) == 5
 
 
 def load_benchmark(monkeypatch):
@@ -133,7 +133,9 @@ def test_resume_refuses_a_rerun_whose_settings_or_dense_model_differ_and_names_t
     assert '"density": 0.3' in written and '"dense_sha256": "' in written
     capsys.readouterr()
     for flags, setting in ((["--quick", "--density", "0.5"], "density"), (["--quick", "--allocation", "global"],
-                                                                          "allocation"), ([], "form")):
+                                                                          "allocation"), ([], "form"),
+                           (["--quick", "--variants", "fade"], "variants"),
+                           (["--quick", "--methods", "static", "barter"], "methods")):
         with pytest.raises(SystemExit) as exit_:
             module.main([*flags, "--resume", "--out", str(tmp_path)])
         assert exit_.value.code == 2 and f"were run with {setting} " in capsys.readouterr().err, setting
@@ -145,3 +147,37 @@ def test_resume_refuses_a_rerun_whose_settings_or_dense_model_differ_and_names_t
     with pytest.raises(SystemExit):
         module.main(["--quick", "--resume", "--out", str(tmp_path)])
     assert "were run with dense_sha256 " in capsys.readouterr().err and log.read_text() == written
+
+
+def test_variants_run_barter_under_their_named_options_each_paired_with_static(tmp_path, capsys, monkeypatch):
+    """--methods static --variants paper count0.5 fade: no torch-pruning row; each variant's row wraps with its
+    options (seen at the wrap and in the table: half the counts make fewer transfers) and is paired with Static."""
+    module = load_benchmark(monkeypatch)
+    real, wrapped = module.barter.wrap, []
+
+    def recording(*args, **kwargs):
+        wrapped.append((kwargs["method"], {k: kwargs[k] for k in ("transfer_policy", "count_scale", "removal")
+                                           if k in kwargs}))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module.barter, "wrap", recording)
+    flags = ["--quick", "--methods", "static", "--variants", "paper", "count0.5", "fade", "--seeds", "0"]
+    assert module.main([*flags, "--out", str(tmp_path)]) == 0
+    assert wrapped[1:] == [("static", {}), ("barter", {"transfer_policy": "paper"}), ("barter", {"count_scale": 0.5}),
+                           ("barter", {"removal": "fade"})]  # after the budget's probe
+    table = (tmp_path / "compress.md").read_text()
+    main_table, paired_table = table.split("Paired differences")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in body_rows(main_table)}
+    assert list(rows) == ["static", "barter (paper)", "barter (count0.5)", "barter (fade)"]
+    assert 0 < int(rows["barter (count0.5)"][7]) < int(rows["barter (paper)"][7])
+    paired = [line.split(" | ")[:3] for line in body_rows(paired_table)]
+    assert paired == [[f"| barter ({v})", "static", "0"] for v in ("paper", "count0.5", "fade")]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # a variant's reference is Static
+        module.main(["--quick", "--methods", "barter", "--variants", "fade", "--out", str(tmp_path / "none")])
+    assert exit_.value.code == 2 and "add it to --methods" in capsys.readouterr().err
+
+
+def body_rows(table: str) -> list[str]:
+    """A markdown table's rows below its header."""
+    return [line for line in table.splitlines() if line.startswith("| ")][1:]

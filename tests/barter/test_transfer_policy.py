@@ -11,7 +11,7 @@ from barter.controller import MIN_WIDTH
 from barter.options import Options
 from barter.schedule import rnd
 from barter.training.runlog import width_history
-from barter.transfer_policy import POLICIES, PolicyName
+from barter.transfer_policy import POLICIES, VARIANTS, PolicyName, TransferPolicy
 from fxsurgery.clone_state import RESTART_KEY
 
 T = 40  # window 4..16: five channel transfers, one head transfer
@@ -58,6 +58,17 @@ def test_the_paper_policy_by_name_is_the_default_and_runs_alike():
     run(by_name, opt2, range(1, 21))
     assert default.events == by_name.events and any(e["skipped"] is None for e in default.events)
     assert all(torch.equal(a, b) for a, b in zip(default.model.parameters(), by_name.model.parameters()))
+
+
+def test_each_named_variant_is_a_distinct_policy_and_paper_is_the_papers():
+    """The studies' variants as `barter.wrap` options: each valid, each a different policy, paper's the paper's; a
+    variant's options are plain values (a config file records them) and name its row."""
+    policies = {name: Options.from_kwargs(**variant.wrap_options()).policy for name, variant in VARIANTS.items()}
+    assert policies["paper"] == POLICIES[PolicyName.PAPER] == TransferPolicy()
+    assert len(set(policies.values())) == len(VARIANTS)
+    assert policies["count0.5"].count_scale == 0.5 and policies["fade"].removal == "fade"
+    assert all(type(value) in (str, float) for v in VARIANTS.values() for value in v.wrap_options().values())
+    assert VARIANTS["fade"].label == "barter (fade)"
 
 
 @pytest.mark.parametrize("scale", [0.5, 1, 2, 4])

@@ -74,6 +74,17 @@ def test_compare_writes_table_plot_and_resumes(tmp_path):
     assert (tmp_path / "compare.csv").read_text() == table
 
 
+def test_compare_runs_barter_under_a_named_variant_and_pairs_it_with_static(tmp_path):
+    argv = ["compare", "--dataset", "fake", "--methods", "static", "--variants", "count0.5", "--densities", "0.5",
+            "--seeds", "0", "--epochs", "1", "--matched-to", "none", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    run_dir = tmp_path / "runs" / "mnist5k_quick-barter-count0.5-rho0.5-seed0"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["method"] == "barter" and config["barter_options"]["count_scale"] == 0.5
+    table = (tmp_path / "compare.md").read_text()
+    assert "| barter (count0.5) | 0.5 | 1 |" in table and "| barter (count0.5) | static | 0.5 | 1 |" in table
+
+
 
 def test_summary_csv_and_tensorboard(run_dir):
     import csv

@@ -23,7 +23,7 @@ from .evaluation import EVAL_BATCH
 from .flops import FlopMeter
 from .loading import batches_of
 from .precision import Precision, build_precision
-from .pretrained import build_model, calibration_batches, reloads_on_resume
+from .pretrained import build_model, calibration_batches, reloads_on_resume, warn_of_transfers_from_trained
 from .recipe import WarmupCosine, build_criterion, build_optimizer
 
 
@@ -108,6 +108,7 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     controller = None
     method: TrainingMethod = Dense()
     if config.method in WRAP_METHODS:
+        warn_of_transfers_from_trained(config)
         method = controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
                                    method=config.method, seed=config.seed, example_inputs=example_batch(data, device),
                                    auto=False, scaler=precision.scaler,

@@ -1,6 +1,10 @@
 """Fine-tuning from a trained model (`init_from`: a dense run or a timm weights file): the compact model starts from
 the source's weights at the kept positions, the classifier is new only for another class count, and the config and
 CLI refuse bad values of init "score", calibration and allocation."""
+import re
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 from interrupted import cut_and_resume
@@ -10,6 +14,7 @@ from barter.compact_init import initial_count
 from barter.rebuild import timm_with_models
 from barter.training import ConfigError, TrainConfig, train
 from barter.training.cli import main
+from barter.training.pretrained import TRAINED_START_EVIDENCE, TrainedStartWarning
 from barter.training.runlog import CheckpointError, load_checkpoint
 from barter.training.session import build_data, build_session
 
@@ -141,3 +146,25 @@ def test_the_cli_takes_init_allocation_and_calibration(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--init", "score", "--print-config"])
     assert "set calibration" in capsys.readouterr().err
+
+
+def test_barter_from_a_trained_model_warns_with_the_measured_evidence_and_not_otherwise(source, tmp_path):
+    run, _ = source
+    with pytest.warns(TrainedStartWarning, match=r"compress\.py .*-5\.07 points .*method static") as caught:
+        start(config(tmp_path, method="barter", init_from=str(run)))
+    assert sum(issubclass(w.category, TrainedStartWarning) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TrainedStartWarning)
+        start(config(tmp_path, method="barter"))  # from scratch
+        start(config(tmp_path, method="static", init_from=str(run)))  # no transfers
+
+
+def test_the_warnings_numbers_are_the_readmes_compress_variants_table():
+    """Each variant's mean BARTER - Static in the README's table (as compress.py --variants wrote it) is the one the
+    warning names."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    means = dict(re.findall(r"^\| barter \((\w+(?:\.\d)?)\) \| static \| 0, 1, 2, 3, 4, 5 \| [^|]+ \| ([+-]\d+\.\d\d) ",
+                            readme, flags=re.M))
+    assert set(means) == {"paper", "fade", "carry", "count0.5"}
+    for variant, mean in means.items():
+        assert f"{mean} " in TRAINED_START_EVIDENCE, variant

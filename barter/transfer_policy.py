@@ -114,3 +114,8 @@ VARIANTS: Mapping[str, Variant] = MappingProxyType({variant.name: variant for va
     Variant("count0.5", "transfer counts x 0.5", {"count_scale": 0.5}),
     Variant("count2", "transfer counts x 2", {"count_scale": 2.0}),
 )})
+
+
+def variants_help() -> str:
+    """The variants for a command's --help: "paper (the paper's policy), carry (...), ..."."""
+    return ", ".join(f"{variant.name} ({variant.summary})" for variant in VARIANTS.values())

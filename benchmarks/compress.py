@@ -66,7 +66,7 @@ from barter.training.loading import batches_of  # noqa: E402
 from barter.training.paired import difference_cells, paired_difference  # noqa: E402
 from barter.training.recipe import WarmupCosine, build_criterion, build_optimizer  # noqa: E402
 from barter.training.session import Data, build_data  # noqa: E402
-from barter.transfer_policy import VARIANTS  # noqa: E402
+from barter.transfer_policy import VARIANTS, variants_help  # noqa: E402
 
 METHODS = ("tp-magnitude", "tp-taylor", "static", "barter")
 REFERENCES = ("static", "tp-magnitude", "tp-taylor")  # what each BARTER row is paired with
@@ -448,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
                         help=f"any of {', '.join(METHODS)} (default: all)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[], metavar="VARIANT",
-                        help=f"BARTER rows under named transfer options, any of {', '.join(VARIANTS)} (default: "
-                             "none); needs static in --methods, their reference")
+                        help=f"BARTER rows under named transfer options, any of {variants_help()} (default: none); "
+                             "needs static in --methods, their reference")
     parser.add_argument("--seeds", type=int, nargs="+", help="fine-tuning seeds (default: the form's)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--out", default="runs/compress", help="folder of compress.md, compress.jsonl and dense/")

@@ -31,7 +31,7 @@ from barter.training.compare import mean_std  # noqa: E402
 from barter.training.paired import difference_cells, paired_difference  # noqa: E402
 from barter.training.presets import DEFAULT_PRESET, PRESETS  # noqa: E402
 from barter.training.transfer_plot import probed  # noqa: E402
-from barter.transfer_policy import VARIANTS  # noqa: E402
+from barter.transfer_policy import VARIANTS, variants_help  # noqa: E402
 
 REFERENCE = "static"
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=list(PRESETS), default=DEFAULT_PRESET,
                         help=f"training setup of every run (default {DEFAULT_PRESET}: MNIST-5k from scratch)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS), metavar="VARIANT",
-                        help=f"any of {', '.join(VARIANTS)} (default: all); Static always runs as the reference")
+                        help=f"any of {variants_help()} (default: all); Static always runs as the reference")
     parser.add_argument("--densities", nargs="+", type=float, default=[0.3, 0.5], metavar="RHO")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
     parser.add_argument("--epochs", type=int, help="epochs of every run (default: the preset's)")

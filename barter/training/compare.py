@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..baselines import METHODS as BASELINES
-from ..transfer_policy import VARIANTS
+from ..transfer_policy import VARIANTS, variants_help
 from .arguments import CommandParser
 from .config import METHODS, ConfigError, TrainConfig, infer_dataset
 from .errors import USER_ERRORS
@@ -299,7 +299,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"any of {', '.join(METHODS)} (default: {' '.join(DEFAULT_METHODS)})")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=[], metavar="VARIANT",
                    help=f"also BARTER under named transfer options, a row each paired like barter: any of "
-                        f"{', '.join(VARIANTS)} (default: none)")
+                        f"{variants_help()} (default: none)")
     p.add_argument("--densities", nargs="+", type=float, default=list(DEFAULT_DENSITIES), metavar="RHO")
     p.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))
     p.add_argument("--epochs", type=int, help="epochs of every run (default: the preset's)")

@@ -11,7 +11,7 @@ from barter.controller import MIN_WIDTH
 from barter.options import Options
 from barter.schedule import rnd
 from barter.training.runlog import width_history
-from barter.transfer_policy import POLICIES, VARIANTS, PolicyName, TransferPolicy
+from barter.transfer_policy import POLICIES, VARIANTS, PolicyName, TransferPolicy, variants_help
 from fxsurgery.clone_state import RESTART_KEY
 
 T = 40  # window 4..16: five channel transfers, one head transfer
@@ -69,6 +69,7 @@ def test_each_named_variant_is_a_distinct_policy_and_paper_is_the_papers():
     assert policies["count0.5"].count_scale == 0.5 and policies["fade"].removal == "fade"
     assert all(type(value) in (str, float) for v in VARIANTS.values() for value in v.wrap_options().values())
     assert VARIANTS["fade"].label == "barter (fade)"
+    assert variants_help().count(" (") == len(VARIANTS) and "count0.5 (transfer counts x 0.5)" in variants_help()
 
 
 @pytest.mark.parametrize("scale", [0.5, 1, 2, 4])

@@ -45,7 +45,7 @@ class Surgeon:
                 analysis = fresh
         else:  # analysed here and now: of this model, whose hosts' fingerprints are its copy's
             analysis = analyse(model, example_inputs, example_kwargs)
-            analysis._plan.shared.adopt(model)
+            analysis._plan.shared.hand_keys_to(model)
         self.model = model
         self.analysis = analysis.without_plan()
         self.example_inputs = analysis.example_inputs

@@ -13,7 +13,7 @@ from ..capture.calls import capture_inputs
 from ..capture.front_ends import SYMBOLIC
 from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
-from ..dataflow.paths import common_module
+from ..dataflow.paths import common_module, join_path, within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError, unforeseen
 from ..groups import ConstantSlot, GroupPlumbing, LeftOut, UnitGroup
@@ -21,7 +21,7 @@ from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .own_forward import GroupRecord
 from .recapture import Analyses, HostServer, OwnForwardFit, meta_template
-from .regions import TraceFailure, find_regions, join_path, locate_hosts
+from .regions import TraceFailure, find_regions, locate_hosts
 from .verify import self_check
 
 
@@ -61,7 +61,7 @@ class SharedAnalyses:
             known = self.keys[host] = (module, inputs, fingerprint(module, *inputs))
         return known[2]
 
-    def adopt(self, model: nn.Module) -> None:
+    def hand_keys_to(self, model: nn.Module) -> None:
         """Hand each host's fingerprint to the same host of ``model``, the model the analysed copy was made from just
         before (the copy is ``model`` as it was then: the fingerprints are its own)."""
         self.keys = {host: (model.get_submodule(host) if host else model, inputs, key)
@@ -94,11 +94,6 @@ class ModelPlan:
     shared: SharedAnalyses
 
 
-def _inside(name: str, outer: str) -> bool:
-    """Module ``name`` lies strictly inside module ``outer`` ("" is the model)."""
-    return name != outer and (not outer or name.startswith(outer + "."))
-
-
 def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     """Trace ``model`` called as ``example`` (args, kwargs), locate the hosts and analyse each kind of host."""
     found = Findings()
@@ -125,16 +120,17 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     return plan
 
 
-def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_alike: bool = False) -> Findings:
+def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, install_alike: bool = True) -> Findings:
     """Install the plan's hosts on ``model`` (the model planned, or one built alike) and offer every group that
-    passes the self-check; their plumbing goes to ``editor``. With ``describe_alike``, a host built alike as one
+    passes the self-check; their plumbing goes to ``editor``. Without ``install_alike``, a host built alike as one
     installed before is not installed, only its groups offered by that host's outcomes (what an analysis needs of
     its working copy, whose hosts run only for the self-check)."""
     findings = Findings(left_out=list(plan.left_out))
-    installer = _Installer(model, editor, findings, plan.shared, describe_alike)
+    installer = _Installer(model, editor, findings, plan.shared, install_alike)
     for host in plan.hosts:
         # a host inside a module kept whole by the symbolic trace is seen by an outer host captured otherwise
-        if any(_inside(host, outer) and front_end != SYMBOLIC for outer, front_end in findings.front_ends.items()):
+        if any(host != outer and within(host, outer) and front_end != SYMBOLIC
+               for outer, front_end in findings.front_ends.items()):
             continue
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
@@ -172,7 +168,7 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
                 or not all(r.at_output for r in found.refusals):
             continue
         caller = _nearest_called(host.rpartition(".")[0], inputs)
-        hosts = [h for h in hosts if not (h == caller or h.startswith(caller + ".") or not caller)] + [caller]
+        hosts = [h for h in hosts if not within(h, caller)] + [caller]
     return hosts
 
 
@@ -195,9 +191,9 @@ class _Installer:
     """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
 
     def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses,
-                 describe_alike: bool = False):
+                 install_alike: bool = True):
         self.model, self.editor, self.findings, self.shared = model, editor, findings, shared
-        self.describe_alike = describe_alike
+        self.install_alike = install_alike
         self.installed: set[tuple] = set()  # fingerprints of the hosts installed so far
 
     def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
@@ -212,8 +208,8 @@ class _Installer:
         self.findings.front_ends[host] = template.front_end
         for r in template.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        if self.describe_alike and key in self.installed and (not passes_objects or key in self.shared.own_forwards):
-            self.describe(host, key, template, passes_objects=passes_objects)
+        if not self.install_alike and key in self.installed and (not passes_objects or key in self.shared.own_forwards):
+            self.offer_alike(host, key, template, passes_objects=passes_objects)
             return
         self.installed.add(key)
         if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
@@ -242,8 +238,8 @@ class _Installer:
         server = forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served,
                                              self.shared.recaptured)
         if passes_objects:  # the own forward is fitted once for hosts built alike
-            if key in self.shared.own_forwards:
-                server.adopt_fit(self.shared.own_forwards[key])
+            if key in self.shared.own_forwards:  # the same template, groups and analysed call
+                server.fit = self.shared.own_forwards[key]
             server.fit_own_forward()
             self.shared.own_forwards[key] = server.fit
             self.limit_to_own_forward(offered, server.fit)
@@ -269,7 +265,7 @@ class _Installer:
             self.shared.bound[key] = bound
         return bound
 
-    def describe(self, host: str, key: tuple, template: HostAnalysis, *, passes_objects: bool) -> None:
+    def offer_alike(self, host: str, key: tuple, template: HostAnalysis, *, passes_objects: bool) -> None:
         """Offer the groups of a host built alike as one installed before, by that host's self-check outcomes and
         fit of its own forward, without installing it."""
         offered, failed = [], []

@@ -56,7 +56,7 @@ class HostServer:
         self.analysed = analysed
         self.groups = groups
         self.shared = shared
-        self.fit: OwnForwardFit | None = None  # fitted on the first call its own forward may serve
+        self.fit: OwnForwardFit | None = None  # fitted on the first call its own forward may serve, or a host alike's
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
               hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
@@ -98,7 +98,7 @@ class HostServer:
             for site in hg.sites:
                 insert_tap_point(r.tap_point, site.sink, site.input, site.layout)
         graph = found.graphs[training]
-        _adopt_code_constants(module, graph, found.tensors)
+        _attach_code_constants(module, graph, found.tensors)
         return graph
 
     def fit_own_forward(self) -> tuple[str, str]:
@@ -109,10 +109,6 @@ class HostServer:
                                                               self.analysed)
             self.fit = OwnForwardFit(fault, counts or [], empty_fault)
         return self.fit.fault, self.fit.empty_fault
-
-    def adopt_fit(self, fit: OwnForwardFit) -> None:
-        """Take the fit of a host built alike (the same template, groups and analysed call)."""
-        self.fit = fit
 
     def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
         """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
@@ -160,7 +156,7 @@ def meta_template(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _adopt_code_constants(module: nn.Module, graph: torch.fx.Graph, tensors: dict[str, torch.Tensor]) -> None:
+def _attach_code_constants(module: nn.Module, graph: torch.fx.Graph, tensors: dict[str, torch.Tensor]) -> None:
     """Tensors the capture made from the code become attributes of the live host under fresh names."""
     renamed: dict[str, str] = {}
     for node in graph.nodes:

@@ -30,11 +30,18 @@ from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
+from ..lru import LruCache
 from ..taps import insert_tap_point
 from .host import HostAnalysis, analyse_host, fingerprint
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
-Analyses = dict[tuple, "HostAnalysis | str"]  # (template fingerprint, call signature) -> analysis or why not
+
+class CallKey(NamedTuple):
+    """What the analysis of a call of a new signature depends on: the host template's modules
+    (``HostKey.modules``) and the call's signature (``call_signature``)."""
+
+    template: tuple
+    signature: tuple
 
 
 class OwnForwardFit(NamedTuple):
@@ -50,7 +57,7 @@ class HostServer:
     """Serves one host's calls of new signatures (see the module docstring)."""
 
     def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupRecord],
-                 shared: Analyses):
+                 shared: LruCache[CallKey, HostAnalysis | str]):
         self.template = template
         self.host = host
         self.analysed = analysed
@@ -74,7 +81,7 @@ class HostServer:
         """A graph of the template for this call in mode ``training``, bound to ``module``'s slots and tap points."""
         real = self.materialize(module)
         inputs = tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, materialize((args, kwargs)))
-        key = (fingerprint(real, (), {})[0], call_signature(args, kwargs, training))
+        key = CallKey(fingerprint(real, (), {}).modules, call_signature(args, kwargs, training))
         if key not in self.shared:
             try:
                 with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):

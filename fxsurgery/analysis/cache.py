@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from ..groups import ConstantSlot
 from ..lru import LruCache
+from ..runtime.recapture import CallKey, OwnForwardFit
 from .host import HostAnalysis, HostKey, fingerprint
-from .recapture import CallKey, OwnForwardFit
 
 HOST_KINDS_LIMIT = 1024  # kinds of host kept (a model has one kind per block built alike: a few, or one per layer)
 RECAPTURES_LIMIT = 256  # analyses of calls of new signatures kept (one per host kind, signature and mode)

@@ -7,20 +7,20 @@ from dataclasses import dataclass, field, replace
 
 import torch.nn as nn
 
-from ..capture.call_signature import holds_objects, without_objects
 from ..capture.calls import capture_inputs
 from ..capture.front_ends import SYMBOLIC
-from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module, join_path, within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError, unforeseen
 from ..groups import GroupPlumbing, LeftOut, UnitGroup
+from ..runtime.call_signature import holds_objects, without_objects
+from ..runtime.graph_forward import GraphForward
+from ..runtime.own_forward import GroupRecord
+from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .cache import AnalysisCache, BoundGraphs
 from .host import HostAnalysis, HostGroup, HostKey, analyse_host
-from .own_forward import GroupRecord
-from .recapture import HostServer, OwnForwardFit, meta_template
 from .regions import TraceFailure, find_regions, locate_hosts
 from .verify import self_check
 

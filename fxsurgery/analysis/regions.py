@@ -7,12 +7,12 @@ from typing import Callable, NamedTuple
 import torch.fx
 import torch.nn as nn
 
-from ..capture.call_signature import without_objects
 from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
 from ..dataflow.paths import common_module, join_path, within
 from ..errors import AnalysisError, TraceError, unforeseen
+from ..runtime.call_signature import without_objects
 from .find import TracedCall, locate_groups
 
 LeaveOut = Callable[[str, list[str]], None]  # report a module as left out, with reasons

@@ -19,11 +19,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..capture.call_signature import value_signature, without_objects
 from ..capture.calls import forked_rng
 from ..editing import Editor
 from ..errors import AnalysisError
 from ..groups import LeftOut, UnitGroup
+from ..runtime.call_signature import value_signature, without_objects
 from .model import ModelPlan, install_model, plan_model
 
 Structure = tuple[tuple[str, str, tuple], ...]  # (module path, class, ((tensor, shape, dtype), ...)) per module

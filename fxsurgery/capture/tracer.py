@@ -20,10 +20,10 @@ import torch.nn as nn
 from ..compat import graph_module, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from ..lru import LruCache
+from ..runtime.graph_forward import GraphForward
 from ..taps import strip_tap_points
 from .calls import training_mode
 from .decompositions import DECOMPOSITIONS
-from .graph_forward import GraphForward
 
 # torch.fx names the tensors a traced module's code made (not its parameters or buffers) so; the capture too
 CODE_CONSTANT = "_tensor_constant"

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from ..capture.call_signature import call_signature, differing_arguments, holds_objects
+from ..analysis.host import HostAnalysis, analyse_host, fingerprint
 from ..capture.calls import forked_rng, materialize
 from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
@@ -32,7 +32,7 @@ from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
 from ..lru import LruCache
 from ..taps import insert_tap_point
-from .host import HostAnalysis, analyse_host, fingerprint
+from .call_signature import call_signature, differing_arguments, holds_objects
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
 

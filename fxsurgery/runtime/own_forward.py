@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 
+from ..analysis.verify import max_rel_diff
 from ..capture.calls import materialize, training_mode
 from ..compat import tree_leaves
 from ..dataflow.paths import tensor_at
@@ -26,7 +27,6 @@ from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
 from ..slicing import ParamSlice, solve_counts
 from ..taps import TapPoint
-from .verify import max_rel_diff
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
 

@@ -3,7 +3,8 @@ remove or clone units with parameters, graph constants and optimizer state kept 
 
 Layout: ``capture`` turns a module into fx graphs; ``dataflow`` labels them and groups units;
 ``analysis`` runs that over a whole model (``analyse``: a read-only ``Analysis`` value, found on a copy) and
-installs the hosts; ``editing`` operates on groups; ``Surgeon`` (``surgeon``) installs an analysis and is the facade
+installs the hosts; ``runtime`` is the installed forward and serves calls of new signatures; ``editing`` operates
+on groups; ``Surgeon`` (``surgeon``) installs an analysis and is the facade
 for every edit.
 
 Glossary (as the code uses the words):

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from .clone_state import StateAtClone, clone_step, stamp_restarts, state_at_clone
 from .dataflow.constants import ConstantSpec, set_path
+from .dataflow.paths import tensor_at
 from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
 from .module_sizes import sync_sizes
 from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, state_tensors
@@ -48,10 +49,7 @@ class Editor:
         self.access = TensorAccess()
 
     def tensor(self, name: str) -> torch.Tensor:
-        try:
-            return self.model.get_parameter(name)
-        except AttributeError:
-            return self.model.get_buffer(name)
+        return tensor_at(self.model, name)
 
     def submodule(self, name: str) -> nn.Module | None:
         """The module ``name`` ("" for the model), or None if there is none of that name."""

@@ -17,7 +17,7 @@ def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
     for g in groups:
         lines.append(f"{g.name:<{w}}  {g.kind:<7}  {g.module:<{w}}  {f'{g.count}/{g.max_count}':>9}  "
                      f"{'yes' if g.exact else 'no'}")
-        lines.append("    slices: " + ", ".join(_describe(sl) for sl in g.slices))
+        lines.append("    slices: " + ", ".join(_describe_slice(sl) for sl in g.slices))
         if plumbing[g].constants:
             lines.append("    constants: " + ", ".join(c.describe() for c in _unique_constants(plumbing[g].constants)))
         for note in g.notes:
@@ -56,7 +56,7 @@ def _served(ways: list[str]) -> str:
     return "; ".join(parts)
 
 
-def _describe(sl: ParamSlice) -> str:
+def _describe_slice(sl: ParamSlice) -> str:
     lay = "·".join(([str(sl.outer)] if sl.outer > 1 else []) + ["n"] + ([str(sl.inner)] if sl.inner > 1 else []))
     return f"{sl.name}[dim {sl.dim}: {lay}{f' from {sl.start}' if sl.start else ''}{' out' if sl.output else ''}]"
 

@@ -9,11 +9,11 @@ import torch.nn as nn
 
 from .analysis.model import install_model
 from .analysis.value import Analysis, analyse, check_installed, run_once, structure, structure_difference
-from .capture.graph_forward import GraphForward
 from .clone_state import StateAtClone
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
 from .report import explain
+from .runtime.graph_forward import GraphForward
 from .slicing import by_tensor, check_optimizer_layout, state_tensors, unit_squares
 
 
@@ -45,7 +45,7 @@ class Surgeon:
                 analysis = fresh
         else:  # analysed here and now: of this model, whose hosts' fingerprints are its copy's
             analysis = analyse(model, example_inputs, example_kwargs)
-            analysis._plan.shared.adopt(model)
+            analysis._plan.shared.hand_keys_to(model)
         self.model = model
         self.analysis = analysis.without_plan()
         self.example_inputs = analysis.example_inputs

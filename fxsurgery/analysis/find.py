@@ -10,7 +10,7 @@ from ..capture.calls import buffers_kept, forked_rng, materialize
 from ..capture.inline import inline_helpers
 from ..capture.tracer import MODULE_CALLS
 from ..compat import tree_map
-from ..dataflow.grouping import GraphGroups, analyse
+from ..dataflow.grouping import GraphGroups, group_graph
 from ..dataflow.labeller import Labeller
 from ..dataflow.repeats import find_repeats
 from ..dataflow.rules import RULES
@@ -27,7 +27,7 @@ def node_kind(lab: Labeller, node: torch.fx.Node) -> str:
 
 def find_groups(gm: torch.fx.GraphModule, values: list, where: str) -> GraphGroups:
     """The groups of the graph and the parts it refuses."""
-    return analyse(_labelled(gm, values, where, locate=False))
+    return group_graph(_labelled(gm, values, where, locate=False))
 
 
 class TracedCall(NamedTuple):
@@ -59,7 +59,7 @@ def locate_groups(gm: torch.fx.GraphModule, values: list, where: str) -> tuple[G
     was labelled for real (data-dependent code), whose calls a run of the model must record with their data."""
     lab = _labelled(gm, values, where, locate=True)
     calls = {path: TracedCall(call, lab) for path, call in gm.meta.get(MODULE_CALLS, {}).items()} if lab.meta else {}
-    return analyse(lab, locate=True), calls
+    return group_graph(lab, locate=True), calls
 
 
 def _labelled(gm: torch.fx.GraphModule, values: list, where: str, locate: bool) -> Labeller:

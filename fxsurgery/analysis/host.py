@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.fx
@@ -55,7 +55,16 @@ class HostAnalysis:
                             self.front_end)
 
 
-def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+class HostKey(NamedTuple):
+    """Which hosts are built alike (``fingerprint``): per module, its path, type, plain attributes (``repr``),
+    parameter shapes and dtypes, and buffer shapes, dtypes and integer contents (hashed); and the call's tensor
+    shapes and dtypes and its other values (``repr``)."""
+
+    modules: tuple
+    call: tuple
+
+
+def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> HostKey:
     """Everything tracing and analysis read: module types, plain attributes, parameter shapes,
     integer buffer contents, and the call's input shapes and frozen values."""
     parts = []
@@ -68,7 +77,7 @@ def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         parts.append((name, type(m), attrs, params, buffers))
     call = tuple((tuple(t.shape), t.dtype) if torch.is_tensor(t) else repr(t)
                  for t in tree_leaves((args, kwargs)))
-    return tuple(parts), call
+    return HostKey(tuple(parts), call)
 
 
 def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,

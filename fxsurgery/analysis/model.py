@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..capture.call_signature import holds_objects, without_objects
 from ..capture.calls import capture_inputs
 from ..capture.front_ends import SYMBOLIC
-from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
-from ..dataflow.paths import common_module
+from ..dataflow.paths import common_module, join_path, within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError, unforeseen
-from ..groups import ConstantSlot, GroupPlumbing, LeftOut, UnitGroup
+from ..groups import GroupPlumbing, LeftOut, UnitGroup
+from ..runtime.call_signature import holds_objects, without_objects
+from ..runtime.graph_forward import GraphForward
+from ..runtime.own_forward import GroupRecord
+from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
-from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
-from .own_forward import GroupRecord
-from .recapture import Analyses, HostServer, OwnForwardFit, meta_template
-from .regions import TraceFailure, find_regions, join_path, locate_hosts
+from .cache import AnalysisCache, BoundGraphs
+from .host import HostAnalysis, HostGroup, HostKey, analyse_host
+from .regions import TraceFailure, find_regions, locate_hosts
 from .verify import self_check
 
 
@@ -40,47 +40,6 @@ class Findings:
 
 
 @dataclass
-class SharedAnalyses:
-    """What hosts built alike share, keyed by their fingerprint: one analysis, one self-check outcome per group
-    layout, one fit of the own forward, one meta copy to capture other calls from, and those captures. Installing
-    the same plan on another model built alike (the analysed copy's original) reuses all of it."""
-
-    templates: dict[tuple, HostAnalysis | str] = field(default_factory=dict)  # an analysis, or why it failed
-    meta_copies: dict[tuple, nn.Module] = field(default_factory=dict)  # the host as analysed, parameters on meta
-    checked: dict[tuple, str | None] = field(default_factory=dict)
-    own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
-    recaptured: Analyses = field(default_factory=dict)
-    bound: dict[tuple, BoundGraphs] = field(default_factory=dict)
-    keys: dict[str, tuple[nn.Module, tuple, tuple]] = field(default_factory=dict)  # host -> (module, call, key)
-
-    def key_of(self, module: nn.Module, host: str, inputs: tuple[tuple, dict]) -> tuple:
-        """The host's fingerprint, worked out once for the module and call it was worked out for (installing the
-        model planned asks again for each host; a model built alike has modules of its own)."""
-        known = self.keys.get(host)
-        if known is None or known[0] is not module or known[1] is not inputs:
-            known = self.keys[host] = (module, inputs, fingerprint(module, *inputs))
-        return known[2]
-
-    def adopt(self, model: nn.Module) -> None:
-        """Hand each host's fingerprint to the same host of ``model``, the model the analysed copy was made from just
-        before (the copy is ``model`` as it was then: the fingerprints are its own)."""
-        self.keys = {host: (model.get_submodule(host) if host else model, inputs, key)
-                     for host, (_, inputs, key) in self.keys.items()}
-
-
-@dataclass
-class BoundGraphs:
-    """A host's graphs as installed: count constants read from its slots, projections routed through its tap
-    points (per group), and their generated code by graph id. Graphs are never changed once installed, so
-    hosts built alike, whose attributes get the same names, share them."""
-
-    analysis: HostAnalysis
-    slots: list[list[ConstantSlot]]
-    points: list[str]
-    compiled: dict[int, Callable[..., Any]] = field(default_factory=dict)
-
-
-@dataclass
 class ModelPlan:
     """What installing needs, found once: the hosts in the order the model runs them, each host's analysed call
     (object arguments left out) and whether it passes objects, the parts left out while locating the hosts,
@@ -91,12 +50,7 @@ class ModelPlan:
     passes_objects: dict[str, bool]
     left_out: list[LeftOut]
     failures: list[TraceFailure]
-    shared: SharedAnalyses
-
-
-def _inside(name: str, outer: str) -> bool:
-    """Module ``name`` lies strictly inside module ``outer`` ("" is the model)."""
-    return name != outer and (not outer or name.startswith(outer + "."))
+    shared: AnalysisCache
 
 
 def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
@@ -104,7 +58,7 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     found = Findings()
     regions, failures = find_regions(model, example, found.leave_out)
     hosts, traced_calls = locate_hosts(model, regions, found.leave_out)
-    plan = ModelPlan([], {}, {}, found.left_out, failures, SharedAnalyses())
+    plan = ModelPlan([], {}, {}, found.left_out, failures, AnalysisCache())
     if hosts:
         # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller):
         # as the labelling of the traced graphs made them, else captured from a meta run of the model
@@ -125,16 +79,17 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     return plan
 
 
-def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_alike: bool = False) -> Findings:
+def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, install_alike: bool = True) -> Findings:
     """Install the plan's hosts on ``model`` (the model planned, or one built alike) and offer every group that
-    passes the self-check; their plumbing goes to ``editor``. With ``describe_alike``, a host built alike as one
+    passes the self-check; their plumbing goes to ``editor``. Without ``install_alike``, a host built alike as one
     installed before is not installed, only its groups offered by that host's outcomes (what an analysis needs of
     its working copy, whose hosts run only for the self-check)."""
     findings = Findings(left_out=list(plan.left_out))
-    installer = _Installer(model, editor, findings, plan.shared, describe_alike)
+    installer = _Installer(model, editor, findings, plan.shared, install_alike)
     for host in plan.hosts:
         # a host inside a module kept whole by the symbolic trace is seen by an outer host captured otherwise
-        if any(_inside(host, outer) and front_end != SYMBOLIC for outer, front_end in findings.front_ends.items()):
+        if any(host != outer and within(host, outer) and front_end != SYMBOLIC
+               for outer, front_end in findings.front_ends.items()):
             continue
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
@@ -172,12 +127,12 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
                 or not all(r.at_output for r in found.refusals):
             continue
         caller = _nearest_called(host.rpartition(".")[0], inputs)
-        hosts = [h for h in hosts if not (h == caller or h.startswith(caller + ".") or not caller)] + [caller]
+        hosts = [h for h in hosts if not within(h, caller)] + [caller]
     return hosts
 
 
 def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
-                  shared: SharedAnalyses) -> HostAnalysis | str:
+                  shared: AnalysisCache) -> HostAnalysis | str:
     """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
     module = model.get_submodule(host) if host else model
     key = shared.key_of(module, host, inputs)
@@ -194,11 +149,11 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
 class _Installer:
     """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
 
-    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: SharedAnalyses,
-                 describe_alike: bool = False):
+    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: AnalysisCache,
+                 install_alike: bool = True):
         self.model, self.editor, self.findings, self.shared = model, editor, findings, shared
-        self.describe_alike = describe_alike
-        self.installed: set[tuple] = set()  # fingerprints of the hosts installed so far
+        self.install_alike = install_alike
+        self.installed: set[HostKey] = set()  # fingerprints of the hosts installed so far
 
     def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
         """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
@@ -212,8 +167,9 @@ class _Installer:
         self.findings.front_ends[host] = template.front_end
         for r in template.refusals:
             self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        if self.describe_alike and key in self.installed and (not passes_objects or key in self.shared.own_forwards):
-            self.describe(host, key, template, passes_objects=passes_objects)
+        if not self.install_alike and key in self.installed and key in self.shared.checked \
+                and (not passes_objects or key in self.shared.own_forwards):
+            self.offer_alike(host, key, template, passes_objects=passes_objects)
             return
         self.installed.add(key)
         if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
@@ -222,15 +178,16 @@ class _Installer:
         forward = GraphForward(module, bound.analysis.graphs, inputs, compiled=bound.compiled)
         forward.install()
         served, offered, failed = [], [], []
+        outcomes = self.shared.checked.get_or_make(key, dict)  # by group layout
         for hg, shared_slots, point in zip(bound.analysis.groups, bound.slots, bound.points):
             group_slots = list(shared_slots)  # the host's own: a capture for another call may add to it
             g = self.make_group(host, hg.spec)
             self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
                                                     constants=hg.constants, slots=group_slots)
-            check = self.check_key(key, host, g)
-            if check not in self.shared.checked:
-                self.shared.checked[check] = self_check(self.editor, g, inputs)
-            if self.offer(g, self.shared.checked[check]):
+            layout = self.layout_within(host, g)
+            if layout not in outcomes:
+                outcomes[layout] = self_check(self.editor, g, inputs)
+            if self.offer(g, outcomes[layout]):
                 offered.append(g)
                 served.append((g, GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
                                               tuple(hg.spec.members), group_slots, point, hg.sites[0].layout)))
@@ -242,13 +199,13 @@ class _Installer:
         server = forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served,
                                              self.shared.recaptured)
         if passes_objects:  # the own forward is fitted once for hosts built alike
-            if key in self.shared.own_forwards:
-                server.adopt_fit(self.shared.own_forwards[key])
+            if key in self.shared.own_forwards:  # the same template, groups and analysed call
+                server.fit = self.shared.own_forwards[key]
             server.fit_own_forward()
             self.shared.own_forwards[key] = server.fit
             self.limit_to_own_forward(offered, server.fit)
 
-    def bind(self, module: nn.Module, key: tuple, template: HostAnalysis) -> BoundGraphs:
+    def bind(self, module: nn.Module, key: HostKey, template: HostAnalysis) -> BoundGraphs:
         """Set the host's slots, tap points and traced constants as plain attributes (the state_dict keeps its
         keys), over graphs that read them: those of a host built alike if one was bound before, else a copy of
         the template's, rewritten here."""
@@ -269,21 +226,22 @@ class _Installer:
             self.shared.bound[key] = bound
         return bound
 
-    def describe(self, host: str, key: tuple, template: HostAnalysis, *, passes_objects: bool) -> None:
+    def offer_alike(self, host: str, key: HostKey, template: HostAnalysis, *, passes_objects: bool) -> None:
         """Offer the groups of a host built alike as one installed before, by that host's self-check outcomes and
         fit of its own forward, without installing it."""
-        offered, failed = [], []
+        offered, failed, outcomes = [], [], self.shared.checked[key]
         for hg in template.groups:  # named in turn: a name taken by the group before is not given again
             g = self.make_group(host, hg.spec)
-            (offered if self.offer(g, self.shared.checked[self.check_key(key, host, g)]) else failed).append(g)
+            (offered if self.offer(g, outcomes[self.layout_within(host, g)]) else failed).append(g)
         offered = self.without_partners_left_out(failed, offered)
         if passes_objects:
             self.limit_to_own_forward(offered, self.shared.own_forwards[key])
 
     @staticmethod
-    def check_key(key: tuple, host: str, g: UnitGroup) -> tuple:
-        """What decides a group's self-check outcome: identical code, layout and inputs give identical outcomes."""
-        return key, tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices)
+    def layout_within(host: str, g: UnitGroup) -> tuple:
+        """What decides a group's self-check outcome beside its host's key (identical code, layout and inputs give
+        identical outcomes): its slices, named within the host."""
+        return tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices)
 
     def offer(self, g: UnitGroup, failure: str | None) -> bool:
         """Offer ``g`` if its self-check found nothing wrong, else leave it out with what went wrong."""

@@ -7,12 +7,12 @@ from typing import Callable, NamedTuple
 import torch.fx
 import torch.nn as nn
 
-from ..capture.call_signature import without_objects
 from ..capture.calls import capture_inputs
 from ..capture.decompositions import CALLER_HOSTED
 from ..capture.front_ends import record
-from ..dataflow.paths import common_module
+from ..dataflow.paths import common_module, join_path, within
 from ..errors import AnalysisError, TraceError, unforeseen
+from ..runtime.call_signature import without_objects
 from .find import TracedCall, locate_groups
 
 LeaveOut = Callable[[str, list[str]], None]  # report a module as left out, with reasons
@@ -29,11 +29,6 @@ class Region(NamedTuple):
 class TraceFailure(NamedTuple):
     module: str
     error: TraceError
-
-
-def join_path(prefix: str, name: str) -> str:
-    """Dotted module path ``prefix.name`` ("" stands for the root)."""
-    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def find_regions(model: nn.Module, example: tuple[tuple, dict],
@@ -116,13 +111,8 @@ def locate_hosts(model: nn.Module, regions: list[Region], leave_out: LeaveOut) -
     if not found and refused_whole:
         return Located([""], calls)
     return Located([h for h, region in found.items()
-                    if not any(_within(h, o) and not (_within(region, o) and region != o) for o in found if o != h)],
+                    if not any(within(h, o) and not (within(region, o) and region != o) for o in found if o != h)],
                    calls)
-
-
-def _within(name: str, ancestor: str) -> bool:
-    """Module ``name`` is ``ancestor`` or inside it ("" holds every module)."""
-    return name == ancestor or not ancestor or name.startswith(ancestor + ".")
 
 
 def _host_within(model: nn.Module, prefix: str, gm: torch.fx.GraphModule, path: str) -> str:

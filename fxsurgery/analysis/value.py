@@ -19,11 +19,11 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..capture.call_signature import describe, without_objects
 from ..capture.calls import forked_rng
 from ..editing import Editor
 from ..errors import AnalysisError
 from ..groups import LeftOut, UnitGroup
+from ..runtime.call_signature import value_signature, without_objects
 from .model import ModelPlan, install_model, plan_model
 
 Structure = tuple[tuple[str, str, tuple], ...]  # (module path, class, ((tensor, shape, dtype), ...)) per module
@@ -71,9 +71,9 @@ class Analysis:
         return {**self.__dict__, "_plan": None}
 
     def _key(self) -> tuple:
-        groups = tuple(describe_group(g) for g in self.groups)
+        groups = tuple(group_fields(g) for g in self.groups)
         left_out = tuple((lo.module, tuple(lo.reasons)) for lo in self.left_out)
-        call = describe((self.example_inputs, self.example_kwargs))
+        call = value_signature((self.example_inputs, self.example_kwargs))
         return self.model_class, self.structure, groups, left_out, tuple(self.front_ends.items()), call
 
 
@@ -89,7 +89,7 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
         working = working_copy(model)
         run_once(working, args, kwargs)
         plan = plan_model(working, (args, kwargs))
-        found = install_model(working, plan, Editor(working), describe_alike=True)
+        found = install_model(working, plan, Editor(working), install_alike=False)
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
 
@@ -184,13 +184,13 @@ def structure_difference(expected: Structure, found: Structure) -> str:
     return f"{len(expected)} modules were analysed and the model has {len(found)}"
 
 
-def describe_group(g: UnitGroup) -> tuple:
+def group_fields(g: UnitGroup) -> tuple:
     """Everything a group says about itself (its count as analysed)."""
     return (g.name, g.kind, g.module, g.count, g.max_count, g.min_count, g.exact, g.slices, g.notes)
 
 
 def check_installed(analysis: Analysis, groups: list[UnitGroup]) -> None:
     """Installing must offer exactly the analysed groups."""
-    if [describe_group(g) for g in groups] != [describe_group(g) for g in analysis.groups]:
+    if [group_fields(g) for g in groups] != [group_fields(g) for g in analysis.groups]:
         raise RuntimeError(f"installing the analysis of {analysis.model_class} offered other groups than it found: "
                            f"{[g.name for g in groups]} against {[g.name for g in analysis.groups]}")

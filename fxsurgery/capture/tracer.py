@@ -11,7 +11,7 @@ import inspect
 import operator
 import sys
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.fx
@@ -19,10 +19,11 @@ import torch.nn as nn
 
 from ..compat import graph_module, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
+from ..lru import LruCache
+from ..runtime.graph_forward import GraphForward
 from ..taps import strip_tap_points
 from .calls import training_mode
 from .decompositions import DECOMPOSITIONS
-from .graph_forward import GraphForward
 
 # torch.fx names the tensors a traced module's code made (not its parameters or buffers) so; the capture too
 CODE_CONSTANT = "_tensor_constant"
@@ -254,25 +255,39 @@ def substitute(node: torch.fx.Node, value: Any) -> None:
     node.graph.erase_node(node)
 
 
-_function_graphs: dict[tuple, torch.fx.GraphModule] = {}
+class FunctionKey(NamedTuple):
+    """What a helper function's trace depends on: the function, its frozen (non-tensor) arguments as ``repr`` gives
+    them, sorted by name, and each tensor argument's name, shape and dtype."""
+
+    function: Any
+    frozen: str
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+FUNCTION_GRAPHS_LIMIT = 512  # helper traces kept (a model calls a few helpers, each once per block)
+# the traces of plain helper functions, shared by every analysis of the process
+function_graphs: LruCache[FunctionKey, torch.fx.GraphModule] = LruCache(FUNCTION_GRAPHS_LIMIT)
 
 
 def trace_function(fn: Any, arguments: dict[str, Any]) -> tuple[torch.fx.GraphModule, list]:
     """Trace a plain function with its tensor arguments symbolic and the rest frozen (cached per
     function, frozen values and tensor shapes: helpers are called once per block)."""
     concrete = {k: v for k, v in arguments.items() if not torch.is_tensor(v)}
-    key = (fn, repr(sorted(concrete.items())),
-           tuple((k, tuple(v.shape), v.dtype) for k, v in arguments.items() if torch.is_tensor(v)))
-    if key not in _function_graphs:
-        tracer = Tracer()
-        try:
-            graph = tracer.trace(fn, concrete_args=concrete or None)
-        except Exception as e:
-            raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}") from e
-        _name_placeholders(graph, arguments)
-        _function_graphs[key] = graph_module(tracer.root, graph)
-    gm = _function_graphs[key]
+    key = FunctionKey(fn, repr(sorted(concrete.items())),
+                      tuple((k, tuple(v.shape), v.dtype) for k, v in arguments.items() if torch.is_tensor(v)))
+    gm = function_graphs.get_or_make(key, lambda: _traced_function(fn, arguments, concrete))
     return gm, _name_placeholders(gm.graph, arguments)
+
+
+def _traced_function(fn: Any, arguments: dict[str, Any], concrete: dict[str, Any]) -> torch.fx.GraphModule:
+    """``fn`` traced with the ``concrete`` arguments frozen, its placeholders named after ``arguments``."""
+    tracer = Tracer()
+    try:
+        graph = tracer.trace(fn, concrete_args=concrete or None)
+    except Exception as e:
+        raise TraceError(f"cannot trace {getattr(fn, '__name__', fn)}: {type(e).__name__}: {e}") from e
+    _name_placeholders(graph, arguments)
+    return graph_module(tracer.root, graph)
 
 
 def _name_placeholders(graph: torch.fx.Graph, arguments: dict[str, Any]) -> list:

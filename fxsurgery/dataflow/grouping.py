@@ -24,7 +24,7 @@ from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
 from .ids import NO_ID, align, compact, varies
 from .labeller import Labeller
-from .paths import common_module, module_of
+from .paths import common_module, module_of, tensor_at
 from .records import Act, Member, Sink, Space, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
@@ -563,11 +563,7 @@ class _Builder:
         return list(dict.fromkeys(slices)), axes
 
     def shape_of(self, name: str) -> tuple[int, ...]:
-        root = self.lab.module
-        try:
-            return tuple(root.get_parameter(name).shape)
-        except AttributeError:
-            return tuple(root.get_buffer(name).shape)
+        return tuple(tensor_at(self.lab.module, name).shape)
 
     def unit_axes(self, k: int, index: torch.Tensor, n: int) -> tuple[dict[tuple, int], dict[tuple, tuple[int, int]]]:
         """The unit axis of every value that carries the group's units (parameter-derived values too:
@@ -712,7 +708,7 @@ def _components(units: torch.Tensor, rep: torch.Tensor, bound: int) -> list[torc
     return list(torch.split(units[order], sizes.tolist()))
 
 
-def analyse(lab: Labeller, locate: bool = False) -> GraphGroups:
+def group_graph(lab: Labeller, locate: bool = False) -> GraphGroups:
     """Group specs and refusals of a graph that ``lab`` has run; with ``locate``, only where the
     candidate groups are."""
     return _Builder(lab).build(locate)

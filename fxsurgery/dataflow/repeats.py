@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.fx.node import Node
 
 from .ids import broadcast_base
+from .paths import within
 from .records import Records, Space
 
 
@@ -37,11 +38,6 @@ class Repeat(NamedTuple):
     def renamed(self, path: str) -> str:
         """``path`` inside the first call's module as the same path inside the later call's."""
         return self.later.module + path[len(self.first.module):]
-
-
-def within(path: str, module: str) -> bool:
-    """Module ``path`` is ``module`` or lies inside it."""
-    return path == module or path.startswith(module + ".")
 
 
 MIN_NODES = 8  # a shorter call costs less to label than to compare

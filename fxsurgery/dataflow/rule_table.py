@@ -56,7 +56,7 @@ def keys(target: Any) -> list[Key]:
                     f"or a NodeKind")
 
 
-def describe(key: Key) -> str:
+def describe_key(key: Key) -> str:
     """A key as an error names it: ``call_function gelu``, ``call_method view``, ``placeholder nodes``."""
     op, target = key
     return f"{op} {getattr(target, '__qualname__', target)}" if target is not None else f"{op} nodes"
@@ -111,7 +111,7 @@ class RuleTable:
             return decorate
         registration = Registration(rule, always)
         entries = [(key, registration) for key in dict.fromkeys(k for t in targets for k in keys(t))]
-        taken = [describe(key) for key, _ in entries if key in self.rules and not replace]
+        taken = [describe_key(key) for key, _ in entries if key in self.rules and not replace]
         if taken:
             raise ValueError(f"already registered: {', '.join(taken)} (pass replace=True to replace a rule)")
         for key, _ in entries:
@@ -132,7 +132,7 @@ class RuleTable:
         def deco(hook: ConstantHook) -> ConstantHook:
             for key in (k for t in targets for k in keys(t)):
                 if key in self.hooks:
-                    raise ValueError(f"{describe(key)} already has a count-constant hook")
+                    raise ValueError(f"{describe_key(key)} already has a count-constant hook")
                 self.hooks[key] = hook
             return hook
         return deco

@@ -12,6 +12,7 @@ import torch.nn as nn
 from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
 
 from fxsurgery import Analysis, Surgeon, analyse
+from fxsurgery.analysis import cache as analysis_cache
 from fxsurgery.analysis import model as model_analysis
 from fxsurgery.analysis.value import working_copy as model_analysis_working_copy
 from fxsurgery.errors import AnalysisError
@@ -154,8 +155,8 @@ def test_each_host_is_fingerprinted_once_when_analysed_and_installed_in_one_step
     torch.manual_seed(0)
     model = TinyTransformer(Style(heads=3)).eval()
     x = torch.randn(2, 4, 5)
-    real, seen = model_analysis.fingerprint, []
-    monkeypatch.setattr(model_analysis, "fingerprint", lambda module, *call: seen.append(module) or real(module, *call))
+    real, seen = analysis_cache.fingerprint, []
+    monkeypatch.setattr(analysis_cache, "fingerprint", lambda module, *call: seen.append(module) or real(module, *call))
     surgeon = Surgeon(model, (x,))
     own = set(map(id, model.modules()))
     assert seen and not any(id(m) in own for m in seen)

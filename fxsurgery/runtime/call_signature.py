@@ -22,7 +22,7 @@ def _container(value: Any) -> bool:
     return isinstance(value, tuple) or type(value) in (list, dict)
 
 
-def describe(value: Any) -> Any:
+def value_signature(value: Any) -> Any:
     """What a graph captured on ``value`` depends on: a tensor's dtype and, per dim, whether it is empty, one or
     more (a capture specialises sizes 0 and 1: a batch of one is a call of its own), a Python constant itself
     (with its type: True is not 1), the structure of a container; any other object only by its type."""
@@ -35,14 +35,14 @@ def describe(value: Any) -> Any:
     if not _container(value):
         return type(value), id(type(value))
     if isinstance(value, dict):
-        return dict, tuple((k, describe(v)) for k, v in value.items())
-    return type(value), tuple(describe(v) for v in value)
+        return dict, tuple((k, value_signature(v)) for k, v in value.items())
+    return type(value), tuple(value_signature(v) for v in value)
 
 
 def call_signature(args: tuple, kwargs: dict, training: bool, hooked: tuple[str, ...] = ()) -> tuple:
-    """The key of a call: train/eval mode, every argument described (keyword names included), and the submodules
+    """The key of a call: train/eval mode, every argument's signature (keyword names included), and the submodules
     inside the host that carry hooks (a graph inlines their calls, so only the host's own forward runs them)."""
-    return training, describe(args), describe(kwargs), hooked
+    return training, value_signature(args), value_signature(kwargs), hooked
 
 
 def hooked_submodules(inner: list[tuple[str, torch.nn.Module]]) -> tuple[str, ...]:
@@ -80,7 +80,7 @@ def differing_arguments(forward: Callable[..., Any], call: tuple[tuple, dict],
     out = []
     for name in dict.fromkeys([*now, *then]):
         a, b = now.get(name, inspect.Parameter.empty), then.get(name, inspect.Parameter.empty)
-        if describe(a) != describe(b) or (a is inspect.Parameter.empty) != (b is inspect.Parameter.empty):
+        if value_signature(a) != value_signature(b) or (a is inspect.Parameter.empty) != (b is inspect.Parameter.empty):
             out.append(f"{name}={_show(a)} (analysed with {_show(b)})")
     return out
 

@@ -24,17 +24,24 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from ..capture.call_signature import call_signature, differing_arguments, holds_objects
+from ..analysis.host import HostAnalysis, analyse_host, fingerprint
 from ..capture.calls import forked_rng, materialize
 from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
+from ..lru import LruCache
 from ..taps import insert_tap_point
-from .host import HostAnalysis, analyse_host, fingerprint
+from .call_signature import call_signature, differing_arguments, holds_objects
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
-Analyses = dict[tuple, "HostAnalysis | str"]  # (template fingerprint, call signature) -> analysis or why not
+
+class CallKey(NamedTuple):
+    """What the analysis of a call of a new signature depends on: the host template's modules
+    (``HostKey.modules``) and the call's signature (``call_signature``)."""
+
+    template: tuple
+    signature: tuple
 
 
 class OwnForwardFit(NamedTuple):
@@ -50,13 +57,13 @@ class HostServer:
     """Serves one host's calls of new signatures (see the module docstring)."""
 
     def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupRecord],
-                 shared: Analyses):
+                 shared: LruCache[CallKey, HostAnalysis | str]):
         self.template = template
         self.host = host
         self.analysed = analysed
         self.groups = groups
         self.shared = shared
-        self.fit: OwnForwardFit | None = None  # fitted on the first call its own forward may serve
+        self.fit: OwnForwardFit | None = None  # fitted on the first call its own forward may serve, or a host alike's
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
               hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
@@ -74,7 +81,7 @@ class HostServer:
         """A graph of the template for this call in mode ``training``, bound to ``module``'s slots and tap points."""
         real = self.materialize(module)
         inputs = tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, materialize((args, kwargs)))
-        key = (fingerprint(real, (), {})[0], call_signature(args, kwargs, training))
+        key = CallKey(fingerprint(real, (), {}).modules, call_signature(args, kwargs, training))
         if key not in self.shared:
             try:
                 with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):
@@ -98,7 +105,7 @@ class HostServer:
             for site in hg.sites:
                 insert_tap_point(r.tap_point, site.sink, site.input, site.layout)
         graph = found.graphs[training]
-        _adopt_code_constants(module, graph, found.tensors)
+        _attach_code_constants(module, graph, found.tensors)
         return graph
 
     def fit_own_forward(self) -> tuple[str, str]:
@@ -109,10 +116,6 @@ class HostServer:
                                                               self.analysed)
             self.fit = OwnForwardFit(fault, counts or [], empty_fault)
         return self.fit.fault, self.fit.empty_fault
-
-    def adopt_fit(self, fit: OwnForwardFit) -> None:
-        """Take the fit of a host built alike (the same template, groups and analysed call)."""
-        self.fit = fit
 
     def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
         """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
@@ -160,7 +163,7 @@ def meta_template(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _adopt_code_constants(module: nn.Module, graph: torch.fx.Graph, tensors: dict[str, torch.Tensor]) -> None:
+def _attach_code_constants(module: nn.Module, graph: torch.fx.Graph, tensors: dict[str, torch.Tensor]) -> None:
     """Tensors the capture made from the code become attributes of the live host under fresh names."""
     renamed: dict[str, str] = {}
     for node in graph.nodes:

@@ -17,15 +17,16 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 
+from ..analysis.verify import max_rel_diff
 from ..capture.calls import materialize, training_mode
 from ..compat import tree_leaves
+from ..dataflow.paths import tensor_at
 from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
 from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
 from ..slicing import ParamSlice, solve_counts
 from ..taps import TapPoint
-from .verify import max_rel_diff
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
 
@@ -55,18 +56,11 @@ class CountAttribute(NamedTuple):
 def current_counts(module: nn.Module, records: list[GroupRecord]) -> list[int]:
     """Each group's count now, read off its tensors' sizes (groups that share a dim, in segments of a fused
     projection, are told apart by ``slicing.solve_counts``)."""
-    counts = solve_counts([r.slices for r in records], lambda name, dim: _tensor(module, name).shape[dim])
+    counts = solve_counts([r.slices for r in records], lambda name, dim: tensor_at(module, name).shape[dim])
     if counts is None:
         raise UnservedCall(f"the counts of the groups read by {', '.join(r.sink for r in records)} cannot be told "
                            "apart from their tensors' sizes")
     return counts
-
-
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return module.get_buffer(name)
 
 
 class OwnForward:

@@ -50,6 +50,7 @@ RUN_CONFIG = "config.json"  # what a training run directory holds beside its che
 __all__ = ["export", "load", "write_export", "read_export", "ExportError", "FORMAT", "VERSION", "WEIGHTS", "TOPOLOGY",
            "PROGRAM", "RUN_CONFIG", "MANIFEST", "replace_directory", "write_manifest", "read_manifest",
            "verify_files", "file_sha256", "pack_state", "unpack_state"]
+RECORDED_VALUES = 16_384  # the integer and boolean example tensors up to this size are recorded with their values
 TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "input_kwargs", "groups", "parameters", "sha256")
 
 
@@ -59,9 +60,11 @@ def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tu
     """Write `model`'s weights and topology (and, with `program`, its `torch.export` program) to the directory
     `path` (an earlier export there is replaced atomically) and return `path`.
 
-    The example call, recorded as its tensors' shapes and dtypes (`load` analyses zeros: zero token ids are valid
-    ones), is `model(*example_inputs, **example_kwargs)` when either is given, else the one `barter.wrap` analysed
-    `model` on or `barter.load` read with it, else a zero batch of a timm model's input size. The unit groups come from
+    The example call is `model(*example_inputs, **example_kwargs)` when either is given, else the one `barter.wrap`
+    analysed `model` on or `barter.load` read with it, else a zero batch of a timm model's input size. It is
+    recorded as its tensors' shapes and dtypes, with the values of its small integer and boolean tensors (token
+    ids, masks, positions): `load` analyses the same call (an all-zero attention mask would mask every token);
+    floating tensors come back as zeros. The unit groups come from
     `model.barter_base` when `barter.wrap` or `barter.load` made it (an attribute copies and pickles keep); otherwise
     from analysing the base architecture (`model` itself when none is known: the analysis leaves it untouched) on
     that call, with the kept counts read off `model`'s tensors; a model
@@ -149,7 +152,7 @@ def _write_program(model: nn.Module, file: Path, call: dict[str, Any]) -> str | 
     with a warning when torch.export cannot capture the model (the weights and topology are exported all the
     same)."""
     copied = copy.deepcopy(model).eval()  # a wrapped model copies itself without its score taps
-    args, kwargs = _zero_call(copied, call)
+    args, kwargs = _recorded_call(copied, call)
     dynamic = torch.export.ShapesCollection()
     for value in (*args, *kwargs.values()):
         if torch.is_tensor(value):
@@ -242,7 +245,7 @@ def _groups(model: nn.Module, example: tuple[tuple, dict[str, Any]] | None, arch
     with torch.random.fork_rng(devices=[]):  # building and analysing the base leaves the caller's RNG alone
         built = model if architecture is None else _build(architecture, kwargs)
         try:
-            return list(analyse(built, *_zero_call(built, call)).groups), call
+            return list(analyse(built, *_recorded_call(built, call)).groups), call
         except (TraceError, AnalysisError) as e:
             warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
                           f"built): {e}", stacklevel=1)
@@ -283,23 +286,29 @@ def _call_record(inputs: tuple, input_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def _input_spec(value: Any, label: str) -> dict[str, Any]:
     if torch.is_tensor(value):
-        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        spec = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+        if not value.is_floating_point() and not value.is_complex() and value.numel() <= RECORDED_VALUES:
+            spec["values"] = value.detach().cpu().flatten().tolist()
+        return spec
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     raise ExportError(f"{label} is a {type(value).__name__}; an example call is recorded from tensors, flags, "
                       "numbers, strings and None")
 
 
-def _zero_call(model: nn.Module, call: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """The recorded call (a topology's or `_call_record`'s) with zero tensors (zero token ids are valid ones) on
-    `model`'s device, floating ones in `model`'s dtype (a half-precision export's base is built in single
-    precision), and its plain values."""
+def _recorded_call(model: nn.Module, call: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The recorded call (a topology's or `_call_record`'s) on `model`'s device: its integer and boolean tensors with
+    their recorded values (zeros where a large one's were not kept: zero token ids are valid ones), floating ones
+    as zeros in `model`'s dtype (a half-precision export's base is built in single precision), and its plain
+    values."""
     p = next(model.parameters())
 
     def value(spec: dict[str, Any]) -> Any:
         if "value" in spec:
             return spec["value"]
         dtype = getattr(torch, spec["dtype"])
+        if "values" in spec:
+            return torch.tensor(spec["values"], dtype=dtype, device=p.device).reshape(spec["shape"])
         return torch.zeros(spec["shape"], dtype=p.dtype if dtype.is_floating_point else dtype, device=p.device)
 
     return tuple(value(s) for s in call["inputs"]), {k: value(s) for k, s in call["input_kwargs"].items()}
@@ -323,7 +332,7 @@ def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path
     if all(g["count"] == g["max_count"] for g in recorded):
         return None, []
     try:
-        surgeon = Surgeon(model, *_zero_call(model, topology))
+        surgeon = Surgeon(model, *_recorded_call(model, topology))
     except (TraceError, AnalysisError) as e:
         raise ExportError(f"cannot find the unit groups of {type(model).__name__} to resize it: {e}") from e
     plan = []

@@ -1,6 +1,7 @@
 """barter.export / barter.load of Hugging Face transformers models: the class and config are recorded as the base,
 so `barter.load(path)` rebuilds a compact ViT, or a text model analysed on token ids passed by keyword, with no
 model at hand; an unknown class is a clear error, and transformers is imported only for such an export."""
+import copy
 import json
 import shutil
 import subprocess
@@ -92,15 +93,16 @@ def test_vit_round_trip_after_transfers(compact_vit, tmp_path):
 def test_text_model_analysed_on_keywords_round_trip(tmp_path):
     torch.manual_seed(0)
     model = tiny_bert()
-    ctl = train_with_transfers(model, [((), text_batch(4)) for _ in range(4)], example_kwargs=text_batch(4))
+    example = text_batch(4)
+    ctl = train_with_transfers(model, [((), text_batch(4)) for _ in range(4)], example_kwargs=example)
     path = barter.export(model, tmp_path / "model", program=False)
     topology = read_topology(path)
     assert topology["architecture"] == "transformers:BertForSequenceClassification"
     assert topology["model_kwargs"]["attn_implementation"] == "eager"
-    assert topology["inputs"] == [] and topology["input_kwargs"] == {
-        "input_ids": {"shape": [4, 12], "dtype": "int64"}, "attention_mask": {"shape": [4, 12], "dtype": "int64"},
-        "labels": {"shape": [4], "dtype": "int64"}}
-    loaded = barter.load(path)  # analysed on zero token ids, mask and labels
+    assert topology["inputs"] == [] and topology["input_kwargs"] == {  # token ids, mask and labels with their values
+        name: {"shape": list(value.shape), "dtype": "int64", "values": value.flatten().tolist()}
+        for name, value in example.items()}
+    loaded = barter.load(path)  # analysed on the recorded call
     assert type(loaded) is type(model) and loaded.config._attn_implementation == "eager"
     assert {g["name"]: g["count"] for g in topology["groups"]} == {g.name: g.count for g in ctl.surgeon.groups}
     batch = text_batch(4)  # fresh, shaped as analysed (a call of another shape is analysed anew)
@@ -159,3 +161,57 @@ def test_transformers_is_imported_only_for_its_exports(tmp_path):
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def tiny_gemma(key_value_heads: int) -> torch.nn.Module:
+    """Gemma with 4 query heads of head_dim 16 (not hidden / heads = 8) sharing `key_value_heads` key/value heads."""
+    config = transformers.GemmaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=key_value_heads, head_dim=16, intermediate_size=64,
+                                      max_position_embeddings=32)
+    return transformers.GemmaForCausalLM(config)
+
+
+@pytest.mark.parametrize("key_value_heads", [1, 2, 4])
+def test_grouped_query_heads_found_again_at_load(tmp_path, key_value_heads):
+    """A multi-query (1), grouped-query (2) and multi-head (4) decoder analysed at wrap on token ids and an
+    attention mask keeps its head groups at load: the export records the call's ids and mask (an all-zero mask
+    would mask every token, and the analysis of the rebuilt model then finds no head), and the reloaded model
+    equals the trained one, on padded batches too."""
+    torch.manual_seed(0)
+    model = tiny_gemma(key_value_heads)
+    example = {"input_ids": torch.randint(0, 100, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    ctl = train_with_transfers(model, [((), example) for _ in range(3)], example_kwargs=example)
+    heads = {g.name: g.count for g in ctl.surgeon.groups if g.kind == "head"}
+    assert len(heads) == 2 and any(g.count < g.max_count for g in ctl.surgeon.groups)
+    path = barter.export(model, tmp_path / "model", program=False)
+    topology = read_topology(path)
+    assert topology["input_kwargs"]["attention_mask"]["values"] == [1] * 48
+    assert {g["name"]: g["count"] for g in topology["groups"] if g["name"] in heads} == heads
+    loaded = barter.load(path)
+    assert read_topology(barter.export(loaded, tmp_path / "again", program=False))["groups"] == topology["groups"]
+    assert torch.allclose(logits(loaded, **example), logits(model, **example), atol=1e-5)
+
+
+@pytest.mark.parametrize("key_value_heads", [
+    pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+        "multi-query: the padded path repeats the one key/value head to the dense query-head count, a constant of "
+        "the module that the recapture does not resize"))),
+    2])
+def test_compact_grouped_query_model_serves_a_padded_call_after_an_unpadded_one(key_value_heads):
+    """Analysed on an all-ones mask (transformers then runs the attention without a mask), a compact decoder then
+    called with padding takes the other path (key/value heads repeated to the query heads): it must be served at
+    the compact width and equal the same model with the removed units' output columns zeroed (init "first" keeps
+    each layer's first units)."""
+    torch.manual_seed(0)
+    model = tiny_gemma(key_value_heads).eval()
+    reference = copy.deepcopy(model)
+    example = {"input_ids": torch.randint(0, 100, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    ctl = barter.wrap(model, total_steps=4, density=0.5, init="first", example_kwargs=example)
+    assert all(g.count < g.max_count for g in ctl.surgeon.groups)
+    for g in ctl.surgeon.groups:
+        layer = reference.get_submodule(g.name.split(":")[0])
+        output = layer.o_proj if g.kind == "head" else layer.down_proj
+        output.weight.data[:, g.count * output.in_features // g.max_count:] = 0
+    padded = {name: value for name, value in text_batch(4).items() if name != "labels"}
+    for batch in (example, padded):
+        assert torch.allclose(logits(model, **batch), logits(reference, **batch), atol=1e-5)

@@ -31,8 +31,6 @@ from .selection import propose
 from .transfer_policy import CloneState, Removal, TransferParts
 from .transfer_probe import LossFn, TransferProbe, choice_scores
 
-MIN_WIDTH = {"head": 0, "channel": 1}  # attention layers may lose every head, FFNs keep one channel
-
 
 @dataclass
 class Fade:
@@ -83,8 +81,9 @@ class Controller:
         # {group name: indices, in the model as built, of the units compact initialisation kept}
         self.initial_units = dict(initial_units or {})
         self.maximum = {kind: [g.max_count for g in layers[kind]] for kind in KINDS}
-        # the method's minimum, raised where fxsurgery cannot go lower (a model whose heads cannot reach 0)
-        self.minimum = {kind: [max(MIN_WIDTH[kind], g.min_count) for g in layers[kind]] for kind in KINDS}
+        # the policy's minimum, raised where fxsurgery cannot go lower (a model whose heads cannot reach 0)
+        self.minimum = {kind: [max(options.policy.minimum(kind), g.min_count) for g in layers[kind]]
+                        for kind in KINDS}
         device = next(surgeon.model.parameters()).device
         self.tables = {kind: ScoreTable(self.initial[kind], options.beta, device) for kind in KINDS}
         self.select_rng = select_rng

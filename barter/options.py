@@ -23,7 +23,8 @@ class Options:
     transfer_policy: the named policy (`barter.transfer_policy.POLICIES`, "paper") that sets the parts of a
     transfer left None here: transfer_parts (both, removals or clones only), count_scale (K times this),
     window (the reallocation window as fractions of T), clone_state (optimizer state at a clone: paper, carry or
-    restart), removal (paper or fade); `policy` is the result."""
+    restart), removal (paper or fade), min_heads (the fewest heads a transfer leaves in a layer); `policy` is the
+    result."""
 
     beta: float = 0.99
     head_ratio: float = 2 / 34
@@ -38,6 +39,7 @@ class Options:
     window: tuple[float, float] | None = None
     clone_state: CloneState | None = None
     removal: Removal | None = None
+    min_heads: int | None = None
 
     @property
     def policy(self) -> TransferPolicy:
@@ -73,6 +75,9 @@ class Options:
         scale = policy.count_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"count_scale multiplies the transfer counts: it must be a number > 0, got {scale!r}")
+        if isinstance(policy.min_heads, bool) or not isinstance(policy.min_heads, int) or policy.min_heads < 0:
+            raise ValueError(f"min_heads is the fewest heads a transfer leaves in a layer: an integer >= 0, got "
+                             f"{policy.min_heads!r}")
         if opts.noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {opts.noise_std}")
         if opts.init not in INITS:

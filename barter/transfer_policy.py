@@ -3,7 +3,8 @@
 A transfer removes the donor and clones the parent. `TransferPolicy` says which of the two run
 (`TransferParts`), how many transfers are scheduled (`count_scale` times the paper's K) and where (`window`),
 what the optimizer state of the clone's two halves starts from (`CloneState`), and how a donor leaves
-(`Removal`). `POLICIES[PolicyName.PAPER]` is the paper's choice for each. `VARIANTS` names the option sets the
+(`Removal`), and how few heads a transfer may leave in an attention layer (`min_heads`; the paper's 0: a layer may
+lose every head). `POLICIES[PolicyName.PAPER]` is the paper's choice for each. `VARIANTS` names the option sets the
 studies compare (paper, carry, fade, count0.5, ...).
 
 Width budget when one side runs: the budget is Σ n_l,0 per unit kind at density rho, the units the static
@@ -78,6 +79,12 @@ class TransferPolicy:
     window: tuple[float, float] = (0.1, 0.4)
     clone_state: CloneState = CloneState.PAPER
     removal: Removal = Removal.PAPER
+    min_heads: int = 0
+
+    def minimum(self, kind: str) -> int:
+        """The fewest units a transfer leaves in a layer of `kind`: an FFN keeps one channel, an attention layer
+        `min_heads` heads."""
+        return self.min_heads if kind == "head" else 1
 
 
 POLICIES = {PolicyName.PAPER: TransferPolicy()}
@@ -113,6 +120,7 @@ VARIANTS: Mapping[str, Variant] = MappingProxyType({variant.name: variant for va
     Variant("clones", "clones only", {"transfer_parts": TransferParts.CLONES}),
     Variant("count0.5", "transfer counts x 0.5", {"count_scale": 0.5}),
     Variant("count2", "transfer counts x 2", {"count_scale": 2.0}),
+    Variant("keephead", "no transfer takes a layer's last head", {"min_heads": 1}),
 )})
 
 

@@ -13,7 +13,7 @@ from fxsurgery import Surgeon, analyse
 from .analysis import ModelBase, default_example_inputs, keep_base
 from .calibration import Batch, LossFn, calibrated_scores
 from .compact_init import compact
-from .controller import MIN_WIDTH, Controller
+from .controller import Controller
 from .fsdp import check_optimizer, refuse_sharded
 from .loss_scale import Scaler
 from .options import METHODS, Options
@@ -71,7 +71,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
                    generator=select_rng, importance=surgeon.unit_norms if scores is None else lambda g: scores[g.name])
     budgets = _transfer_budgets(layers, method, opts)
     if opts.policy.transfer_parts is TransferParts.CLONES:
-        budgets = {kind: _make_room(surgeon, layers[kind], kept, budgets[kind]) for kind in KINDS}
+        budgets = {kind: _make_room(surgeon, layers[kind], kept, budgets[kind], opts.policy.minimum(kind))
+                   for kind in KINDS}
     ctl = Controller(surgeon, layers, make_schedule(total_steps, budgets, opts.policy.window), method=method, auto=auto,
                      options=opts, select_rng=select_rng, noise_rng=noise_rng, initial_units=kept)
     if optimizer is not None:
@@ -117,13 +118,13 @@ def _transfer_budgets(layers: dict[str, list], method: str, options: Options) ->
     }
 
 
-def _make_room(surgeon: Surgeon, groups: list, kept: dict[str, list[int]], clones: int) -> int:
+def _make_room(surgeon: Surgeon, groups: list, kept: dict[str, list[int]], clones: int, minimum: int) -> int:
     """Take up to `clones` units off `groups` before training, one at a time from the widest layer (its last unit;
-    ties to the lower layer), so that clones-only transfers end at the width budget; returns how many came off
-    (the clones to schedule). `kept` (units of the model as built, by group) loses them too."""
+    ties to the lower layer; none under `minimum`), so that clones-only transfers end at the width budget; returns
+    how many came off (the clones to schedule). `kept` (units of the model as built, by group) loses them too."""
     taken = 0
     while taken < clones:
-        room = [g.count - max(MIN_WIDTH[g.kind], g.min_count) for g in groups]
+        room = [g.count - max(minimum, g.min_count) for g in groups]
         if not room or max(room) <= 0:
             break
         g = groups[room.index(max(room))]

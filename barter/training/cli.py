@@ -50,6 +50,7 @@ OPTION_HELP = {
     "count_scale": "transfer counts K times this (0.5, 2, 4, ...)",
     "clone_state": "optimizer state at a clone: paper (moments zeroed, step counter kept), carry (parent's moments, "
                    "output slices m/2 and v/4), restart (zeroed, Adam's bias correction restarted for them)",
+    "min_heads": "the fewest heads a transfer leaves in an attention layer (paper: 0, a layer may lose every head)",
     "removal": "paper (donor removed at its transfer) or fade (its output weights faded to zero over its cooldown, "
                "then removed)",
 }

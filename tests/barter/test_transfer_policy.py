@@ -7,7 +7,6 @@ import torch
 from tiny_vit import build_vit, vit_batch
 
 import barter
-from barter.controller import MIN_WIDTH
 from barter.options import Options
 from barter.schedule import rnd
 from barter.training.runlog import width_history
@@ -67,7 +66,7 @@ def test_each_named_variant_is_a_distinct_policy_and_paper_is_the_papers():
     assert policies["paper"] == POLICIES[PolicyName.PAPER] == TransferPolicy()
     assert len(set(policies.values())) == len(VARIANTS)
     assert policies["count0.5"].count_scale == 0.5 and policies["fade"].removal == "fade"
-    assert all(type(value) in (str, float) for v in VARIANTS.values() for value in v.wrap_options().values())
+    assert all(type(value) in (str, float, int) for v in VARIANTS.values() for value in v.wrap_options().values())
     assert VARIANTS["fade"].label == "barter (fade)"
     assert variants_help().count(" (") == len(VARIANTS) and "count0.5 (transfer counts x 0.5)" in variants_help()
 
@@ -150,7 +149,7 @@ def test_clones_only_starts_under_the_budget_ends_at_it_and_keeps_the_function()
     assert diffs and max(diffs) <= 1e-5  # a clone keeps the function
     assert most == budget and {kind: width(ctl, kind) for kind in planned} == budget
     for g in ctl.layers["channel"]:
-        assert g.count >= MIN_WIDTH["channel"]
+        assert g.count >= ctl.policy.minimum("channel") == 1
     assert replays(ctl, initial)
 
 
@@ -264,7 +263,29 @@ def test_a_run_resumed_mid_window_equals_the_uninterrupted_one(options):
     assert all(torch.equal(a, b) for a, b in zip(ref.model.parameters(), fresh.model.parameters()))
 
 
+def test_min_heads_keeps_each_layers_last_heads():
+    """Each layer of the tiny ViT keeps 2 of its 4 heads at density 0.5: under the paper's policy (0) a head transfer
+    may take a layer down to 1 head, and min_heads=2 leaves no layer a head to give (its head transfer finds no
+    donor, the layers keep 2 heads at every step) while the channel transfers run as before."""
+    lowest, heads = {}, {}
+    for min_heads in (0, 2):
+        ctl, opt = new(min_heads=min_heads)
+        least = []
+
+        def record(step, ctl=ctl, least=least):
+            return lambda: least.append(min(g.count for g in ctl.layers["head"]))
+
+        run(ctl, opt, range(1, T + 1), record)
+        executed = [e for e in ctl.events if e["skipped"] is None]
+        lowest[min_heads] = min(least)
+        heads[min_heads] = sum(e["kind"] == "head" for e in executed)
+        assert sum(e["kind"] == "channel" for e in executed) == 5
+    assert lowest == {0: 1, 2: 2} and heads == {0: 1, 2: 0}
+
+
 @pytest.mark.parametrize("options,message", [
+    (dict(min_heads=-1), "min_heads .* an integer >= 0, got -1"),
+    (dict(min_heads=1.5), "min_heads .* an integer >= 0, got 1.5"),
     (dict(transfer_parts="neither"), r"transfer_parts must be one of \['both', 'removals', 'clones'\]"),
     (dict(count_scale=0), "count_scale .* must be a number > 0, got 0"),
     (dict(count_scale=float("inf")), "count_scale .* must be a number > 0"),

@@ -13,9 +13,10 @@ processes log the same events and hold identical parameters; a resumed run ends 
 export loads equal; the run equals one process on the same global batches: the same decisions, the parameters and
 the outputs within 1e-5.
 
-CI runs a fixed slice: every model and width, each lifecycle step under both runtimes, three layers emptied of
-heads under FSDP2 (by the forced edge; the ViT's also by a transfer before its checkpoint); `make soak` runs every
-combination, each with a freshly drawn seed.
+CI runs a fixed slice: every model, width and lifecycle step, checkpoint -> resume and export -> load under both
+runtimes, and layers emptied of heads under FSDP2 (the ViT's by a transfer before its checkpoint and by the forced
+edge, the head-mixing model's by the forced edge before its export); `make soak` runs every combination, each with a
+freshly drawn seed.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ PROBE_STEP = STEPS + 1  # the batch the outputs are compared on
 
 @dataclass(frozen=True)
 class Combination:
+    """One value of each axis, and the seed that draws the layer forced to its edge."""
+
     model: str
     runtime: str  # "eager" for the one process the distributed runs are compared with
     width: str

@@ -249,16 +249,24 @@ CI_SLICE = [
 ]
 
 
-@pytest.mark.parametrize("combination", CI_SLICE, ids=lambda c: f"{c.model}-{c.runtime}-{c.width}-{c.lifecycle}")
+EVERY_COMBINATION = [Combination(*axes, seed=0) for axes in
+                     itertools.product(sorted(CASES), DISTRIBUTED, sorted(WIDTHS), LIFECYCLES)]
+
+
+def axes(combination: Combination) -> str:
+    """A test id: the combination's value of each axis."""
+    return f"{combination.model}-{combination.runtime}-{combination.width}-{combination.lifecycle}"
+
+
+@pytest.mark.parametrize("combination", CI_SLICE, ids=axes)
 def test_features_hold_over_processes(tmp_path_factory, combination):
     events = check_distributed(tmp_path_factory, combination)
     assert any(e["skipped"] is None for e in events) or combination.width == "maximum", "no transfer ran"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model, runtime, width, lifecycle",
-                         list(itertools.product(sorted(CASES), DISTRIBUTED, sorted(WIDTHS), LIFECYCLES)))
+@pytest.mark.parametrize("combination", EVERY_COMBINATION, ids=axes)
 @settings(max_examples=1)
 @given(seed=st.integers(0, 2**16))
-def test_every_combination_over_processes(tmp_path_factory, model, runtime, width, lifecycle, seed):
-    check_distributed(tmp_path_factory, Combination(model, runtime, width, lifecycle, seed))
+def test_every_combination_over_processes(tmp_path_factory, combination, seed):
+    check_distributed(tmp_path_factory, replace(combination, seed=seed))

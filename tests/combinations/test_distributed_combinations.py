@@ -84,9 +84,7 @@ def start(combination: Combination, wrapped: barter.Controller, controller_state
     `controller_state`, brought to the saved widths before it is sharded (as a resume starts)."""
     ctl = copy.deepcopy(wrapped)
     model = ctl.model
-    for module in model.modules():  # statistics of one process's share are not the global batch's: the running ones
-        if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-            module.eval()
+    use_running_statistics(model)
     if controller_state is not None:
         ctl.load_state_dict(controller_state)
     if combination.runtime == "fsdp2":
@@ -97,6 +95,14 @@ def start(combination: Combination, wrapped: barter.Controller, controller_state
     ctl.attach_optimizer(optimizer)
     forward = barter.DistributedModel(model, ctl) if combination.runtime == "ddp" else model
     return Run(CASES[combination.model], combination.runtime, model, optimizer, ctl, forward, ema=None)
+
+
+def use_running_statistics(model: nn.Module) -> None:
+    """Batch norms normalise by their running statistics: those of one process's share of a batch are not the
+    whole batch's."""
+    for module in model.modules():
+        if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+            module.eval()
 
 
 def share(batch: Batch) -> Batch:
@@ -179,6 +185,7 @@ def export(run: Run, directory: Path) -> None:
         if whole is not None:
             counts = {g.name: g.count for g in run.controller.surgeon.groups}
             run = replace(run, model=whole_copy(run.model, run.case.build(), counts, whole))
+            use_running_statistics(run.model)
         for a, e in zip(outputs(run, run.model, PROBE_STEP), live, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=1e-5, msg="the exported model against the live one")
         assert_export_loads_equal(run, directory)

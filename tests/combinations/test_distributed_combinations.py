@@ -247,6 +247,8 @@ def check_distributed(tmp_path_factory, combination: Combination) -> list[dict]:
         torch.testing.assert_close(a, e, rtol=0, atol=1e-5, msg="the outputs against one process")
     return first["events"]
 
+
+# together with test_combination_matrix.py's examples, every value of every axis
 CI_SLICE = [
     Combination("timm_vit", "fsdp2", "one_unit", "checkpoint_resume", seed=0),
     Combination("hf_encoder", "ddp", "maximum", "checkpoint_resume", seed=1),

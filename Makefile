@@ -29,7 +29,8 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
 # The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py),
-# every combination of the combination matrix's axes (tests/combinations), each with a freshly drawn seed, every
+# every combination of the combination matrix's axes (tests/combinations; those over two processes after the others,
+# in one process of their own, as in `test`), each with a freshly drawn seed, every
 # conformance model analysed fresh, called and trained (tests/conformance/test_analysis_history.py, one draw each),
 # then fxsurgery's analysis on every *ForCausalLM / *ForSequenceClassification / *ForImageClassification /
 # *ForMaskedLM / *ForConditionalGeneration class of the installed transformers (benchmarks/hf_sweep.py), failing on a
@@ -37,7 +38,9 @@ test: $(STAMP)
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py \
 		tests/fxsurgery/test_fxsurgery_module_calls.py
-	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal \
+		-m "(slow or not slow) and not forks" tests/combinations
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "(slow or not slow) and forks" \
 		tests/combinations
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
 		tests/conformance/test_analysis_history.py

@@ -15,8 +15,9 @@ the outputs unchanged; the optimizer state and the EMA copy keep the parameters'
 the uninterrupted one; an export loads equal.
 
 CI runs the explicit examples (together every value of every axis) and a few drawn ones; `make soak` runs every
-combination of the axes (tests/conftest.py prints the seed that replays a run). DDP and FSDP2 need processes and
-are tested on their own (tests/barter/test_ddp.py, tests/barter/test_fsdp_train.py), not in this matrix.
+combination of the axes (tests/conftest.py prints the seed that replays a run). The runtimes that need two
+processes, DDP and FSDP2, run these models, widths and lifecycle steps in test_distributed_combinations.py (in the
+pass of `make test` that forks).
 """
 from __future__ import annotations
 

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxsurgery import UnitKind
+
 from ..serialization import MANIFEST, ExportError, read_export, replace_directory, verify_files, write_export
 from .errors import CheckpointError
 from .figures import legend_beside, pyplot
@@ -227,13 +229,13 @@ def widths_figure(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
     from matplotlib.ticker import MaxNLocator
 
     history = width_history(final, events)
-    kinds = [k for k in ("head", "channel") if k in history]
+    kinds = [k for k in UnitKind if k in history]
     fig, axes = pyplot().subplots(len(kinds), 1, figsize=(8, 3.2 * len(kinds)), squeeze=False, sharex=True)
     for ax, kind in zip(axes[:, 0], kinds):
         for group, series in history[kind].items():
             steps, widths = zip(*(series + [(last_step, series[-1][1])]))
             ax.plot([s / steps_per_epoch for s in steps], widths, drawstyle="steps-post", label=group)
-        ax.set_ylabel("attention heads" if kind == "head" else "FFN channels")
+        ax.set_ylabel(f"{kind.noun}s")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         legend_beside(ax, "layer")

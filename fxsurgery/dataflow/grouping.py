@@ -19,6 +19,7 @@ import torch.fx
 from torch.fx.node import Node
 
 from ..slicing import ParamSlice
+from ..unit_kind import UnitKind
 from .classes import ClassIndex, classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
@@ -35,7 +36,7 @@ from .unit_layout import describe_layout, layout, segment
 class GroupSpec:
     """One unit group as found in one graph."""
 
-    kind: str
+    kind: UnitKind
     count: int
     members: list[ParamSlice]
     constants: list[ConstantSpec]
@@ -352,9 +353,9 @@ class _Builder:
         read_by = {m.name: m for m in members if m.output}
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({self.rec.mixes[i].reason for i in self.mix_index.holding(ut)})
-        kind = "head" if self.head[ut].any() else "channel"
+        kind = UnitKind.HEAD if self.head[ut].any() else UnitKind.CHANNEL
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
-        min_count = 1 if (kind == "channel" or notes_zero) else 0
+        min_count = 1 if (kind == UnitKind.CHANNEL or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
         about += self.fused_note(kind, members)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
@@ -362,17 +363,16 @@ class _Builder:
                          sites=self.sites(sinks, ut, read_by, axes, segments), min_count=min_count)
 
     @staticmethod
-    def fused_note(kind: str, members: list[ParamSlice]) -> list[str]:
+    def fused_note(kind: UnitKind, members: list[ParamSlice]) -> list[str]:
         """What a unit is where the group holds a segment of tensors it shares with other groups (a parallel block's
         fused projections): its parts in each, said once."""
         shared = [m for m in members if m.start or m.after]
         if not shared:
             return []
-        unit = "attention head" if kind == "head" else "FFN channel"
         parts = [f"{m.inner} entr{'y' if m.inner == 1 else 'ies'}"
                  f"{f' in each of {m.outer} sections' if m.outer > 1 else ''} of {m.name}'s dim {m.dim}"
                  for m in shared]
-        return [f"a unit is one {unit} of a projection fused with other layers: {', '.join(parts)}, in a segment "
+        return [f"a unit is one {kind.noun} of a projection fused with other layers: {', '.join(parts)}, in a segment "
                 "beside the other layers' (an edit moves the segments after it)"]
 
     def sites(self, sinks: list[Sink], ut: torch.Tensor, read_by: dict[str, ParamSlice], axes: dict[tuple, int],

@@ -1,4 +1,5 @@
 """Controller flow on a hand-written fake surgeon (no fx): events, cooldown, tap removal, state round trip."""
+import io
 from dataclasses import dataclass
 
 import torch
@@ -162,11 +163,15 @@ def test_cooldown_blocks_fresh_twins():
 
 
 def test_state_round_trip_continues_identically():
+    """Through `torch.save` and `torch.load(weights_only=True)`: the state holds kinds as their text."""
     ref = make(method="random_donor")
     run(ref, range(1, 41))
     a = make(method="random_donor")
     run(a, range(1, 13))
-    sd, params = a.state_dict(), {k: v.clone() for k, v in a.model.state_dict().items()}
+    saved = io.BytesIO()
+    torch.save(a.state_dict(), saved)
+    saved.seek(0)
+    sd, params = torch.load(saved, weights_only=True), {k: v.clone() for k, v in a.model.state_dict().items()}
     b = make(method="random_donor")
     b.load_state_dict(sd)
     b.model.load_state_dict(params)

@@ -28,6 +28,7 @@ from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
 from .selection import propose
+from .transfer_event import TransferEvent
 from .transfer_policy import CloneState, Removal, TransferParts
 from .transfer_probe import LossFn, TransferProbe, choice_scores
 
@@ -96,7 +97,7 @@ class Controller:
         self.noise_rng = noise_rng
         self.step_count = 0
         self.edits = 0
-        self.events: list[dict[str, Any]] = []
+        self.events: list[TransferEvent] = []
         self.fading: list[Fade] = []
         self._taps: dict[UnitKind, list] = {kind: [] for kind in KINDS}
         self._optimizer: torch.optim.Optimizer | None = None
@@ -264,31 +265,31 @@ class Controller:
         # an executed transfer names the parts that ran; a skipped proposal, what it had chosen
         donor = prop.donor_layer is not None and (removes or skipped is not None)
         receiver = prop.receiver is not None and (clones or skipped is not None)
-        event = {"step": self.step_count, "kind": kind.value,
-                 "donor_layer": groups[prop.donor_layer].module if donor else None,
-                 "donor_group": groups[prop.donor_layer].name if donor else None,
-                 "donor_index": prop.donor_index if donor else None,
-                 "receiver_layer": groups[prop.receiver].module if receiver else None,
-                 "receiver_group": groups[prop.receiver].name if receiver else None,
-                 "parent_index": prop.parent if receiver else None, "new_index": None, "skipped": skipped,
-                 **choice_scores(table, prop, self.initial[kind], self.maximum[kind], donor=donor,
-                                 receiver=receiver)}
+        event = TransferEvent(
+            step=self.step_count, kind=kind, skipped=skipped,
+            donor_layer=groups[prop.donor_layer].module if donor else None,
+            donor_group=groups[prop.donor_layer].name if donor else None,
+            donor_index=prop.donor_index if donor else None,
+            receiver_layer=groups[prop.receiver].module if receiver else None,
+            receiver_group=groups[prop.receiver].name if receiver else None,
+            parent_index=prop.parent if receiver else None,
+            **choice_scores(table, prop, self.initial[kind], self.maximum[kind], donor=donor, receiver=receiver))
         if removes or clones:
             if self.probe is not None:
                 self.probe.before(event, self.model, self.step_count, self.edits)
             self._prepare_edits()
         fade = self._fade_length(kind) if removes and policy.removal is Removal.FADE else 0
         if removes and policy.removal is Removal.FADE:
-            event["removed_at"] = self.step_count + fade
+            event.removed_at = self.step_count + fade
         if fade:
             self.fading.append(Fade(kind, prop.donor_layer, prop.donor_index, self.step_count, fade))
         elif removes:
             self._remove(kind, prop.donor_layer, prop.donor_index)
         if clones:
-            event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
-                                                    noise_std=self.options.noise_std, generator=self.noise_rng,
-                                                    relative=self.options.noise_relative,
-                                                    state=policy.clone_state.surgery)
+            event.new_index = self.surgeon.clone(groups[prop.receiver], prop.parent,
+                                                 noise_std=self.options.noise_std, generator=self.noise_rng,
+                                                 relative=self.options.noise_relative,
+                                                 state=policy.clone_state.surgery)
             for averaged in self.averaged:
                 averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
@@ -395,7 +396,7 @@ class Controller:
             "topology": {g.name: g.count for g in self.surgeon.groups},
             "tables": _by_text({kind: t.state_dict() for kind, t in self.tables.items()}),
             "rng": {"select": self.select_rng.get_state(), "noise": self.noise_rng.get_state()},
-            "events": [dict(e) for e in self.events],
+            "events": [e.record() for e in self.events],
             **({} if self.probe is None else {"probe": self.probe.state_dict(self.events)}),
             "fading": [{**asdict(f), "kind": f.kind.value} for f in self.fading],
         }
@@ -427,7 +428,7 @@ class Controller:
         self.select_rng.set_state(sd["rng"]["select"])
         self.noise_rng.set_state(sd["rng"]["noise"])
         self.step_count = sd["step"]
-        self.events = [dict(e) for e in sd["events"]]
+        self.events = [TransferEvent.from_record(e) for e in sd["events"]]
         if self.probe is not None and "probe" in sd:
             self.probe.load_state_dict(sd["probe"], self.events, {g.name: g for g in self.surgeon.groups})
         self.fading = [Fade(**{**f, "kind": UnitKind(f["kind"])}) for f in sd.get("fading", [])]

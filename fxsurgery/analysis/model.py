@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..capture.call_signature import holds_objects, without_objects
 from ..capture.calls import capture_inputs
-from ..capture.front_ends import SYMBOLIC
+from ..capture.front_ends import FrontEnd, FrontEndUse
 from ..capture.graph_forward import GraphForward
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module
@@ -31,7 +31,7 @@ class Findings:
 
     groups: list[UnitGroup] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
-    front_ends: dict[str, str] = field(default_factory=dict)  # host module -> the front end that recorded it
+    front_ends: dict[str, FrontEndUse] = field(default_factory=dict)  # host module -> the front end that recorded it
 
     def leave_out(self, module: str, reasons: list[str]) -> None:
         """Report ``module`` as left out (once: a region and its host may find the same refusal)."""
@@ -134,7 +134,8 @@ def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, describe_al
     installer = _Installer(model, editor, findings, plan.shared, describe_alike)
     for host in plan.hosts:
         # a host inside a module kept whole by the symbolic trace is seen by an outer host captured otherwise
-        if any(_inside(host, outer) and front_end != SYMBOLIC for outer, front_end in findings.front_ends.items()):
+        if any(_inside(host, outer) and use.front_end is not FrontEnd.SYMBOLIC
+               for outer, use in findings.front_ends.items()):
             continue
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced

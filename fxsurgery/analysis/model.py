@@ -17,6 +17,7 @@ from ..dataflow.paths import common_module
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError, unforeseen
 from ..groups import ConstantSlot, GroupPlumbing, LeftOut, UnitGroup
+from ..reason import Reason
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .host import HostAnalysis, HostGroup, analyse_host, fingerprint
 from .own_forward import GroupRecord
@@ -45,9 +46,9 @@ class SharedAnalyses:
     layout, one fit of the own forward, one meta copy to capture other calls from, and those captures. Installing
     the same plan on another model built alike (the analysed copy's original) reuses all of it."""
 
-    templates: dict[tuple, HostAnalysis | str] = field(default_factory=dict)  # an analysis, or why it failed
+    templates: dict[tuple, HostAnalysis | Reason] = field(default_factory=dict)  # an analysis, or why it failed
     meta_copies: dict[tuple, nn.Module] = field(default_factory=dict)  # the host as analysed, parameters on meta
-    checked: dict[tuple, str | None] = field(default_factory=dict)
+    checked: dict[tuple, Reason | None] = field(default_factory=dict)
     own_forwards: dict[tuple, OwnForwardFit] = field(default_factory=dict)
     recaptured: Analyses = field(default_factory=dict)
     bound: dict[tuple, BoundGraphs] = field(default_factory=dict)
@@ -169,7 +170,7 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
     hosts = list(hosts)
     for host in list(hosts):
         found = host_analysis(model, host, inputs[host], plan.shared)
-        if host not in hosts or isinstance(found, str) or found.groups or not found.refusals \
+        if host not in hosts or isinstance(found, Reason) or found.groups or not found.refusals \
                 or not all(r.at_output for r in found.refusals):
             continue
         caller = _nearest_called(host.rpartition(".")[0], inputs)
@@ -178,7 +179,7 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
 
 
 def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
-                  shared: SharedAnalyses) -> HostAnalysis | str:
+                  shared: SharedAnalyses) -> HostAnalysis | Reason:
     """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
     module = model.get_submodule(host) if host else model
     key = shared.key_of(module, host, inputs)
@@ -186,9 +187,10 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
         try:
             shared.templates[key] = analyse_host(module, host, *inputs)
         except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
-            shared.templates[key] = str(err)
+            shared.templates[key] = Reason(str(err), module=host)
         except Exception as err:  # an unforeseen failure refuses this host, naming it, the error and where it arose
-            shared.templates[key] = unforeseen(f"analysing {host or 'the model'} ({type(module).__name__})", err)
+            what = f"analysing {host or 'the model'} ({type(module).__name__})"
+            shared.templates[key] = Reason(unforeseen(what, err), module=host)
     return shared.templates[key]
 
 
@@ -207,8 +209,8 @@ class _Installer:
         module = self.model.get_submodule(host) if host else self.model
         key = self.shared.key_of(module, host, inputs)
         template = host_analysis(self.model, host, inputs, self.shared)
-        if isinstance(template, str):
-            self.findings.leave_out(host, [template])
+        if isinstance(template, Reason):
+            self.findings.leave_out(host, [template.text])
             return
         self.findings.front_ends[host] = template.front_end
         for r in template.refusals:
@@ -286,10 +288,10 @@ class _Installer:
         """What decides a group's self-check outcome: identical code, layout and inputs give identical outcomes."""
         return key, tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices)
 
-    def offer(self, g: UnitGroup, failure: str | None) -> bool:
+    def offer(self, g: UnitGroup, failure: Reason | None) -> bool:
         """Offer ``g`` if its self-check found nothing wrong, else leave it out with what went wrong."""
-        if failure:
-            self.findings.leave_out(g.module, [f"self-check failed: {failure}"])
+        if failure is not None:
+            self.findings.leave_out(g.module, [f"self-check failed: {failure.text}"])
             return False
         self.findings.groups.append(g)
         return True

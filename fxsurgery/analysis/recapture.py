@@ -30,11 +30,12 @@ from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
+from ..reason import Reason
 from ..taps import insert_tap_point
 from .host import HostAnalysis, analyse_host, fingerprint
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
-Analyses = dict[tuple, "HostAnalysis | str"]  # (template fingerprint, call signature) -> analysis or why not
+Analyses = dict[tuple, "HostAnalysis | Reason"]  # (template fingerprint, call signature) -> analysis or why not
 
 
 class OwnForwardFit(NamedTuple):
@@ -80,10 +81,10 @@ class HostServer:
                 with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):
                     self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,))
             except (TraceError, AnalysisError) as err:
-                self.shared[key] = str(err)
+                self.shared[key] = Reason(str(err), module=self.host)
         analysis = self.shared[key]
-        if isinstance(analysis, str):
-            raise TraceError(analysis)
+        if isinstance(analysis, Reason):
+            raise TraceError(analysis.text)
         found = analysis.copy()
         by_sink = {(hg.spec.sink, hg.spec.kind): hg for hg in found.groups if hg.spec.count}
         lost = [r.sink for r in self.groups if by_sink.get((r.sink, r.kind)) is None

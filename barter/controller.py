@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import correct_restarted
+from fxsurgery import UnitKind, correct_restarted
 
 from .averaging import AveragedCopy
 from .compat import copy_plainly, copy_with, hooks_set_aside
@@ -28,6 +28,7 @@ from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
 from .selection import propose
+from .transfer_event import TransferEvent
 from .transfer_policy import CloneState, Removal, TransferParts
 from .transfer_probe import LossFn, TransferProbe, choice_scores
 
@@ -37,11 +38,16 @@ class Fade:
     """A donor on its way out (`Removal.FADE`): its output weights are scaled to 1 − j/length of their value
     after the j-th counted step since `start`, and it is removed after the step where that reaches 0."""
 
-    kind: str
+    kind: UnitKind
     layer: int
     index: int
     start: int
     length: int
+
+
+def _by_text(by_kind: dict[UnitKind, Any]) -> dict[str, Any]:
+    """`by_kind` keyed by each kind's text (what a checkpoint and a metrics record hold)."""
+    return {kind.value: value for kind, value in by_kind.items()}
 
 
 def _next_forward(table: ScoreTable) -> Any:
@@ -66,7 +72,7 @@ class Controller:
 
     state_key = "controller"  # the entry of a training checkpoint that holds `state_dict()`
 
-    def __init__(self, surgeon, layers: dict[str, list], schedule: Schedule, *, method: str, auto: bool,
+    def __init__(self, surgeon, layers: dict[UnitKind, list], schedule: Schedule, *, method: str, auto: bool,
                  options: Options, select_rng: torch.Generator, noise_rng: torch.Generator,
                  initial_units: dict[str, list[int]] | None = None) -> None:
         self.surgeon = surgeon
@@ -90,9 +96,9 @@ class Controller:
         self.noise_rng = noise_rng
         self.step_count = 0
         self.edits = 0
-        self.events: list[dict[str, Any]] = []
+        self.events: list[TransferEvent] = []
         self.fading: list[Fade] = []
-        self._taps: dict[str, list] = {kind: [] for kind in KINDS}
+        self._taps: dict[UnitKind, list] = {kind: [] for kind in KINDS}
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_hook = None
         self._uncounted = 0  # optimizer steps run since the last counted `step`
@@ -150,10 +156,10 @@ class Controller:
 
     @property
     def nonfinite_batches(self) -> dict[str, int]:
-        """{kind: backwards whose scores were not finite and left the running scores untouched}."""
+        """{kind's text: backwards whose scores were not finite and left the running scores untouched}."""
         for table in self.tables.values():
             table.fold()
-        return {kind: int(table.nonfinite) for kind, table in self.tables.items()}
+        return _by_text({kind: int(table.nonfinite) for kind, table in self.tables.items()})
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -165,7 +171,7 @@ class Controller:
         return self.surgeon.model
 
     @property
-    def schedule(self) -> dict[str, list[int]]:
+    def schedule(self) -> dict[UnitKind, list[int]]:
         """{"head": [...], "channel": [...]}: 1-based optimizer steps after which a proposal runs."""
         return {kind: list(self._schedule.steps[kind]) for kind in KINDS}
 
@@ -244,7 +250,7 @@ class Controller:
                                "others did: the model's forward bypassed the graphs fxsurgery installed (or ran "
                                "them without gradients), so BARTER would choose on zero scores")
 
-    def _attempt(self, kind: str) -> None:
+    def _attempt(self, kind: UnitKind) -> None:
         """One proposal of `kind`, executed as the transfer policy says: the donor removed (or set fading), the
         parent cloned, or one of the two only."""
         table, groups, policy = self.tables[kind], self.layers[kind], self.policy
@@ -258,31 +264,31 @@ class Controller:
         # an executed transfer names the parts that ran; a skipped proposal, what it had chosen
         donor = prop.donor_layer is not None and (removes or skipped is not None)
         receiver = prop.receiver is not None and (clones or skipped is not None)
-        event = {"step": self.step_count, "kind": kind,
-                 "donor_layer": groups[prop.donor_layer].module if donor else None,
-                 "donor_group": groups[prop.donor_layer].name if donor else None,
-                 "donor_index": prop.donor_index if donor else None,
-                 "receiver_layer": groups[prop.receiver].module if receiver else None,
-                 "receiver_group": groups[prop.receiver].name if receiver else None,
-                 "parent_index": prop.parent if receiver else None, "new_index": None, "skipped": skipped,
-                 **choice_scores(table, prop, self.initial[kind], self.maximum[kind], donor=donor,
-                                 receiver=receiver)}
+        event = TransferEvent(
+            step=self.step_count, kind=kind, skipped=skipped,
+            donor_layer=groups[prop.donor_layer].module if donor else None,
+            donor_group=groups[prop.donor_layer].name if donor else None,
+            donor_index=prop.donor_index if donor else None,
+            receiver_layer=groups[prop.receiver].module if receiver else None,
+            receiver_group=groups[prop.receiver].name if receiver else None,
+            parent_index=prop.parent if receiver else None,
+            **choice_scores(table, prop, self.initial[kind], self.maximum[kind], donor=donor, receiver=receiver))
         if removes or clones:
             if self.probe is not None:
                 self.probe.before(event, self.model, self.step_count, self.edits)
             self._prepare_edits()
         fade = self._fade_length(kind) if removes and policy.removal is Removal.FADE else 0
         if removes and policy.removal is Removal.FADE:
-            event["removed_at"] = self.step_count + fade
+            event.removed_at = self.step_count + fade
         if fade:
             self.fading.append(Fade(kind, prop.donor_layer, prop.donor_index, self.step_count, fade))
         elif removes:
             self._remove(kind, prop.donor_layer, prop.donor_index)
         if clones:
-            event["new_index"] = self.surgeon.clone(groups[prop.receiver], prop.parent,
-                                                    noise_std=self.options.noise_std, generator=self.noise_rng,
-                                                    relative=self.options.noise_relative,
-                                                    state=policy.clone_state.surgery)
+            event.new_index = self.surgeon.clone(groups[prop.receiver], prop.parent,
+                                                 noise_std=self.options.noise_std, generator=self.noise_rng,
+                                                 relative=self.options.noise_relative,
+                                                 state=policy.clone_state.surgery)
             for averaged in self.averaged:
                 averaged.clone(groups[prop.receiver].name, prop.parent)
             table.clone(prop.receiver, prop.parent, self.step_count + self._schedule.cooldown[kind])
@@ -292,14 +298,14 @@ class Controller:
             self.probe.after(event, self.model, {g.name: g for g in groups}, self.step_count, self.edits)
         self.events.append(event)
 
-    def _fade_length(self, kind: str) -> int:
+    def _fade_length(self, kind: UnitKind) -> int:
         """Steps a donor of `kind` fades over: its cooldown, cut short to end by the run's last step (0 at the last
         step itself: it is removed at once)."""
         length = self._schedule.cooldown[kind]
         total = self._schedule.total
         return max(0, min(length, total - self.step_count)) if total else length
 
-    def _remove(self, kind: str, layer: int, index: int) -> None:
+    def _remove(self, kind: UnitKind, layer: int, index: int) -> None:
         """Remove a donor from the model, its scores and the averaged copies; fading units after it in its layer
         move down one place."""
         group = self.layers[kind][layer]
@@ -313,7 +319,7 @@ class Controller:
             if (fade.kind, fade.layer) == (kind, layer) and fade.index > index:
                 fade.index -= 1
 
-    def _leaving(self, kind: str) -> Tensor | None:
+    def _leaving(self, kind: UnitKind) -> Tensor | None:
         """Flat bool over `kind`'s units: True for the fading ones (None when none fades)."""
         fades = [f for f in self.fading if f.kind == kind]
         if not fades:
@@ -350,7 +356,7 @@ class Controller:
         """Stop collecting a kind's scores once its last proposal has run: no overhead afterwards."""
         self._remove_taps([kind for kind in KINDS if self.step_count >= self._schedule.last(kind)])
 
-    def _remove_taps(self, kinds: Iterable[str]) -> None:
+    def _remove_taps(self, kinds: Iterable[UnitKind]) -> None:
         for kind in kinds:
             for handle in self._taps[kind]:
                 handle.remove()
@@ -372,25 +378,26 @@ class Controller:
         """None: the model BARTER trains is compact already, so it ships as it is (`barter.export`)."""
         return None
 
-    def scores(self, kind: str) -> dict[str, tuple[Tensor, Tensor]]:
+    def scores(self, kind: UnitKind) -> dict[str, tuple[Tensor, Tensor]]:
         """{group name: (D, S)} of `kind`, copies of the current running scores."""
         table = self.tables[kind]
         table.fold()
         return {g.name: tuple(x.clone() for x in table.layer(i)) for i, g in enumerate(self.layers[kind])}
 
     def state_dict(self) -> dict[str, Any]:
-        """Scores, cooldowns, step count, RNG states, topology, schedule and events."""
+        """Scores, cooldowns, step count, RNG states, topology, schedule and events (kinds as their text: what
+        `torch.load(weights_only=True)` reads)."""
         return {
             "step": self.step_count,
             "method": self.method,
-            "schedule": self.schedule,
-            "initial": {kind: list(v) for kind, v in self.initial.items()},
+            "schedule": _by_text(self.schedule),
+            "initial": _by_text({kind: list(v) for kind, v in self.initial.items()}),
             "topology": {g.name: g.count for g in self.surgeon.groups},
-            "tables": {kind: t.state_dict() for kind, t in self.tables.items()},
+            "tables": _by_text({kind: t.state_dict() for kind, t in self.tables.items()}),
             "rng": {"select": self.select_rng.get_state(), "noise": self.noise_rng.get_state()},
-            "events": [dict(e) for e in self.events],
+            "events": [e.record() for e in self.events],
             **({} if self.probe is None else {"probe": self.probe.state_dict(self.events)}),
-            "fading": [asdict(f) for f in self.fading],
+            "fading": [{**asdict(f), "kind": f.kind.value} for f in self.fading],
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -420,8 +427,8 @@ class Controller:
         self.select_rng.set_state(sd["rng"]["select"])
         self.noise_rng.set_state(sd["rng"]["noise"])
         self.step_count = sd["step"]
-        self.events = [dict(e) for e in sd["events"]]
+        self.events = [TransferEvent.from_record(e) for e in sd["events"]]
         if self.probe is not None and "probe" in sd:
             self.probe.load_state_dict(sd["probe"], self.events, {g.name: g for g in self.surgeon.groups})
-        self.fading = [Fade(**f) for f in sd.get("fading", [])]
+        self.fading = [Fade(**{**f, "kind": UnitKind(f["kind"])}) for f in sd.get("fading", [])]
         self._drop_finished_taps()

@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from .transfer_event import TransferEvent
+
 
 @runtime_checkable
 class TrainingMethod(Protocol):
@@ -27,7 +29,7 @@ class TrainingMethod(Protocol):
     state_key: str  # the entry of a training checkpoint that holds `state_dict()`
 
     @property
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[TransferEvent]:
         """The log of the method's edits to the model's widths (empty for a method that keeps them)."""
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -63,7 +65,7 @@ class Dense:
     state_key = "dense"
 
     @property
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[TransferEvent]:
         return []
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

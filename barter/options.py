@@ -4,9 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from .method_names import Family, named
 from .transfer_policy import POLICIES, POLICY_ENUMS, CloneState, PolicyName, Removal, TransferParts, TransferPolicy
 
-METHODS = ("static", "barter", "random_receiver", "random_donor", "random_pair")  # what `barter.wrap` runs
+METHODS = named(Family.WRAP)  # what `barter.wrap` runs
 INITS = ("first", "magnitude", "random", "score")  # which units compact initialisation keeps
 RANKED_INITS = ("magnitude", "score")  # the inits that rank units by importance, as global allocation needs
 ALLOCATIONS = ("uniform", "global")  # how compact initialisation chooses each layer's width

@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-KINDS = ("head", "channel")
+from fxsurgery import UnitKind
+
+KINDS = tuple(UnitKind)  # heads first: the order proposals of one step run in
 
 
 def rnd(x: float) -> int:
@@ -23,11 +25,11 @@ class Schedule:
 
     t_start: int
     t_end: int
-    steps: dict[str, list[int]] = field(default_factory=dict)
-    cooldown: dict[str, int] = field(default_factory=dict)
+    steps: dict[UnitKind, list[int]] = field(default_factory=dict)
+    cooldown: dict[UnitKind, int] = field(default_factory=dict)
     total: int = 0
 
-    def last(self, kind: str) -> int:
+    def last(self, kind: UnitKind) -> int:
         """Step of the last proposal of `kind` (0 if it has none): scores stop being collected after it."""
         return max(self.steps[kind], default=0)
 
@@ -37,7 +39,7 @@ def transfer_count(budget: int, ratio: float, feasible: bool) -> int:
     return max(1, rnd(budget * ratio)) if feasible else 0
 
 
-def make_schedule(total_steps: int, counts: dict[str, int], window: tuple[float, float] = (0.1, 0.4)) -> Schedule:
+def make_schedule(total_steps: int, counts: dict[UnitKind, int], window: tuple[float, float] = (0.1, 0.4)) -> Schedule:
     """Spread `counts[kind]` proposals over the window [rnd(w0*T), rnd(w1*T)].
 
     Channels (and any non-head kind) go at the interval ends rnd(t_start + k*Delta), heads at the
@@ -50,15 +52,15 @@ def make_schedule(total_steps: int, counts: dict[str, int], window: tuple[float,
     most ceil(k*Delta) steps apart.
     """
     t_start, t_end = rnd(window[0] * total_steps), rnd(window[1] * total_steps)
-    steps: dict[str, list[int]] = {}
-    cooldown: dict[str, int] = {}
+    steps: dict[UnitKind, list[int]] = {}
+    cooldown: dict[UnitKind, int] = {}
     for kind in KINDS:
         k_total = counts.get(kind, 0)
         if k_total == 0:
             steps[kind], cooldown[kind] = [], 0
             continue
         delta = (t_end - t_start) / k_total
-        offset = 0.5 if kind == "head" else 0.0
+        offset = 0.5 if kind == UnitKind.HEAD else 0.0
         steps[kind] = [max(1, rnd(t_start + (k - offset) * delta)) for k in range(1, k_total + 1)]
-        cooldown[kind] = math.ceil(delta if kind == "head" else 2 * delta)
+        cooldown[kind] = math.ceil(delta if kind == UnitKind.HEAD else 2 * delta)
     return Schedule(t_start, t_end, steps, cooldown, total_steps)

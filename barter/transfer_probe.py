@@ -30,13 +30,9 @@ from torch import Tensor, nn
 
 from .scores import ScoreTable
 from .selection import Proposal, receiver_scores
+from .transfer_event import DELAYS, PROBE_FIELDS, SCORE_FIELDS, TransferEvent
 
-DELAYS = (10, 100)  # optimizer steps after a transfer at which the probe loss is measured again
 UPDATE_STEPS = 10  # optimizer steps after a transfer whose relative update sizes are recorded
-ROLES = ("parent", "new", "kept")
-SCORE_FIELDS = ("donor_D", "receiver_R", "parent_S")
-PROBE_FIELDS = ("probe_loss_before", "probe_loss_after", *(f"probe_loss_{d}" for d in DELAYS),
-                *(f"update_{r}" for r in ROLES))
 MEASURED = SCORE_FIELDS + PROBE_FIELDS  # an event's measured numbers, beside its decision (which units moved)
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -79,7 +75,8 @@ def unit_weights(model: nn.Module, group, index: int) -> Tensor:
 class _Watched:
     """One unit whose relative update sizes an event waits for."""
 
-    def __init__(self, event: dict, role: str, group, index: int, last: Tensor, sizes: list[float] | None = None):
+    def __init__(self, event: TransferEvent, role: str, group, index: int, last: Tensor,
+                 sizes: list[float] | None = None):
         self.event, self.role, self.group, self.index, self.last = event, role, group, index, last
         self.sizes = [] if sizes is None else sizes
 
@@ -92,7 +89,7 @@ class TransferProbe:
     def __init__(self, inputs: Tensor, targets: Tensor, loss_fn: LossFn | None = None) -> None:
         self.inputs, self.targets = inputs, targets
         self.loss_fn = loss_fn or nn.functional.cross_entropy
-        self._due: list[tuple[dict, int, int]] = []  # (event, delay, step at which it is measured)
+        self._due: list[tuple[TransferEvent, int, int]] = []  # (event, delay, step at which it is measured)
         self._watched: list[_Watched] = []
         self._cache: tuple[int, int, float] | None = None  # (step, edits, loss) of the last evaluation
 
@@ -107,19 +104,19 @@ class TransferProbe:
             self._cache = (step, edits, self.loss(model))
         return self._cache[2]
 
-    def before(self, event: dict, model: nn.Module, step: int, edits: int) -> None:
+    def before(self, event: TransferEvent, model: nn.Module, step: int, edits: int) -> None:
         """Record the loss before the transfer `event` describes (called before its donor goes)."""
-        event.update(dict.fromkeys(PROBE_FIELDS), probe_loss_before=self._loss_at(model, step, edits))
+        event.probed, event.probe_loss_before = True, self._loss_at(model, step, edits)
 
-    def after(self, event: dict, model: nn.Module, groups: dict[str, Any], step: int, edits: int) -> None:
+    def after(self, event: TransferEvent, model: nn.Module, groups: dict[str, Any], step: int, edits: int) -> None:
         """Record the loss right after the transfer and start watching its units (called after its clone; a
         transfer that clones nothing, removals only, has no units to watch)."""
-        event["probe_loss_after"] = self._loss_at(model, step, edits)
+        event.probe_loss_after = self._loss_at(model, step, edits)
         self._due += [(event, d, step + d) for d in DELAYS]
-        if event["receiver_group"] is None:
+        if event.receiver_group is None:
             return
-        receiver = groups[event["receiver_group"]]
-        twins = (event["parent_index"], event["new_index"])
+        receiver = groups[event.receiver_group]
+        twins = (event.parent_index, event.new_index)
         units = {"parent": twins[0], "new": twins[1],
                  "kept": next((i for i in range(receiver.count) if i not in twins), None)}
         for role, index in units.items():
@@ -145,21 +142,21 @@ class TransferProbe:
                 self._finish(w)
         due = [item for item in self._due if item[2] == step]
         for event, delay, _ in due:
-            event[f"probe_loss_{delay}"] = self._loss_at(model, step, edits)
+            setattr(event, f"probe_loss_{delay}", self._loss_at(model, step, edits))
         self._due = [item for item in self._due if item[2] != step]
 
     def _finish(self, watched: _Watched) -> None:
-        watched.event[f"update_{watched.role}"] = watched.sizes
+        setattr(watched.event, f"update_{watched.role}", watched.sizes)
         self._watched.remove(watched)
 
-    def state_dict(self, events: list[dict]) -> dict[str, Any]:
+    def state_dict(self, events: list[TransferEvent]) -> dict[str, Any]:
         """What is still due, events named by their position in `events`."""
         position = {id(e): i for i, e in enumerate(events)}
         return {"due": [(position[id(e)], d, s) for e, d, s in self._due],
                 "watched": [{"event": position[id(w.event)], "role": w.role, "group": w.group.name, "index": w.index,
                              "last": w.last.clone(), "sizes": list(w.sizes)} for w in self._watched]}
 
-    def load_state_dict(self, sd: dict[str, Any], events: list[dict], groups: dict[str, Any]) -> None:
+    def load_state_dict(self, sd: dict[str, Any], events: list[TransferEvent], groups: dict[str, Any]) -> None:
         """Restore `state_dict(events)` against the restored `events` and the model's `groups` by name."""
         self._due = [(events[i], d, s) for i, d, s in sd["due"]]
         self._watched = [_Watched(events[w["event"]], w["role"], groups[w["group"]], w["index"],

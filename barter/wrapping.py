@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsurgery import Surgeon, analyse
+from fxsurgery import Surgeon, UnitKind, analyse
 
 from .analysis import ModelBase, default_example_inputs, keep_base
 from .calibration import Batch, LossFn, calibrated_scores
@@ -106,12 +106,12 @@ def _read_arguments(model: nn.Module, *, method: str, density: float, total_step
     return opts
 
 
-def _transfer_budgets(layers: dict[str, list], method: str, options: Options) -> dict[str, int]:
+def _transfer_budgets(layers: dict[UnitKind, list], method: str, options: Options) -> dict[UnitKind, int]:
     """How many transfers of each kind the schedule holds (the policy's count scale applied): none for "static" or a
     kind that cannot transfer."""
     counts = {kind: [g.count for g in layers[kind]] for kind in KINDS}
     scale = options.policy.count_scale
-    ratio = {"head": options.head_ratio * scale, "channel": options.channel_ratio * scale}
+    ratio = {UnitKind.HEAD: options.head_ratio * scale, UnitKind.CHANNEL: options.channel_ratio * scale}
     return {
         kind: 0 if method == "static" else transfer_count(sum(counts[kind]), ratio[kind], _feasible(layers[kind]))
         for kind in KINDS

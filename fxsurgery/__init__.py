@@ -40,7 +40,8 @@ from .errors import AnalysisError, OptimizerStateError, TraceError, UnservedCall
 from .groups import LeftOut, UnitGroup
 from .slicing import ParamSlice, solve_counts
 from .surgeon import Surgeon
+from .unit_kind import UnitKind
 
-__all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "ParamSlice", "LeftOut", "TraceError", "AnalysisError",
-           "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess", "replace_data", "solve_counts",
-           "StateAtClone", "correct_restarted"]
+__all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "UnitKind", "ParamSlice", "LeftOut", "TraceError",
+           "AnalysisError", "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess", "replace_data",
+           "solve_counts", "StateAtClone", "correct_restarted"]

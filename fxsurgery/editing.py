@@ -14,6 +14,7 @@ from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
 from .module_sizes import sync_sizes
 from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, state_tensors
 from .taps import TapPoint
+from .unit_kind import UnitKind
 
 TensorEdit = Callable[[ParamSlice, torch.Tensor], torch.Tensor]
 StateEdit = Callable[[torch.Tensor, str], TensorEdit]  # (parameter, state key) -> the edit of that state tensor
@@ -69,7 +70,7 @@ class Editor:
     def keep(self, g: UnitGroup, idx: torch.Tensor) -> None:
         """Only the units ``idx``, in that order: parameters and optimizer state alike."""
         if idx.numel() < g.min_count:
-            why = "; ".join(g.notes) if g.kind == "head" else "a layer keeps at least one channel"
+            why = "; ".join(g.notes) if g.kind == UnitKind.HEAD else "a layer keeps at least one channel"
             raise ValueError(f"{g.name}: cannot go below {g.min_count} unit(s) ({why})")
         count = g.count
         self.edit(g, idx.numel(), lambda sl, t: sl.keep(t, count, idx),

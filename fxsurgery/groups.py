@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from .dataflow.constants import ConstantSpec
 from .slicing import ParamSlice
+from .unit_kind import UnitKind
 
 
 class UnitGroup:
@@ -14,7 +15,7 @@ class UnitGroup:
     ``count`` is always current; ``max_count`` is the count in the model as analysed. ``exact`` is
     True when clone and remove are function-preserving for this group."""
 
-    def __init__(self, *, name: str, kind: str, module: str, count: int, max_count: int, exact: bool,
+    def __init__(self, *, name: str, kind: UnitKind, module: str, count: int, max_count: int, exact: bool,
                  slices: tuple[ParamSlice, ...], notes: tuple[str, ...] = (), min_count: int = 0):
         self.name = name
         self.kind = kind

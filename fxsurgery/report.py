@@ -1,13 +1,14 @@
 """``Surgeon.explain``: a table of the groups and of what was left out and why."""
 from __future__ import annotations
 
+from .capture.front_ends import FrontEndUse
 from .dataflow.constants import ConstantSpec
 from .groups import GroupPlumbing, LeftOut, UnitGroup
 from .slicing import ParamSlice
 
 
 def explain(model_name: str, groups: list[UnitGroup], left_out: list[LeftOut],
-            plumbing: dict[UnitGroup, GroupPlumbing], *, front_ends: dict[str, str],
+            plumbing: dict[UnitGroup, GroupPlumbing], *, front_ends: dict[str, FrontEndUse],
             served: dict[str, list[str]]) -> str:
     """Each group's count / max, exactness, sliced tensors and rewritten constants; then the left out; then
     the front end of each host module and the calls it serves, how (hosts alike share a line)."""

@@ -9,7 +9,9 @@ of the weights BARTER compacts, and S²ViTE's structured exploration of heads an
 from typing import TYPE_CHECKING
 
 from ..lazy import lazy_names
-from .names import METHODS
+from ..method_names import Family, named
+
+METHODS = named(Family.BASELINE)
 
 if TYPE_CHECKING:
     from .build import build_sparse, sparse_targets, sparse_weight_names

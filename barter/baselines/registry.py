@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..method import TrainingMethod
+from ..method_names import Family, named
 from .build import build_sparse
-from .names import METHODS
 from .s2vite import build_s2vite
 from .snfs import build_snfs
 from .srigl import build_srigl
@@ -34,7 +34,7 @@ COMMON_ARGUMENTS = ("model", "optimizer", "method", "density", "total_steps", "s
 def baseline_options(method: str) -> tuple[str, ...]:
     """The keyword options of `method`'s factory beyond the arguments every baseline takes."""
     if method not in BUILDERS:
-        raise ValueError(f"unknown baseline {method!r}; expected one of {METHODS}")
+        raise ValueError(f"unknown baseline {method!r}; expected one of {named(Family.BASELINE)}")
     return tuple(n for n in inspect.signature(BUILDERS[method]).parameters if n not in COMMON_ARGUMENTS)
 
 

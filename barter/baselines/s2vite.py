@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import Surgeon, UnitGroup, analyse
+from fxsurgery import Surgeon, UnitGroup, UnitKind, analyse
 
 from ..analysis import default_example_inputs
 from ..compat import foreach_mul_
@@ -135,7 +135,7 @@ class StructuredSparse(SparseTraining):
         weights = {sl.name: self.tensors[sl.name].detach() for sl in g.slices}
         grads = {sl.name: self.tensors[sl.name].grad for sl in g.slices}
         growth = unit_reduce(g, grads, lambda u, sl: u.abs())
-        if g.kind == "head":
+        if g.kind == UnitKind.HEAD:
             products = {n: weights[n] * grads[n] for n in weights}
             importance = unit_reduce(g, products, lambda u, sl: u if sl.output else torch.zeros_like(u)).abs()
         else:
@@ -213,7 +213,7 @@ def export_compact(model: nn.Module, active: dict[str, list[int]], example_input
 def unit_groups(model: nn.Module, example_inputs: tuple | None = None) -> list[UnitGroup]:
     """fxsurgery's exact head and channel groups of `model` (the analysis leaves `model` untouched)."""
     analysis = analyse(model, tuple(example_inputs or default_example_inputs(model)))
-    return [g for g in analysis.groups if g.exact and g.kind in ("head", "channel")]
+    return [g for g in analysis.groups if g.exact and g.kind in (UnitKind.HEAD, UnitKind.CHANNEL)]
 
 
 def build_s2vite(model: nn.Module, optimizer: torch.optim.Optimizer, *, density: float = 0.5, total_steps: int,
@@ -237,8 +237,8 @@ def build_s2vite(model: nn.Module, optimizer: torch.optim.Optimizer, *, density:
     tensors = dict(model.named_parameters())
     if any(sl.name not in tensors or id(tensors[sl.name]) not in params for g in groups for sl in g.slices):
         raise ValueError("the optimizer does not step every parameter of the unit groups")
-    live = {g.name: min(g.count, max(1, g.min_count, int((head_density if g.kind == "head" else density) * g.count)))
-            for g in groups}
+    kept = {UnitKind.HEAD: head_density, UnitKind.CHANNEL: density}
+    live = {g.name: min(g.count, max(1, g.min_count, int(kept[g.kind] * g.count))) for g in groups}
     return StructuredSparse(model, groups, optimizer, live=live, total_steps=total_steps,
                             update_interval=update_interval, end_fraction=end_fraction, death_rate=death_rate,
                             min_death_rate=min_death_rate, generator=torch.Generator().manual_seed(seed))

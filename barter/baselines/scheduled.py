@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from ..transfer_event import TransferEvent
+
 
 class SparseTraining(ABC):
     """Masks updated every `update_interval` optimizer steps before `end_step`; a `barter.method.TrainingMethod`.
@@ -91,7 +93,7 @@ class SparseTraining(ABC):
         return {"sparse": self.summary()}
 
     @property
-    def events(self) -> list[dict[str, Any]]:
+    def events(self) -> list[TransferEvent]:
         """Empty: masks change, the model's widths do not."""
         return []
 

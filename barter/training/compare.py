@@ -149,11 +149,12 @@ def widths_cell(topologies: list[dict[str, dict[str, int]] | None]) -> str:
     """Per-layer heads and channels in model order, averaged over seeds: "heads 2-1 / channels 40-24"."""
     if topologies[0] is None:
         return "full"
+    from fxsurgery import UnitKind  # torch with it: `--help` needs neither
     parts = []
-    for kind, label in (("head", "heads"), ("channel", "channels")):
+    for kind in UnitKind:
         layers = [m for m, kinds in topologies[0].items() if kind in kinds]
         means = [statistics.mean(t[m][kind] for t in topologies) for m in layers]
-        parts.append(f"{label} " + "-".join(f"{x:g}" if x == int(x) else f"{x:.1f}" for x in means))
+        parts.append(f"{kind}s " + "-".join(f"{x:g}" if x == int(x) else f"{x:.1f}" for x in means))
     return " / ".join(parts)
 
 

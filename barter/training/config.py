@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from ..baselines import METHODS as BASELINE_METHODS
-from ..options import METHODS as WRAP_METHODS
+from ..method_names import REGISTRY, Family, named
 from ..options import Options
 from .fieldtypes import FieldValueError, coerce
 from .specs import DATASETS, FOLDER, READS_NO_FILES, RECIPES, is_folder_tree
 
+WRAP_METHODS, BASELINE_METHODS = named(Family.WRAP), named(Family.BASELINE)
 DECAYS = ("before", "after")  # weight decay before (AdamW) or after the Adam update (`barter.training.recipe`)
 AMP_MODES = ("fp32", "bf16", "fp16")  # mixed precision of a run (`barter.training.precision`)
-METHODS = ("dense", *WRAP_METHODS, *BASELINE_METHODS)
+METHODS = tuple(REGISTRY)  # every method a run trains (`barter.method_names`)
 CHOICES: dict[str, tuple[str, ...]] = {"method": METHODS, "dataset": DATASETS, "recipe": RECIPES, "decay": DECAYS,
                                        "amp": AMP_MODES}
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fxsurgery import UnitKind
+
 from .config import TrainConfig
 from .data import FOLDER, mnist5k_file, size_note
 from .session import Data, Session
@@ -49,5 +51,5 @@ def widths_text(topology: dict[str, dict[str, int]] | None) -> str:
     """Per-layer widths for the progress bar, e.g. " | heads 1-2 | channels 38-39" (none without a topology)."""
     if topology is None:
         return ""
-    return "".join(f" | {label} " + "-".join(str(t[kind]) for t in topology.values() if kind in t)
-                   for kind, label in (("head", "heads"), ("channel", "channels")))
+    return "".join(f" | {kind}s " + "-".join(str(t[kind]) for t in topology.values() if kind in t)
+                   for kind in UnitKind)

@@ -122,7 +122,7 @@ def _train(config: TrainConfig, resume: bool, device: torch.device,
         last = run.metrics()[-1]
         result = RunResult(run.path, session.epoch, session.step, last["acc"], last["macro_f1"], session.best_acc,
                            session.best_epoch, session.meter.total_flops, session.wall_s,
-                           sum(e["skipped"] is None for e in session.method.events))
+                           sum(e.skipped is None for e in session.method.events))
     return processes.broadcast_from_main(result)
 
 

@@ -28,12 +28,14 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from fxsurgery import UnitKind
 
 from ..serialization import MANIFEST, ExportError, read_export, replace_directory, verify_files, write_export
 from .errors import CheckpointError
@@ -134,10 +136,10 @@ class RunDir:
         self.write_summary()
         self._purge_step = kept[-1]["step"] + 1 if kept else 0  # TensorBoard drops the scalars logged after it
 
-    def write_events(self, events: Iterable[dict[str, Any]]) -> None:
+    def write_events(self, events: Iterable[Mapping[str, Any]]) -> None:
         """events.jsonl: every attempted transfer (skipped ones say why), rewritten whole, so the fields measured
         after a transfer (`barter.transfer_probe`) appear once known."""
-        _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(e) + "\n" for e in events)))
+        _atomic(self.path / "events.jsonl", lambda f: f.write_text("".join(json.dumps(dict(e)) + "\n" for e in events)))
 
     def events(self) -> list[dict[str, Any]]:
         """events.jsonl's records (none for a method that moves no units)."""
@@ -190,7 +192,7 @@ def _is_checkpoint(path: Path) -> bool:
     return (path / TRAINER_STATE).is_file() or (path / MANIFEST).is_file()
 
 
-def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
+def width_history(final: dict[str, dict[str, int]], events: Sequence[Mapping[str, Any]]
                   ) -> dict[str, dict[str, list[tuple[int, int]]]]:
     """{kind: {group name: [(step, width), ...]}} from the final topology and the executed transfers.
 
@@ -214,26 +216,26 @@ def width_history(final: dict[str, dict[str, int]], events: list[dict[str, Any]]
     return history
 
 
-def plot_widths(path: Path, final: dict[str, dict[str, int]], events: list[dict[str, Any]],
+def plot_widths(path: Path, final: dict[str, dict[str, int]], events: Sequence[Mapping[str, Any]],
                 steps_per_epoch: int, last_step: int, title: str) -> None:
     """widths.png: `widths_figure`."""
     save_figure(widths_figure(final, events, steps_per_epoch, last_step, title), path)
 
 
-def widths_figure(final: dict[str, dict[str, int]], events: list[dict[str, Any]], steps_per_epoch: int,
+def widths_figure(final: dict[str, dict[str, int]], events: Sequence[Mapping[str, Any]], steps_per_epoch: int,
                   last_step: int, title: str) -> Any:
     """Per-layer heads and FFN channels against epochs (one panel per unit kind), titled `title`, the layers'
     legend beside each panel."""
     from matplotlib.ticker import MaxNLocator
 
     history = width_history(final, events)
-    kinds = [k for k in ("head", "channel") if k in history]
+    kinds = [k for k in UnitKind if k in history]
     fig, axes = pyplot().subplots(len(kinds), 1, figsize=(8, 3.2 * len(kinds)), squeeze=False, sharex=True)
     for ax, kind in zip(axes[:, 0], kinds):
         for group, series in history[kind].items():
             steps, widths = zip(*(series + [(last_step, series[-1][1])]))
             ax.plot([s / steps_per_epoch for s in steps], widths, drawstyle="steps-post", label=group)
-        ax.set_ylabel("attention heads" if kind == "head" else "FFN channels")
+        ax.set_ylabel(f"{kind.noun}s")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         legend_beside(ax, "layer")

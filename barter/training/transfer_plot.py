@@ -9,22 +9,24 @@ step after the transfer (log scale).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..transfer_probe import DELAYS, ROLES, UPDATE_STEPS
+from ..transfer_event import DELAYS, ROLES
+from ..transfer_probe import UPDATE_STEPS
 
 LOSS_SERIES = (("probe_loss_after", "just after (jump)"),
                *((f"probe_loss_{d}", f"{d} steps after") for d in DELAYS))
 ROLE_LABELS = {"parent": "parent", "new": "new unit (clone)", "kept": "kept unit, same layer"}
 
 
-def probed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def probed(events: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
     """The executed transfers whose probe loss was recorded (a skipped attempt has none)."""
     return [e for e in events if e.get("probe_loss_before") is not None]
 
 
-def plot_transfers(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:
+def plot_transfers(path: Path, runs: dict[str, Sequence[Mapping[str, Any]]]) -> None:
     """Write transfers.png at `path` for `runs` ({label: events}); runs without a probed transfer are left out, and
     with none at all a figure says so (the file is always written)."""
     import matplotlib
@@ -49,7 +51,7 @@ def plot_transfers(path: Path, runs: dict[str, list[dict[str, Any]]]) -> None:
     plt.close(fig)
 
 
-def _loss_panel(ax, label: str, events: list[dict[str, Any]]) -> None:
+def _loss_panel(ax, label: str, events: Sequence[Mapping[str, Any]]) -> None:
     for key, name in LOSS_SERIES:
         points = [(e["step"], e[key] - e["probe_loss_before"]) for e in events if e.get(key) is not None]
         if points:
@@ -62,7 +64,7 @@ def _loss_panel(ax, label: str, events: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
-def _update_panel(ax, label: str, events: list[dict[str, Any]]) -> None:
+def _update_panel(ax, label: str, events: Sequence[Mapping[str, Any]]) -> None:
     for role in ROLES:
         series = [e[f"update_{role}"] for e in events if e.get(f"update_{role}")]
         steps = range(1, UPDATE_STEPS + 1)

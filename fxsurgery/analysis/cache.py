@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..groups import ConstantSlot
 from ..lru import LruCache
+from ..reason import Reason
 from ..runtime.recapture import CallKey, OwnForwardFit
 from .host import HostAnalysis, HostKey, fingerprint
 
@@ -37,12 +38,12 @@ class AnalysisCache:
     by ``CallKey``. Every table keeps its ``limit`` most recently used entries; one forgotten is worked out again."""
 
     def __init__(self, limit: int = HOST_KINDS_LIMIT, recaptures: int = RECAPTURES_LIMIT):
-        self.templates: LruCache[HostKey, HostAnalysis | str] = LruCache(limit)
+        self.templates: LruCache[HostKey, HostAnalysis | Reason] = LruCache(limit)
         self.meta_copies: LruCache[HostKey, nn.Module] = LruCache(limit)
-        self.checked: LruCache[HostKey, dict[tuple, str | None]] = LruCache(limit)
+        self.checked: LruCache[HostKey, dict[tuple, Reason | None]] = LruCache(limit)
         self.own_forwards: LruCache[HostKey, OwnForwardFit] = LruCache(limit)
         self.bound: LruCache[HostKey, BoundGraphs] = LruCache(limit)
-        self.recaptured: LruCache[CallKey, HostAnalysis | str] = LruCache(recaptures)
+        self.recaptured: LruCache[CallKey, HostAnalysis | Reason] = LruCache(recaptures)
         # host path -> (module, call, key): the key worked out once for the module and call it was worked out for
         self.keys: LruCache[str, tuple[nn.Module, tuple[tuple, dict], HostKey]] = LruCache(limit)
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.fx.node import map_arg
 
 from ..capture.calls import training_mode
-from ..capture.front_ends import SYMBOLIC, Recording, record, record_concrete
+from ..capture.front_ends import FrontEnd, FrontEndUse, Recording, record, record_concrete
 from ..capture.tracer import CODE_CONSTANT
 from ..compat import pytree_info, tree_leaves
 from ..dataflow.constants import ConstantSpec
@@ -39,7 +39,7 @@ class HostAnalysis:
     groups: list[HostGroup]
     refusals: list[Refusal]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # constants tracing created
-    front_end: str = ""  # which front end recorded the graphs, and why
+    front_end: FrontEndUse = FrontEndUse(FrontEnd.SYMBOLIC)  # which front end recorded the graphs, and why
 
     def copy(self) -> HostAnalysis:
         """Fresh graphs, with every constant re-pointed to the same-named node of its graph's copy."""
@@ -85,7 +85,7 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
     """Trace the host in train and eval mode (or in ``modes``) and find its groups in every graph. Where the
     symbolic trace leaves units out, the concrete-shape capture is tried too and serves if it finds more groups."""
     found = _analyse_with(record, module, host, args, kwargs, modes)
-    if found.refusals and found.front_end == SYMBOLIC:
+    if found.refusals and found.front_end.front_end is FrontEnd.SYMBOLIC:
         why = f"the symbolic trace left out: {found.refusals[0].reasons[0]}"
         try:
             captured = _analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs, modes)

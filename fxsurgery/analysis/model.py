@@ -8,12 +8,13 @@ from dataclasses import dataclass, field, replace
 import torch.nn as nn
 
 from ..capture.calls import capture_inputs
-from ..capture.front_ends import SYMBOLIC
+from ..capture.front_ends import FrontEnd, FrontEndUse
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module, join_path, within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError, unforeseen
 from ..groups import GroupPlumbing, LeftOut, UnitGroup
+from ..reason import Reason
 from ..runtime.call_signature import holds_objects, without_objects
 from ..runtime.graph_forward import GraphForward
 from ..runtime.own_forward import GroupRecord
@@ -31,7 +32,7 @@ class Findings:
 
     groups: list[UnitGroup] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
-    front_ends: dict[str, str] = field(default_factory=dict)  # host module -> the front end that recorded it
+    front_ends: dict[str, FrontEndUse] = field(default_factory=dict)  # host module -> the front end that recorded it
 
     def leave_out(self, module: str, reasons: list[str]) -> None:
         """Report ``module`` as left out (once: a region and its host may find the same refusal)."""
@@ -88,8 +89,8 @@ def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, install_ali
     installer = _Installer(model, editor, findings, plan.shared, install_alike)
     for host in plan.hosts:
         # a host inside a module kept whole by the symbolic trace is seen by an outer host captured otherwise
-        if any(host != outer and within(host, outer) and front_end != SYMBOLIC
-               for outer, front_end in findings.front_ends.items()):
+        if any(host != outer and within(host, outer) and use.front_end is not FrontEnd.SYMBOLIC
+               for outer, use in findings.front_ends.items()):
             continue
         installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
     # modules that did not trace: their parts were analysed on their own where they traced
@@ -123,7 +124,7 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
     hosts = list(hosts)
     for host in list(hosts):
         found = host_analysis(model, host, inputs[host], plan.shared)
-        if host not in hosts or isinstance(found, str) or found.groups or not found.refusals \
+        if host not in hosts or isinstance(found, Reason) or found.groups or not found.refusals \
                 or not all(r.at_output for r in found.refusals):
             continue
         caller = _nearest_called(host.rpartition(".")[0], inputs)
@@ -132,7 +133,7 @@ def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPl
 
 
 def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
-                  shared: AnalysisCache) -> HostAnalysis | str:
+                  shared: AnalysisCache) -> HostAnalysis | Reason:
     """The host's analysis (hosts built alike, every block of a ViT, are analysed once), or why it failed."""
     module = model.get_submodule(host) if host else model
     key = shared.key_of(module, host, inputs)
@@ -140,9 +141,10 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
         try:
             shared.templates[key] = analyse_host(module, host, *inputs)
         except (TraceError, AnalysisError) as err:  # this host is left out; the others go on
-            shared.templates[key] = str(err)
+            shared.templates[key] = Reason(str(err), module=host)
         except Exception as err:  # an unforeseen failure refuses this host, naming it, the error and where it arose
-            shared.templates[key] = unforeseen(f"analysing {host or 'the model'} ({type(module).__name__})", err)
+            what = f"analysing {host or 'the model'} ({type(module).__name__})"
+            shared.templates[key] = Reason(unforeseen(what, err), module=host)
     return shared.templates[key]
 
 
@@ -161,8 +163,8 @@ class _Installer:
         module = self.model.get_submodule(host) if host else self.model
         key = self.shared.key_of(module, host, inputs)
         template = host_analysis(self.model, host, inputs, self.shared)
-        if isinstance(template, str):
-            self.findings.leave_out(host, [template])
+        if isinstance(template, Reason):
+            self.findings.leave_out(host, [template.text])
             return
         self.findings.front_ends[host] = template.front_end
         for r in template.refusals:
@@ -243,10 +245,10 @@ class _Installer:
         identical outcomes): its slices, named within the host."""
         return tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices)
 
-    def offer(self, g: UnitGroup, failure: str | None) -> bool:
+    def offer(self, g: UnitGroup, failure: Reason | None) -> bool:
         """Offer ``g`` if its self-check found nothing wrong, else leave it out with what went wrong."""
-        if failure:
-            self.findings.leave_out(g.module, [f"self-check failed: {failure}"])
+        if failure is not None:
+            self.findings.leave_out(g.module, [f"self-check failed: {failure.text}"])
             return False
         self.findings.groups.append(g)
         return True

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..capture.calls import forked_rng
+from ..capture.front_ends import FrontEndUse
 from ..editing import Editor
 from ..errors import AnalysisError
 from ..groups import LeftOut, UnitGroup
@@ -43,7 +44,7 @@ class Analysis:
     structure: Structure
     groups: tuple[UnitGroup, ...]
     left_out: tuple[LeftOut, ...]
-    front_ends: dict[str, str]
+    front_ends: dict[str, FrontEndUse]
     example_inputs: tuple
     example_kwargs: dict[str, Any]
     _plan: ModelPlan | None = field(default=None, repr=False)

@@ -11,10 +11,11 @@ from ..capture.calls import forked_rng, materialize, training_mode
 from ..compat import tree_leaves
 from ..editing import Editor
 from ..groups import UnitGroup
+from ..reason import Reason
 from ..slicing import ParamSlice, by_tensor, clone_unit
 
 
-def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str | None:
+def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reason | None:
     """Clone and remove units on the live host, compare its outputs, and restore everything. A clone must leave the
     outputs unchanged; a removal must equal zeroing the unit at the group's tap point, which must see it at every
     point it enters the others (the tap is a hook on the graph's values, the removal slices of tensors: two
@@ -68,7 +69,7 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
         finally:
             restore()
 
-    def one_by_one() -> str | None:
+    def one_by_one() -> Reason | None:
         """Each property alone, on unit 0."""
         if g.exact:
             y0 = run()
@@ -76,21 +77,23 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
             err = max_rel_diff(y0, run())
             restore()
             if err > tol:
-                return f"a clone changed the outputs by {err:.2e}"
+                return Reason(f"a clone changed the outputs by {err:.2e}", module=g.module)
         y_tap = tapped(0)
         removes = count - 1 >= g.min_count
         if not (g.exact and removes):
             err = max_rel_diff(masked([sl for sl in g.slices if sl.output]), y_tap)
             if err > tol:
-                return f"zeroing unit 0 at its tap point differs from masking it by {err:.2e}"
+                return Reason(f"zeroing unit 0 at its tap point differs from masking it by {err:.2e}", module=g.module)
         if not removes:
             return None
         remove(0)
         y_rm = run()
         if [y.shape for y in y_rm] != [y.shape for y in y_tap]:
-            return "a removal changed the output shapes"
+            return Reason("a removal changed the output shapes", module=g.module)
         err = max_rel_diff(y_tap, y_rm)
-        return f"a removal differs from masking by {err:.2e}" if g.exact and err > tol else None
+        if g.exact and err > tol:
+            return Reason(f"a removal differs from masking by {err:.2e}", module=g.module)
+        return None
 
     try:
         with training_mode(module, False), forked_rng(tree_leaves((args, kwargs))):
@@ -103,10 +106,11 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> str 
                 err = max_rel_diff(y_tap, y_both)
                 if err <= tol:
                     return None
-                return one_by_one() or f"a clone of unit 0 with unit 1 removed differs from masking unit 1 by {err:.2e}"
+                return one_by_one() or Reason(f"a clone of unit 0 with unit 1 removed differs from masking unit 1 "
+                                              f"by {err:.2e}", module=g.module)
             return one_by_one()
     except Exception as e:  # report the group, keep the model usable
-        return f"{type(e).__name__}: {e}"
+        return Reason(f"{type(e).__name__}: {e}", module=g.module)
     finally:
         restore()
 

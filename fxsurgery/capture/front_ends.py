@@ -7,6 +7,7 @@ the analysis the same kind of torch-level graph; ``Recording.front_end`` says wh
 """
 from __future__ import annotations
 
+import enum
 from typing import NamedTuple
 
 import torch.fx
@@ -17,7 +18,23 @@ from .concrete import capture
 from .decompositions import NoDecomposition
 from .tracer import trace
 
-SYMBOLIC = "torch.fx symbolic trace"
+
+class FrontEnd(enum.Enum):
+    """What records a module's graph; the value is its name in a report."""
+
+    SYMBOLIC = "torch.fx symbolic trace"
+    CONCRETE = "torch.export with the example shapes"
+
+
+class FrontEndUse(NamedTuple):
+    """The front end that recorded a module and why it served (``why``: the symbolic trace's failure, for the
+    concrete capture); its text is the report's line, e.g. "torch.export with the example shapes (why)"."""
+
+    front_end: FrontEnd
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.front_end.value} ({self.why})" if self.why else self.front_end.value
 
 
 class Recording(NamedTuple):
@@ -25,7 +42,7 @@ class Recording(NamedTuple):
 
     gm: torch.fx.GraphModule
     values: list
-    front_end: str
+    front_end: FrontEndUse
 
 
 def record(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bool, *,
@@ -33,7 +50,7 @@ def record(module: nn.Module, name: str, args: tuple, kwargs: dict, training: bo
     """Trace ``module`` symbolically, else capture it with the example inputs; a module neither front end
     can record raises ``TraceError`` naming both failures. ``replayed``: see ``concrete.capture``."""
     try:
-        return Recording(*trace(module, name, args, kwargs, training), SYMBOLIC)
+        return Recording(*trace(module, name, args, kwargs, training), FrontEndUse(FrontEnd.SYMBOLIC))
     except TraceError as symbolic:
         if isinstance(symbolic.__cause__, NoDecomposition):
             raise
@@ -48,7 +65,7 @@ def record_concrete(module: nn.Module, name: str, args: tuple, kwargs: dict, tra
                     why: str, replayed: bool = True) -> Recording:
     """The concrete-shape capture, with the reason it was used (``why``) in its front-end line."""
     gm, values = capture(module, name, args, kwargs, training, replayed=replayed)
-    return Recording(gm, values, f"torch.export with the example shapes ({why})")
+    return Recording(gm, values, FrontEndUse(FrontEnd.CONCRETE, why))
 
 
 def _first_line(error: Exception) -> str:

@@ -18,7 +18,9 @@ import torch
 import torch.fx
 from torch.fx.node import Node
 
+from ..reason import Reason
 from ..slicing import ParamSlice
+from ..unit_kind import UnitKind
 from .classes import ClassIndex, classes, join_parameters, shared_uses
 from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
@@ -35,7 +37,7 @@ from .unit_layout import describe_layout, layout, segment
 class GroupSpec:
     """One unit group as found in one graph."""
 
-    kind: str
+    kind: UnitKind
     count: int
     members: list[ParamSlice]
     constants: list[ConstantSpec]
@@ -92,10 +94,6 @@ class UnitAct(NamedTuple):
     ids: torch.Tensor  # the raw ids (feature coordinates), before classes
 
 
-def _at_output(reasons: list[str]) -> bool:
-    return all(r.endswith(HEADS_AT_OUTPUT) for r in reasons)
-
-
 class _Builder:
     """Turns one labelling into group specs."""
 
@@ -114,7 +112,8 @@ class _Builder:
             c = self.cls(torch.cat([ids.reshape(-1) for ids in rec.contracted]))
             self.head.index_fill_(0, c.masked_select(c >= 0), True)
         self.benign = torch.zeros(n, dtype=torch.bool)
-        self.hard: list[tuple[torch.Tensor, str]] = []  # (unit classes, reason they cannot be sliced)
+        # (unit classes, reason they cannot be sliced, whether it is only that they are per-head values returned)
+        self.hard: list[tuple[torch.Tensor, str, bool]] = []
         for pin in rec.pins:
             c = self.cls(pin.ids)
             if pin.dim is not None and not varies(c, pin.dim):
@@ -122,15 +121,15 @@ class _Builder:
             c = torch.unique(c[(c >= 0)])
             c = c[self.unit_class[c]]
             if pin.at_output and self.head[c].any():  # returned per-head values: not the residual stream
-                self.hard.append((c[self.head[c]], f"{pin.reason.split(':')[0]}: {HEADS_AT_OUTPUT}"))
+                self.hard.append((c[self.head[c]], f"{pin.reason.split(':')[0]}: {HEADS_AT_OUTPUT}", True))
                 c = c[~self.head[c]]
             elif pin.benign and self.head[c].any():  # heads meet a tensor that cannot be sliced: told, not dropped
-                self.hard.append((c[self.head[c]], pin.reason))
+                self.hard.append((c[self.head[c]], pin.reason, False))
                 c = c[~self.head[c]]
             if pin.benign:
                 self.benign[c] = True
             elif c.numel():
-                self.hard.append((c, pin.reason))
+                self.hard.append((c, pin.reason, False))
         self.acts = self.unit_acts(rec.acts)
         self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units
@@ -295,17 +294,22 @@ class _Builder:
         if self.benign[ut].any() and not hard:
             return False
         sinks = self.sinks_of(k, ut)
-        if not hard and isinstance(sinks, str):
-            hard = [sinks]
         if hard:
-            out.refusals += self.refusals_of(k, ut, hard)
+            out.refusals += self.refusals_of(k, ut, hard, at_output=self.at_output(ut))
+            return False
+        if isinstance(sinks, Reason):
+            out.refusals += self.refusals_of(k, ut, [sinks.text])
             return False
         # the output projection may sit in a sibling module (an "output" block beside "self" attention)
         out.located.append(self.modules_of(k) + [sink.weight.rpartition(".")[0] for sink in sinks])
         return True
 
     def hard_reasons(self, ut: torch.Tensor) -> list[str]:
-        return sorted({why for c, why in self.hard if torch.isin(c, ut).any()})
+        return sorted({why for c, why, _ in self.hard if torch.isin(c, ut).any()})
+
+    def at_output(self, ut: torch.Tensor) -> bool:
+        """Whether the only reason units ``ut`` cannot be sliced is that their per-head values reach the outputs."""
+        return all(returned for c, _, returned in self.hard if torch.isin(c, ut).any())
 
     def modules_of(self, k: int) -> list[str]:
         return [module_of(act.node) for act in self.acts_of.get(k, []) if not act.param]
@@ -322,12 +326,12 @@ class _Builder:
         units = ut.tolist()
         hard = self.hard_reasons(ut)
         if hard:
-            return Refusal(self.home_of(k, ut), hard, _at_output(hard))
+            return Refusal(self.home_of(k, ut), hard, self.at_output(ut))
         if self.benign[ut].any():
             return None  # not a unit axis (residual stream, model output)
         sinks = self.sinks_of(k, ut)
-        if isinstance(sinks, str):
-            return self.refusals_of(k, ut, [sinks])
+        if isinstance(sinks, Reason):
+            return self.refusals_of(k, ut, [sinks.text])
         sink = sinks[0]
         own = set(units)  # a fused output projection reads other groups' units beside these
         order = list(dict.fromkeys(c for c in sink.columns.tolist() if c in own))
@@ -352,9 +356,9 @@ class _Builder:
         read_by = {m.name: m for m in members if m.output}
         mods += [m.name.rsplit(".", 1)[0] for m in members if "." in m.name]
         mixed = sorted({self.rec.mixes[i].reason for i in self.mix_index.holding(ut)})
-        kind = "head" if self.head[ut].any() else "channel"
+        kind = UnitKind.HEAD if self.head[ut].any() else UnitKind.CHANNEL
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
-        min_count = 1 if (kind == "channel" or notes_zero) else 0
+        min_count = 1 if (kind == UnitKind.CHANNEL or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
         about += self.fused_note(kind, members)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
@@ -362,17 +366,16 @@ class _Builder:
                          sites=self.sites(sinks, ut, read_by, axes, segments), min_count=min_count)
 
     @staticmethod
-    def fused_note(kind: str, members: list[ParamSlice]) -> list[str]:
+    def fused_note(kind: UnitKind, members: list[ParamSlice]) -> list[str]:
         """What a unit is where the group holds a segment of tensors it shares with other groups (a parallel block's
         fused projections): its parts in each, said once."""
         shared = [m for m in members if m.start or m.after]
         if not shared:
             return []
-        unit = "attention head" if kind == "head" else "FFN channel"
         parts = [f"{m.inner} entr{'y' if m.inner == 1 else 'ies'}"
                  f"{f' in each of {m.outer} sections' if m.outer > 1 else ''} of {m.name}'s dim {m.dim}"
                  for m in shared]
-        return [f"a unit is one {unit} of a projection fused with other layers: {', '.join(parts)}, in a segment "
+        return [f"a unit is one {kind.noun} of a projection fused with other layers: {', '.join(parts)}, in a segment "
                 "beside the other layers' (an edit moves the segments after it)"]
 
     def sites(self, sinks: list[Sink], ut: torch.Tensor, read_by: dict[str, ParamSlice], axes: dict[tuple, int],
@@ -406,7 +409,7 @@ class _Builder:
                               "them alone no tap point can see")
         return TapSite(src, held[0], site.layout._replace(dim=axes[(held[0], None)]))
 
-    def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str]) -> list[Refusal]:
+    def refusals_of(self, k: int, ut: torch.Tensor, reasons: list[str], at_output: bool = False) -> list[Refusal]:
         """Why units ``ut`` are left out, at their home; units of several layers tied only through a parameter
         they all use (a module every block calls) are told at each layer that makes or reads them (the module of
         its projection), with that parameter."""
@@ -414,7 +417,7 @@ class _Builder:
         layers = sorted({s.weight.rpartition(".")[0].rpartition(".")[0] for s in self.sinks_reading(ut)}
                         | {p.rpartition(".")[0] for p in self.producers(ut)})  # the layers that read or make them
         if not shared or len(layers) < 2:
-            return [Refusal(self.home_of(k, ut), reasons, _at_output(reasons))]
+            return [Refusal(self.home_of(k, ut), reasons, at_output)]
         names = ", ".join(shared)
         return [Refusal([m], [f"units tied to those of {', '.join(o for o in layers if o != m)} through "
                               f"{names}, which all of them use: a parameter shared by layers cannot be sliced "
@@ -429,7 +432,7 @@ class _Builder:
         return sorted({name for (name, _), found in listings.items()
                        if len(found) > 1 and sum(bool(torch.isin(self.cls(m.ids), ut).any()) for m in found) > 1})
 
-    def sinks_of(self, k: int, ut: torch.Tensor) -> list[Sink] | str:
+    def sinks_of(self, k: int, ut: torch.Tensor) -> list[Sink] | Reason:
         """The reads of units ``ut`` (group ``k``; columns as classes) by the one linear map (output projection)
         that reads them, or by several maps that all read one value (channels fanned out to parallel projections,
         as a query and a key/value map read one input: a channel removed leaves all of them), or heads read by
@@ -439,20 +442,21 @@ class _Builder:
         fanned_out = len({sink.input for sink in sinks}) == 1 and sinks[0].input is not None
         if len(names) != 1 and not (fanned_out and not self.head[ut].any()):
             if not names:
-                return "no linear map reads these units"
+                return Reason("no linear map reads these units")
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             if len(names) == len(sinks) and self.read_apart(sinks, ut):
-                return (f"{', '.join(self.producers(ut))} produces the units of several layers in one tensor, read "
-                        f"apart by {shown}: a fused projection of parallel layers cannot be sliced per layer")
+                return Reason(f"{', '.join(self.producers(ut))} produces the units of several layers in one "
+                              f"tensor, read apart by {shown}: a fused projection of parallel layers cannot be sliced "
+                              "per layer")
             cascade = self.cascade(sinks, ut) if self.head[ut].any() else None
-            if cascade:
+            if cascade is not None:
                 return cascade
             if self.head[ut].any() and self.own_reads(k, sinks, ut):
                 return sinks
             if self.head[ut].any():  # an attention without an output projection adds its heads to the stream
-                return (f"attention heads read by several linear maps ({shown}) and no output projection of their "
-                        "own: their values are the width of the stream they join, not units of one layer")
-            return f"read by several linear maps ({shown}): a width shared by layers, not one layer's units"
+                return Reason(f"attention heads read by several linear maps ({shown}) and no output projection of "
+                              "their own: their values are the width of the stream they join, not units of one layer")
+            return Reason(f"read by several linear maps ({shown}): a width shared by layers, not one layer's units")
         return sinks
 
     def own_reads(self, k: int, sinks: list[Sink], ut: torch.Tensor) -> bool:
@@ -478,7 +482,7 @@ class _Builder:
         units = torch.unique(reader[read] * self.rec.next_id + columns[read]) % self.rec.next_id  # once per reader
         return torch.unique(units).numel() == units.numel()
 
-    def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> str | None:
+    def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> Reason | None:
         """Why heads that feed later heads are no units, or None: one map reads every head (their output
         projection) and other maps each read only some, at other values (a head's output added to the next head's
         input, as in cascaded group attention). Removing a head would rewire what the heads after it read, which no
@@ -492,10 +496,10 @@ class _Builder:
             return None
         first = later[0]
         more = f" (and {len(later) - 1} more maps, each at its own value)" if len(later) > 1 else ""
-        return (f"attention heads that feed later heads: {first.weight} reads some of them at {first.input}{more}, "
-                f"besides their output projection {every[0]}; a head's removal would change what the heads after it "
-                "read (a cascade), which no slice of a tensor does, and masking it at the output projection alone "
-                "leaves it feeding them, so no head is a unit")
+        return Reason(f"attention heads that feed later heads: {first.weight} reads some of them at {first.input}"
+                      f"{more}, besides their output projection {every[0]}; a head's removal would change what the "
+                      "heads after it read (a cascade), which no slice of a tensor does, and masking it at the output "
+                      "projection alone leaves it feeding them, so no head is a unit", node=first.input)
 
     def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
         """The sinks that read any of units ``ut`` (columns as classes), in recording order."""

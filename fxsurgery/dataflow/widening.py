@@ -10,6 +10,7 @@ import torch.fx
 from torch.fx.node import Node, map_arg
 
 from ..capture.calls import meta_state
+from ..reason import Reason
 
 Key = tuple  # (node, output index or None)
 
@@ -73,26 +74,26 @@ def widen(gm: torch.fx.GraphModule, shapes: dict[Node, Any], dtypes: dict[Node, 
         if torch.is_tensor(out) and real is not None:
             why = _follow(out, real, node, None, axes)
             if why:
-                failures[node] = f"{node.name}: {why}"
+                failures[node] = f"{node.name}: {why.text}"
             else:
                 env[node] = out
         elif isinstance(out, (tuple, list)) and out and all(torch.is_tensor(o) for o in out) and real:
             whys = [_follow(o, r, node, i, axes) for i, (o, r) in enumerate(zip(out, real))]
             if any(whys):
-                failures[node] = f"{node.name}: {next(w for w in whys if w)}"
+                failures[node] = f"{node.name}: {next(w for w in whys if w).text}"
             else:
                 env[node] = tuple(out)
     return Widened(axes, failures)
 
 
-def _follow(out: torch.Tensor, real: tuple, node: Node, index: int | None, axes: dict[Key, int]) -> str | None:
+def _follow(out: torch.Tensor, real: tuple, node: Node, index: int | None, axes: dict[Key, int]) -> Reason | None:
     """Record the one dim of ``out`` that grew; or why there is none."""
     if out.dim() != len(real):
-        return "the widened value changes rank"
+        return Reason("the widened value changes rank", node=node.name)
     grown = [d for d in range(out.dim()) if out.shape[d] != real[d]]
     if len(grown) != 1:
-        return "no dim of its output follows the head axis" if not grown else \
-            f"the head axis spreads over dims {grown}"
+        return Reason("no dim of its output follows the head axis" if not grown else
+                      f"the head axis spreads over dims {grown}", node=node.name)
     axes[(node, index)] = grown[0]
     return None
 

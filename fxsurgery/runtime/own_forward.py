@@ -27,6 +27,7 @@ from ..groups import ConstantSlot
 from ..module_sizes import sync_sizes
 from ..slicing import ParamSlice, solve_counts
 from ..taps import TapPoint
+from ..unit_kind import UnitKind
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
 
@@ -35,7 +36,7 @@ class GroupRecord(NamedTuple):
     """What serving a host's other calls needs of one of its groups (names relative to the host)."""
 
     sink: str  # the output projection's weight
-    kind: str
+    kind: UnitKind
     max_count: int  # the count in the template
     min_count: int
     slices: tuple[ParamSlice, ...]

@@ -31,6 +31,7 @@ from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
 from ..lru import LruCache
+from ..reason import Reason
 from ..taps import insert_tap_point
 from .call_signature import call_signature, differing_arguments, holds_objects
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
@@ -57,7 +58,7 @@ class HostServer:
     """Serves one host's calls of new signatures (see the module docstring)."""
 
     def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupRecord],
-                 shared: LruCache[CallKey, HostAnalysis | str]):
+                 shared: LruCache[CallKey, HostAnalysis | Reason]):
         self.template = template
         self.host = host
         self.analysed = analysed
@@ -87,10 +88,10 @@ class HostServer:
                 with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):
                     self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,))
             except (TraceError, AnalysisError) as err:
-                self.shared[key] = str(err)
+                self.shared[key] = Reason(str(err), module=self.host)
         analysis = self.shared[key]
-        if isinstance(analysis, str):
-            raise TraceError(analysis)
+        if isinstance(analysis, Reason):
+            raise TraceError(analysis.text)
         found = analysis.copy()
         by_sink = {(hg.spec.sink, hg.spec.kind): hg for hg in found.groups if hg.spec.count}
         lost = [r.sink for r in self.groups if by_sink.get((r.sink, r.kind)) is None

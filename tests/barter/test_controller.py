@@ -1,4 +1,6 @@
 """Controller flow on a hand-written fake surgeon (no fx): events, cooldown, tap removal, state round trip."""
+import io
+import json
 from dataclasses import dataclass
 
 import torch
@@ -7,6 +9,9 @@ from torch import nn
 from barter.controller import Controller
 from barter.options import Options
 from barter.schedule import make_schedule
+from barter.training.runlog import RunDir
+from barter.transfer_event import TransferEvent
+from fxsurgery import UnitKind
 
 
 class Block(nn.Module):
@@ -161,12 +166,41 @@ def test_cooldown_blocks_fresh_twins():
                 assert later["donor_index"] not in (e["parent_index"], e["new_index"])
 
 
+GOLDEN_LINE = (
+    '{"step": 7, "kind": "head", "donor_layer": "0.attn", "donor_group": "0.attn:head", "donor_index": 1, '
+    '"receiver_layer": "1.attn", "receiver_group": "1.attn:head", "parent_index": 0, "new_index": 1, "skipped": null, '
+    '"donor_D": 0.25, "receiver_R": 0.5, "parent_S": 0.75, "probe_loss_before": 1.5, "probe_loss_after": 1.25, '
+    '"probe_loss_10": 1.0, "probe_loss_100": null, "update_parent": [0.5, 0.25], "update_new": null, '
+    '"update_kept": null, "removed_at": 9}')
+
+
+def test_an_event_is_written_and_read_as_its_events_jsonl_line(tmp_path):
+    """A probed, fading transfer's event: the same line of events.jsonl as the log has always had, read back as the
+    same event; a skipped proposal's record has no probe fields and no `removed_at`."""
+    event = TransferEvent(step=7, kind=UnitKind.HEAD, donor_layer="0.attn", donor_group="0.attn:head", donor_index=1,
+                          receiver_layer="1.attn", receiver_group="1.attn:head", parent_index=0, new_index=1,
+                          donor_D=0.25, receiver_R=0.5, parent_S=0.75, probed=True, probe_loss_before=1.5,
+                          probe_loss_after=1.25, probe_loss_10=1.0, update_parent=[0.5, 0.25], removed_at=9)
+    run_dir = RunDir(tmp_path)
+    run_dir.write_events([event])
+    assert (tmp_path / "events.jsonl").read_text() == GOLDEN_LINE + "\n"
+    read = TransferEvent.from_record(run_dir.events()[0])
+    assert read == event and read.kind is UnitKind.HEAD and read["skipped"] is None and read.removed_at == 9
+    skipped = TransferEvent(step=3, kind=UnitKind.CHANNEL, skipped="no eligible donor")
+    assert list(skipped) == list(json.loads(GOLDEN_LINE))[:13]
+    assert TransferEvent.from_record(json.loads(json.dumps(dict(skipped)))) == skipped
+
+
 def test_state_round_trip_continues_identically():
+    """Through `torch.save` and `torch.load(weights_only=True)`: the state holds kinds as their text."""
     ref = make(method="random_donor")
     run(ref, range(1, 41))
     a = make(method="random_donor")
     run(a, range(1, 13))
-    sd, params = a.state_dict(), {k: v.clone() for k, v in a.model.state_dict().items()}
+    saved = io.BytesIO()
+    torch.save(a.state_dict(), saved)
+    saved.seek(0)
+    sd, params = torch.load(saved, weights_only=True), {k: v.clone() for k, v in a.model.state_dict().items()}
     b = make(method="random_donor")
     b.load_state_dict(sd)
     b.model.load_state_dict(params)

@@ -45,9 +45,9 @@ def train_loop(world, poison=False):
         if step == poison_step:
             ctl.tables["channel"].pending[0, 0] = float("nan")
         opt.step()  # transfers run here, on every process alike
-    scores = {kind: table.ema for kind, table in ctl.tables.items()}
-    return {"params": model.state_dict(), "optimizer": opt.state_dict(), "scores": scores, "events": ctl.events,
-            "nonfinite": ctl.nonfinite_batches}
+    scores = {kind.value: table.ema for kind, table in ctl.tables.items()}  # what torch.load(weights_only=True) reads
+    return {"params": model.state_dict(), "optimizer": opt.state_dict(), "scores": scores,
+            "events": [e.record() for e in ctl.events], "nonfinite": ctl.nonfinite_batches}
 
 
 def loop_worker(rank, init_file, out_dir, poison):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import barter
-from barter.transfer_probe import DELAYS, PROBE_FIELDS, ROLES, UPDATE_STEPS
+from barter.transfer_event import DELAYS, PROBE_FIELDS, ROLES
+from barter.transfer_probe import UPDATE_STEPS
 
 timm = pytest.importorskip("timm")
 T = 150

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import timm
@@ -11,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import Style, TinyTransformer, masked_copy, train_steps
 
-from fxsurgery import AnalysisError, OptimizerStateError, Surgeon, TraceError
+from fxsurgery import AnalysisError, OptimizerStateError, Surgeon, TraceError, UnitKind
 
 TIMM = ["vit_tiny_patch16_224", "deit_tiny_patch16_224"]
 
@@ -148,6 +149,17 @@ def test_explain_is_a_readable_table() -> None:
     assert "blocks.0.attn:head" in text and "3/3" in text and "768/768" in text
     assert "blocks.0.attn.qkv.weight[dim 0: 3·n·64]" in text
     assert "constants:" in text
+
+
+def test_unit_kinds_are_an_enum_that_reads_and_writes_as_its_text() -> None:
+    """Group kinds are `UnitKind` members whose text is "head" / "channel" (tables, JSON), and the text read back
+    from a file is the member."""
+    s = Surgeon(timm_model("vit_tiny_patch16_224"), (torch.randn(1, 3, 32, 32),))
+    assert [g.kind for g in s.groups[:2]] == [UnitKind.HEAD, UnitKind.CHANNEL]
+    assert json.loads(json.dumps([g.kind for g in s.groups[:2]])) == ["head", "channel"]
+    assert [UnitKind(text) for text in ("head", "channel")] == [UnitKind.HEAD, UnitKind.CHANNEL]
+    assert {"head": 1}[UnitKind.HEAD] == 1 and f"{UnitKind.CHANNEL:>8}|{UnitKind.HEAD}" == " channel|head"
+    assert "UnitKind" not in s.explain() + repr(s.groups[0])
 
 
 def test_tap_sees_unit_activations_and_gradients() -> None:

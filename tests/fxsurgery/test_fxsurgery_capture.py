@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from projections import Projection, layer_groups, layers
 
 from fxsurgery import Surgeon, TraceError
+from fxsurgery.capture.front_ends import FrontEnd
 
 pytest.importorskip("transformers")
 pytest.importorskip("vit_pytorch")
@@ -111,6 +112,9 @@ def test_one_exact_group_per_layer_and_shape_generic(name: str) -> None:
     pairs = layer_groups(s, CASES[name].heads, CASES[name].channels)
     assert len(s.groups) == len(pairs) and all(g.exact for g in s.groups)
     assert ("torch.export" in s.explain()) == CASES[name].captured  # explain() names the front end
+    used = {use.front_end for use in s.analysis.front_ends.values()}  # the analysis records it as a FrontEnd
+    assert (FrontEnd.CONCRETE in used) == CASES[name].captured and used <= set(FrontEnd)
+    assert all(f"{use}" in s.explain() for use in s.analysis.front_ends.values())
     with torch.no_grad():  # the graphs serve other batch sizes and sequence lengths
         other = CASES[name].inputs(3, 9)
         other = other.double() if other.is_floating_point() else other

@@ -33,12 +33,14 @@ def host_call(s: Surgeon, g, x: torch.Tensor) -> tuple[tuple, dict]:
 
 
 def checked(s: Surgeon, g, x: torch.Tensor) -> str | None:
-    """The self-check's outcome, with the host's tensors checked to be as they were after it."""
+    """The text of the self-check's outcome (a `Reason` naming the group's module), with the host's tensors checked
+    to be as they were after it."""
     before = {k: v.clone() for k, v in s.model.state_dict().items()}
     found = self_check(s._editor, g, host_call(s, g, x))
     after = s.model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    return found
+    assert found is None or found.module == g.module
+    return None if found is None else found.text
 
 
 @pytest.mark.parametrize("group", ["blocks.0.attn:head", "blocks.1.mlp:channel"])

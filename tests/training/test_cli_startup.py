@@ -62,10 +62,13 @@ def test_public_names_are_given_on_first_use(package):
 
 def test_names_free_of_torch_match_what_they_name():
     from barter.baselines.registry import BUILDERS
+    from barter.method_names import REGISTRY
+    from barter.options import METHODS as WRAPPED
     from barter.training.config import AMP_MODES
     from barter.training.precision import DTYPES
 
     assert tuple(BUILDERS) == barter.baselines.METHODS
+    assert tuple(REGISTRY) == ("dense", *WRAPPED, *BUILDERS) == barter.training.METHODS  # one registry names them all
     assert tuple(DTYPES) == AMP_MODES
 
 

@@ -113,24 +113,25 @@ def _mixed_heads(s: Step, views: list[Operand], ids: torch.Tensor, params: list[
     heads = head_axis(s, ids, pos[c]) if len(params) == 1 and len(p.subs) == 2 and len(made) == 1 else None
     if heads is None:
         return None
-    n, name = heads.numel(), _state_name(s, p.label)
+    n, state = heads.numel(), _state_node(s, p.label)
     produced = p.shape[p.subs.index(made[0])]
-    if name is None or produced != n:
-        why = "a computed map" if name is None else f"a map to {produced} heads"
+    if state is None or produced != n:
+        why = "a computed map" if state is None else f"a map to {produced} heads"
         s.rec.pin(ids, f"{s.name}: {n} heads mixed by {why}: a head is not one unit on both sides")
         return None
     act = next(v for v in views if v.activation)
-    mixing_map(s, name, heads, read=p.subs.index(c), made=p.subs.index(made[0]), source=_node_of(s, act.label),
+    mixing_map(s, state.target, heads, read=p.subs.index(c), made=p.subs.index(made[0]), source=_node_of(s, act.label),
                dim=act.subs.index(c))
     full = [1] * len(letters)
     full[pos[made[0]]] = n
     return heads.reshape(full)
 
 
-def _state_name(s: Step, label: Label | None) -> str | None:
-    """The name of the parameter or buffer an operand with ``label`` reads (None for a computed tensor)."""
+def _state_node(s: Step, label: Label | None) -> Node | None:
+    """The node reading the parameter or buffer an operand with ``label`` is (its target the name; None for a computed
+    tensor)."""
     nodes = [n for n in s.node.all_input_nodes if s.lab.labels.get(n) is label and n.op == "get_attr"]
-    return nodes[0].target if nodes else None
+    return nodes[0] if nodes else None
 
 
 def _node_of(s: Step, label: Label | None) -> Node | None:

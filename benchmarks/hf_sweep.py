@@ -230,7 +230,7 @@ def sweep_one(name: str) -> Row:
         analysis = analyse(model, (), call)
     except (AnalysisError, TraceError) as err:
         return Row(name, Outcome.REFUSED, why=first_words(f"{type(err).__name__}: {err}"),
-                   seconds=time.perf_counter() - start, unforeseen=first_words(err) if UNFORESEEN in str(err) else "")
+                   seconds=time.perf_counter() - start, unforeseen=_unforeseen_part(str(err)))
     except Exception as err:  # noqa: BLE001 - what the sweep exists to find
         head = "".join(traceback.format_exception(err)[-6:])
         return Row(name, Outcome.RAW, why=first_words(f"{type(err).__name__}: {err}"),
@@ -245,6 +245,16 @@ def sweep_one(name: str) -> Row:
         return Row(name, Outcome.REFUSED if why else Outcome.SILENT, why=why, seconds=seconds, unforeseen=unforeseen)
     return Row(name, Outcome.HEADS if heads else Outcome.CHANNELS, heads, channels, seconds=seconds,
                unforeseen=unforeseen)
+
+
+def _unforeseen_part(message: str) -> str:
+    """The first words of the part of a refusal's ``message`` (parts joined by "; ") that an unforeseen error left
+    out, or "" where there is none."""
+    at = message.find(UNFORESEEN)
+    if at < 0:
+        return ""
+    start = message.rfind("; ", 0, at)
+    return first_words(message[start + 2 if start >= 0 else 0:])
 
 
 def _serve(connection: Any) -> None:

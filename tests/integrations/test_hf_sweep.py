@@ -71,3 +71,11 @@ def test_the_table_counts_each_outcome_and_a_raw_exception_fails_the_sweep(sweep
     assert "KeyError: 'h'" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         sweep.main(["--classes", "NoSuchModelForCausalLM"])
+
+
+def test_a_refusal_names_the_part_an_unforeseen_error_left_out(sweep):
+    message = ("cannot trace the model (M): ValueError: no; blocks.0: analysing blocks.0 (Block) failed: IndexError: "
+               "boom\nTraceback (most recent call last):\n  File ...")
+    assert sweep._unforeseen_part(message).startswith("blocks.0: analysing blocks.0 (Block) failed: IndexError: boom")
+    assert sweep._unforeseen_part(message.partition("; ")[2]).startswith("blocks.0:")
+    assert sweep._unforeseen_part("cannot trace the model (M): ValueError: no") == ""

@@ -178,6 +178,7 @@ def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     try:
         with torch.no_grad():
             model.eval()(**call)
+            model.train()(**call)  # as the Trainer calls it (a model may ask more of a training call)
     except Exception as err:  # noqa: BLE001
         raise NotBuilt(f"the Trainer's call fails on the model itself: {type(err).__name__}: {err}") from err
     return model.train(), call

@@ -7,7 +7,9 @@ encoder-decoder gets its decoder inputs from the labels).
 Each row says whether the class was built (or why not: a config that cannot be made tiny, a main input that is
 neither text nor images, a Trainer call the model itself does not serve) and the analysis' outcome: heads found,
 channels only, refused (an `AnalysisError` / `TraceError`, or no group with the reasons left out) with the reason's
-first words, or a raw exception (anything else), which fails the sweep. Ends with `hf sweep: <counts>`.
+first words, or a raw exception (anything else), which fails the sweep. A part of the model that an unforeseen
+exception inside the analysis left out (a refusal that names the error and its traceback: a bug of the analysis,
+not a limit of it) is shown in a column of its own, whatever the outcome. Ends with `hf sweep: <counts>`.
 
     python benchmarks/hf_sweep.py --timeout-per-model 120 --out runs/hf_sweep.md   (in `make soak`)
 """
@@ -68,6 +70,7 @@ class Outcome(enum.Enum):
 
 
 FAILURES = (Outcome.RAW, Outcome.SILENT)  # what fails the sweep: neither groups nor a reason
+UNFORESEEN = "Traceback (most recent call last)"  # ends the reason of a part an unforeseen exception left out
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Row:
     why: str = ""
     seconds: float = 0.0
     trace: str = ""  # a raw exception's traceback head
+    unforeseen: str = ""  # the first part left out by an unforeseen exception (a bug of the analysis): its reason
 
     @property
     def built(self) -> bool:
@@ -174,6 +178,7 @@ def build(name: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     try:
         with torch.no_grad():
             model.eval()(**call)
+            model.train()(**call)  # as the Trainer calls it (a model may ask more of a training call)
     except Exception as err:  # noqa: BLE001
         raise NotBuilt(f"the Trainer's call fails on the model itself: {type(err).__name__}: {err}") from err
     return model.train(), call
@@ -226,7 +231,7 @@ def sweep_one(name: str) -> Row:
         analysis = analyse(model, (), call)
     except (AnalysisError, TraceError) as err:
         return Row(name, Outcome.REFUSED, why=first_words(f"{type(err).__name__}: {err}"),
-                   seconds=time.perf_counter() - start)
+                   seconds=time.perf_counter() - start, unforeseen=_unforeseen_part(str(err)))
     except Exception as err:  # noqa: BLE001 - what the sweep exists to find
         head = "".join(traceback.format_exception(err)[-6:])
         return Row(name, Outcome.RAW, why=first_words(f"{type(err).__name__}: {err}"),
@@ -234,11 +239,23 @@ def sweep_one(name: str) -> Row:
     heads = sum(g.kind == "head" for g in analysis.groups)
     channels = len(analysis.groups) - heads
     seconds = time.perf_counter() - start
+    left = [(lo.module or "(model)", reason) for lo in analysis.left_out for reason in lo.reasons]
+    unforeseen = next((first_words(f"{module}: {reason}") for module, reason in left if UNFORESEEN in reason), "")
     if not analysis.groups:
-        reasons = [reason for left in analysis.left_out for reason in left.reasons]
-        why = first_words(reasons[0]) if reasons else ""
-        return Row(name, Outcome.REFUSED if why else Outcome.SILENT, why=why, seconds=seconds)
-    return Row(name, Outcome.HEADS if heads else Outcome.CHANNELS, heads, channels, seconds=seconds)
+        why = first_words(left[0][1]) if left else ""
+        return Row(name, Outcome.REFUSED if why else Outcome.SILENT, why=why, seconds=seconds, unforeseen=unforeseen)
+    return Row(name, Outcome.HEADS if heads else Outcome.CHANNELS, heads, channels, seconds=seconds,
+               unforeseen=unforeseen)
+
+
+def _unforeseen_part(message: str) -> str:
+    """The first words of the part of a refusal's ``message`` (parts joined by "; ") that an unforeseen error left
+    out, or "" where there is none."""
+    at = message.find(UNFORESEEN)
+    if at < 0:
+        return ""
+    start = message.rfind("; ", 0, at)
+    return first_words(message[start + 2 if start >= 0 else 0:])
 
 
 def _serve(connection: Any) -> None:
@@ -287,19 +304,22 @@ class Worker:
 
 def table(rows: list[Row]) -> str:
     """The rows as a markdown table, then the summary line."""
-    lines = ["| class | built | outcome | heads | channels | why | seconds |", "|---|---|---|---|---|---|---|"]
+    lines = ["| class | built | outcome | heads | channels | why | seconds | left out by an unforeseen error |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        why = r.why.replace("|", "/")
+        why, unforeseen = (text.replace("|", "/") for text in (r.why, r.unforeseen))
         lines.append(f"| {r.name} | {'yes' if r.built else 'no'} | {r.outcome.value} | {r.heads} | {r.channels} "
-                     f"| {why} | {r.seconds:.1f} |")
+                     f"| {why} | {r.seconds:.1f} | {unforeseen} |")
     return "\n".join([*lines, "", summary(rows)])
 
 
 def summary(rows: list[Row]) -> str:
     counts = {outcome: sum(r.outcome is outcome for r in rows) for outcome in Outcome}
     built = sum(r.built for r in rows)
+    unforeseen = sum(bool(r.unforeseen) for r in rows)
     return (f"hf sweep: {len(rows)} classes, {built} built; " +
-            ", ".join(f"{outcome.value} {count}" for outcome, count in counts.items()))
+            ", ".join(f"{outcome.value} {count}" for outcome, count in counts.items()) +
+            f"; a part left out by an unforeseen error in {unforeseen}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.write_text(table(rows) + "\n")
             print(f"{row.name:<48} {'yes' if row.built else 'no':>3} {row.outcome.value:<14} {row.heads:>3} "
                   f"{row.channels:>3} {row.seconds:6.1f}s  {row.why}", flush=True)
+            if row.unforeseen:
+                print(f"    left out by an unforeseen error: {row.unforeseen}", flush=True)
             if row.trace:
                 print(re.sub("^", "    ", row.trace, flags=re.M), flush=True)
     finally:

@@ -97,10 +97,11 @@ def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, install_ali
     for name, err in plan.failures:
         findings.leave_out(name, [str(err)])
     if not findings.groups:
-        if plan.failures:
-            raise TraceError("; ".join(str(err) for _, err in plan.failures))
-        why = "; ".join(f"{lo.module}: {', '.join(lo.reasons)}" for lo in findings.left_out) \
-            or "no attention heads or FFN channels"
+        failures = {str(err) for _, err in plan.failures}
+        parts = [f"{lo.module}: {', '.join(lo.reasons)}" for lo in findings.left_out if not set(lo.reasons) <= failures]
+        if plan.failures:  # what did not trace, then why the parts that did were left out
+            raise TraceError("; ".join([str(err) for _, err in plan.failures] + parts))
+        why = "; ".join(parts) or "no attention heads or FFN channels"
         raise AnalysisError(f"no unit groups found in {type(model).__name__}: {why}")
     return findings
 

@@ -112,6 +112,15 @@ def _adaptive_max_pool(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_function", fn, args[:2], {"return_indices": True}
 
 
+@lowers(aten.unique_consecutive)
+def _unique_consecutive(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """ATen's ``unique_consecutive`` returns values, inverse and counts, read by position, whatever its flags;
+    ``torch.unique_consecutive`` returns the three only when asked for all of them (values alone otherwise)."""
+    dim = args[3] if len(args) > 3 else kwargs.get("dim")
+    return "call_function", torch.unique_consecutive, args[:1], {"return_inverse": True, "return_counts": True,
+                                                                 "dim": dim}
+
+
 @lowers(aten.embedding)
 def _embedding(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     weight, indices, *rest = args

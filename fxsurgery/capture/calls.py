@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ..compat import is_fake, tree_leaves, tree_map
+from ..errors import AnalysisError
 from .meta_memo import MetaMemo
 
 
@@ -93,7 +94,12 @@ def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[st
             except Exception:
                 seen.clear()
                 with buffers_kept(model):
-                    model(*example[0], **example[1])
+                    try:
+                        model(*example[0], **example[1])
+                    except Exception as err:  # the model's own code refuses the call in this mode
+                        mode = "train" if model.training else "eval"
+                        raise AnalysisError(f"{type(model).__name__} cannot be called with the example call (in "
+                                            f"{mode} mode): {type(err).__name__}: {err}") from err
     finally:
         for h in handles:
             h.remove()

@@ -470,6 +470,50 @@ def test_an_unforeseen_error_in_the_analysis_is_a_refusal_naming_it_with_its_tra
     assert reason in str(raised.value) and "Traceback" in str(raised.value)
 
 
+class BranchOnData(nn.Module):
+    """A ViT behind a branch on the data: neither front end reads the whole model, so its blocks are hosts."""
+
+    def __init__(self):
+        super().__init__()
+        self.vit = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, num_classes=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vit(x if x.sum() > 0 else -x)
+
+
+def test_an_untraceable_model_whose_parts_fail_unforeseen_names_those_errors_too(monkeypatch) -> None:
+    """Where the model does not trace and every part that did was left out by an unforeseen error, the TraceError
+    gives both: what did not trace, and the parts' errors with their traceback (not the trace failure alone)."""
+    import fxsurgery.analysis.model as model_analysis
+
+    def broken(*args, **kwargs):
+        raise IndexError("out of range")
+
+    monkeypatch.setattr(model_analysis, "analyse_host", broken)
+    torch.manual_seed(0)
+    with pytest.raises(TraceError, match="cannot trace the model") as raised:
+        Surgeon(BranchOnData().eval(), (torch.randn(1, 3, 32, 32),))
+    assert ") failed: IndexError: out of range" in str(raised.value) and "Traceback" in str(raised.value)
+
+
+def test_a_model_that_refuses_the_example_call_in_train_mode_is_refused_naming_the_error() -> None:
+    """A model whose own code asks more of a training call than the example gives (served in eval mode, so the
+    analysis' first call passes) is an AnalysisError naming the model, the mode and its error, not a raw one."""
+
+    class TrainingNeedsMore(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 4)
+
+        def forward(self, x: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+            if self.training and extra is None:
+                raise ValueError("extra is required when training")
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    with pytest.raises(AnalysisError, match=r"TrainingNeedsMore cannot be called .*train mode.*ValueError: extra"):
+        Surgeon(TrainingNeedsMore().train(), (torch.randn(2, 4),))
+
+
 def test_a_model_whose_example_call_fails_is_refused_naming_the_error() -> None:
     """The analysis calls the model once first: a call that fails there is an AnalysisError naming the model and
     the original error, not a raw exception from deep inside a capture."""

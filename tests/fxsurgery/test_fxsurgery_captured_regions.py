@@ -1,7 +1,8 @@
 """The concrete-shape capture of a hosted module whose graph holds what export lifts out of the code: a tensor
 made in ``forward`` (a graph constant) and a ``torch.no_grad()`` region (a higher-order op with a graph module
 of its own). The host is analysed, operated on exactly, and keeps what the region does to gradients; units
-that the constant spans are told, since surgery cannot slice a tensor of the code."""
+that the constant spans are told, since surgery cannot slice a tensor of the code. An op whose ATen form returns more
+results than its torch function by default (``unique_consecutive``) is read by position as ATen returns them."""
 from __future__ import annotations
 
 import copy
@@ -98,3 +99,38 @@ def test_a_list_of_tensors_is_an_input_not_a_constant() -> None:
         s.remove(ffn, 2)
         masked.fuse.fc2.weight[:, 2] = 0
         assert (model(other) - masked(other)).abs().max() <= 1e-9
+
+
+class EndTokenClassifier(nn.Module):
+    """A classifier that reads the end token of each sequence after checking, as a compilable check, that every
+    sequence ends alike: the count of end tokens per sequence has one distinct value (``unique_consecutive``, which
+    ATen records with three results whatever the flags). Symbolic tracing cannot read the check; the capture serves."""
+
+    def __init__(self, vocab: int = 7, dim: int = 4, hidden: int = 5, end: int = 1):
+        super().__init__()
+        self.end = end
+        self.embed, self.fc1, self.fc2 = nn.Embedding(vocab, dim), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ends = ids.eq(self.end).sum(1)
+        torch._check(torch.unique_consecutive(ends).numel() == 1)
+        h = self.embed(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return self.head(h[:, -1])
+
+
+def test_a_check_of_unique_consecutive_values_in_a_captured_model() -> None:
+    torch.manual_seed(0)
+    model = EndTokenClassifier().double()
+    ids = torch.randint(2, 7, (3, 6))
+    ids[:, -1] = model.end
+    masked = copy.deepcopy(model)
+    s = Surgeon(model, (ids,))
+    assert "torch.export" in s.explain()
+    (ffn,) = [g for g in s.groups if g.kind == "channel"]
+    assert (ffn.count, ffn.exact) == (5, True)
+    with torch.no_grad():
+        s.remove(ffn, 3)
+        masked.fc2.weight[:, 3] = 0
+        assert (model(ids) - masked(ids)).abs().max() <= 1e-9

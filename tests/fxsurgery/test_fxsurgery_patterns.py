@@ -1,5 +1,5 @@
 """fxsurgery on patterns beyond the conformance lists: inferred head sizes, layers of one unit,
-parameters shared by every block, fused parallel blocks."""
+parameters shared by every block, fused parallel blocks, tokens routed by a data-dependent index."""
 from __future__ import annotations
 
 import copy
@@ -252,3 +252,40 @@ def test_heads_without_an_output_projection_are_told_as_the_stream_width() -> No
     assert [g.kind for g in s.groups] == ["channel", "channel"]
     reasons = " ".join(r for lo in s.left_out for r in lo.reasons)
     assert "no output projection of their own: their values are the width of the stream they join" in reasons
+
+
+class RoutedTokens(nn.Module):
+    """A router sends tokens to an expert: the tokens are gathered by an index computed from the data
+    (``h[token]``, which the labelling by shapes alone sees as a meta tensor), run through the expert's FFN and
+    added back with ``index_add``. ``permute``: the stream's features are also reordered by a data-dependent index,
+    whose values the ids need (a permutation of features, unlike a pick of tokens, moves the ids)."""
+
+    def __init__(self, dim: int = 6, hidden: int = 5, permute: bool = False):
+        super().__init__()
+        self.permute = permute
+        self.inp, self.router = nn.Linear(3, dim), nn.Linear(dim, 2)
+        self.fc1, self.fc2, self.out = nn.Linear(dim, hidden), nn.Linear(hidden, dim), nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).reshape(-1, self.inp.out_features)
+        if self.permute:
+            h = h[:, h.detach().sum(0).argsort()]
+        token = self.router(h)[:, 0].argsort()[:4]  # the four tokens that score the first expert lowest
+        picked = h[token]
+        routed = torch.zeros_like(h).index_add(0, token, self.fc2(F.gelu(self.fc1(picked))))
+        return self.out(h + routed)
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_tokens_picked_by_a_data_dependent_index_keep_their_expert_channels(permute: bool) -> None:
+    torch.manual_seed(0)
+    model, x = RoutedTokens(permute=permute).double(), torch.randn(2, 7, 3, dtype=torch.double)
+    masked = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    assert "failed" not in s.explain(), s.explain()  # no unforeseen error refused the graph
+    (ffn,) = s.groups  # the expert's channels (the index_add is told: no rule)
+    assert (ffn.kind, ffn.count, ffn.exact) == ("channel", 5, True)
+    with torch.no_grad():
+        s.remove(ffn, 1)
+        masked.fc2.weight[:, 1] = 0
+        assert (model(x) - masked(x)).abs().max() <= 1e-9

@@ -8,7 +8,7 @@ import torch
 from torch.fx.node import Node
 
 from ..constants import ConstantSpec, Site, Unsupported, set_path
-from ..ids import align, compact, expand_dims, pairs
+from ..ids import align, compact, expand_dims, pairs, varies
 from ..labeller import Label, Step
 from .base import RULES, first_tensor, pin_all, register_rule, wrap_dim
 
@@ -19,9 +19,11 @@ def _slice_like(s: Step, dim: int) -> Any:
     x, xl = first_tensor(s)
     ids = align(xl.ids, x.dim())
     d = wrap_dim(dim, x.dim())
+    args = [_picking(a, ids, d) for a in s.args[1:]]  # index_select's index
+    kwargs = {k: _picking(v, ids, d) for k, v in s.kwargs.items()}
     ids = expand_dims(ids, x.shape, [d])
     fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
-    res = fn(*s.args[1:], **s.kwargs)
+    res = fn(*args, **kwargs)
     if isinstance(res, (tuple, list)):
         return tuple(Label(compact(r), xl.param) for r in res)
     return Label(compact(res), xl.param)
@@ -97,6 +99,26 @@ def narrow_constants(site: Site) -> list[ConstantSpec]:
     return [site.constant(("args", 2), site.node.args[2]), site.constant(("args", 3), site.node.args[3])]
 
 
+def _picking(entry: Any, ids: torch.Tensor, dim: int | None) -> Any:
+    """An index entry as it picks ``ids`` along ``dim``: as given where its values are known. Where they are not (a
+    meta tensor, when the graph is labelled by shapes alone), zeros of its shape if the ids do not vary along ``dim``
+    (every position holds the same ids), else an error, so that the graph is labelled again on real values: indexing
+    a tensor of ids by a meta tensor does not fail, it reads memory never written."""
+    if not (torch.is_tensor(entry) and entry.is_meta):
+        return entry
+    if entry.dtype == torch.bool or dim is None or varies(ids, dim):
+        raise ValueError("an index whose values are unknown (meta) picks ids that vary")
+    return torch.zeros(entry.shape, dtype=entry.dtype)
+
+
+def _with_known_values(index: Any, ids: torch.Tensor) -> Any:
+    """``index`` (of ``__getitem__``) with each entry as it picks ``ids`` (``_picking``)."""
+    entries = iter(index_dims(index, ids.dim()))
+    items = index if isinstance(index, tuple) else (index,)
+    known = tuple(e if e is Ellipsis else _picking(e, ids, next(entries).dim) for e in items)
+    return known if isinstance(index, tuple) else known[0]
+
+
 class IndexEntry(NamedTuple):
     """One entry of a ``__getitem__`` index and the input dim it applies to (None: a new axis)."""
 
@@ -151,6 +173,7 @@ def getitem(s: Step) -> Any:
         pin_all(s, "indexing by a labelled tensor")
         return None
     ids = align(xl.ids, src.dim())
+    idx = _with_known_values(idx, ids)
     touched = [d for d, e in index_dims(idx, src.dim()) if d is not None
                and not (isinstance(e, slice) and e == slice(None))]
     ids = expand_dims(ids, src.shape, touched)
@@ -201,7 +224,7 @@ def setitem(s: Step) -> None:
     if vl is None:
         return None
     ids = align(tl.ids, target.dim())
-    entries = index_dims(index, target.dim())
+    entries = index_dims(_with_known_values(index, ids), target.dim())
     touched = [d for d, e in entries if d is not None and ids.shape[d] == 1 and not isinstance(e, slice)]
     ids = expand_dims(ids, target.shape, touched)
     compact_index = tuple(slice(None) if d is not None and isinstance(e, slice) and ids.shape[d] == 1 else e

@@ -6,6 +6,9 @@ the line)."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,3 +179,19 @@ def test_installing_and_editing_leave_the_analysis_as_it_was():
     surgeon.clone(surgeon.groups[-1], 0)
     assert [(g.name, g.count, g.min_count, g.slices, tuple(g.notes)) for g in analysis.groups] == before
     assert surgeon.groups[0].count == analysis.groups[0].count - 1
+
+
+def test_the_architecture_guide_gives_the_wrap_path_as_measured():
+    """docs/architecture.md's count of the modules `barter.wrap` runs through and of their entries is what
+    benchmarks/wrap_path.py measures (run in a fresh interpreter, as the guide says)."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "wrap_path.py")], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.splitlines()
+    modules = re.fullmatch(r"modules: (\d+) \((.*)\)", out[0])
+    entries = re.fullmatch(r"entries: (\d+), re-entries: (\d+)", out[1])
+    by_package = dict(re.findall(r"(\S+)/: (\d+)", modules.group(2)))
+    guide = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    fxsurgery_modules = sum(int(n) for package, n in by_package.items() if package.startswith("fxsurgery"))
+    assert (f"{modules.group(1)} modules run, {by_package['barter']} of barter and {fxsurgery_modules} of fxsurgery"
+            in guide)
+    assert f"entered anew {entries.group(1)} times in all" in guide
+    assert f"{entries.group(2)} times after its first entry" in guide

@@ -180,9 +180,9 @@ FIELD_HELP: dict[str, str] = {
     "model": "a timm model name (the project's models are registered)",
     "model_kwargs": "extra keyword arguments of timm.create_model, e.g. '{num_heads: 4}'",
     "init_from": "dense run directory, checkpoint, or timm weights file to fine-tune (a new classifier only when "
-                 "the class count differs). With method barter the run warns: from a trained model BARTER's "
-                 "transfers measured below method static under every transfer policy (README, 'From a trained "
-                 "model')",
+                 "the class count differs). From it, min_heads is 1 unless barter_options set it or name a "
+                 "transfer_policy: a transfer taking a block's only head measured 5 points below method static "
+                 "there, keeping it level with static (README, 'From a trained model'); min_heads 0 warns",
     "dataset": "cifar100, tiny-imagenet, mnist5k, fake, or folder (DATA_DIR/train/<class>/*, DATA_DIR/val/<class>/*)",
     "data_dir": "where the data set lives",
     "img_size": "train at this image size (default: the data's)",

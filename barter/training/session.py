@@ -23,7 +23,13 @@ from .evaluation import EVAL_BATCH
 from .flops import FlopMeter
 from .loading import batches_of
 from .precision import Precision, build_precision
-from .pretrained import build_model, calibration_batches, reloads_on_resume, warn_of_transfers_from_trained
+from .pretrained import (
+    build_model,
+    calibration_batches,
+    reloads_on_resume,
+    warn_of_transfers_from_trained,
+    wrap_options,
+)
 from .recipe import WarmupCosine, build_criterion, build_optimizer
 
 
@@ -112,7 +118,7 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         method = controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
                                    method=config.method, seed=config.seed, example_inputs=example_batch(data, device),
                                    auto=False, scaler=precision.scaler,
-                                   calibration=calibration_batches(config, data.train, device), **config.barter_options)
+                                   calibration=calibration_batches(config, data.train, device), **wrap_options(config))
     elif config.method in BASELINE_METHODS:
         method = build_baseline(config.method, model, optimizer, density=config.density, total_steps=total_steps,
                                 seed=config.seed, example_inputs=example_batch(data, device),

@@ -14,7 +14,7 @@ from barter.compact_init import initial_count
 from barter.rebuild import timm_with_models
 from barter.training import ConfigError, TrainConfig, train
 from barter.training.cli import main
-from barter.training.pretrained import TRAINED_START_EVIDENCE, TrainedStartWarning
+from barter.training.pretrained import TRAINED_START_EVIDENCE, TrainedStartWarning, wrap_options
 from barter.training.runlog import CheckpointError, load_checkpoint
 from barter.training.session import build_data, build_session
 
@@ -148,15 +148,23 @@ def test_the_cli_takes_init_allocation_and_calibration(capsys):
     assert "set calibration" in capsys.readouterr().err
 
 
-def test_barter_from_a_trained_model_warns_with_the_measured_evidence_and_not_otherwise(source, tmp_path):
+def test_barter_from_a_trained_model_keeps_a_layers_last_head_and_warns_only_under_the_papers_policy(source, tmp_path):
+    """From a trained model a run takes min_heads 1 unless its options set it or name a policy; the paper's policy
+    there (min_heads 0) warns with the measured evidence; from scratch, or for method static, nothing changes."""
     run, _ = source
-    with pytest.warns(TrainedStartWarning, match=r"compress\.py .*-5\.07 points .*method static") as caught:
-        start(config(tmp_path, method="barter", init_from=str(run)))
-    assert sum(issubclass(w.category, TrainedStartWarning) for w in caught) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", TrainedStartWarning)
-        start(config(tmp_path, method="barter"))  # from scratch
+        assert start(config(tmp_path, method="barter", init_from=str(run))).method.policy.min_heads == 1
+        assert start(config(tmp_path, method="barter")).method.policy.min_heads == 0  # from scratch
         start(config(tmp_path, method="static", init_from=str(run)))  # no transfers
+        assert wrap_options(config(tmp_path, method="barter", init_from=str(run),
+                                   barter_options={"min_heads": 2})) == {"min_heads": 2}
+    for options in ({"transfer_policy": "paper"}, {"min_heads": 0}):
+        evidence = r"compress\.py .*-5\.07 points .*-0\.08 .*method static"
+        with pytest.warns(TrainedStartWarning, match=evidence) as caught:
+            session = start(config(tmp_path, method="barter", init_from=str(run), barter_options=options))
+        assert sum(issubclass(w.category, TrainedStartWarning) for w in caught) == 1
+        assert session.method.policy.min_heads == 0
 
 
 def test_the_warnings_numbers_are_the_readmes_compress_variants_table():
@@ -165,6 +173,6 @@ def test_the_warnings_numbers_are_the_readmes_compress_variants_table():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     means = dict(re.findall(r"^\| barter \((\w+(?:\.\d)?)\) \| static \| 0, 1, 2, 3, 4, 5 \| [^|]+ \| ([+-]\d+\.\d\d) ",
                             readme, flags=re.M))
-    assert set(means) == {"paper", "fade", "carry", "count0.5"}
+    assert set(means) == {"paper", "fade", "carry", "count0.5", "keephead"}
     for variant, mean in means.items():
         assert f"{mean} " in TRAINED_START_EVIDENCE, variant

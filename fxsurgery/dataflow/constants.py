@@ -114,30 +114,38 @@ class Site:
         if size % self.count:
             raise Unsupported(f"{self.node.name}: size {size} on the unit axis is not a multiple of {self.count} units")
         value = get_path(self.node, path)
-        scaled = self.scaled_literal(value)
-        if scaled is not None:
-            return scaled
-        if isinstance(value, Node) and value not in self.size_reads:
+        product = self.read_times_literal(value)
+        folded = product is not None and not self.reads_unit_axis(product[0])  # heads folded into the batch
+        if isinstance(value, Node) and value not in self.size_reads and (product is None or folded):
+            if folded and product[2] % self.count == 0:  # ``B * num_heads``: the literal follows the count
+                return ConstantSpec(value, ("args", product[1]), product[2] // self.count)
             raise Unsupported(f"{self.node.name}: the size on the unit axis is computed by {value.name}; "
                               "cannot rewrite it")
         if isinstance(value, int) and value not in (-1, size):
             raise Unsupported(f"{self.node.name}: argument {value} does not match unit-axis size {size}")
         return ConstantSpec(self.node, path, size // self.count)
 
-
-    def scaled_literal(self, value: Any) -> ConstantSpec | None:
-        """``size * k`` with ``k`` a literal multiple of the count and ``size`` read at run time (heads folded
-        into the batch, ``B * num_heads``): the literal is what follows the count."""
+    def read_times_literal(self, value: Any) -> tuple[Node, int, int] | None:
+        """(the size, the literal's position, the literal) where ``value`` is ``size * literal`` with ``size`` read
+        at run time; None otherwise. Either factor may follow the count: the literal (``B * num_heads``), or the
+        size, read along the unit axis (``num_key_value_heads * n_rep``: the whole product is then rewritten)."""
         if not (isinstance(value, Node) and value.op == "call_function" and value.target is operator.mul):
             return None
         literals = [k for k, a in enumerate(value.args) if isinstance(a, int) and not isinstance(a, bool)]
-        if len(value.args) != 2 or len(literals) != 1 or not isinstance(value.args[1 - literals[0]], Node):
+        if len(value.args) != 2 or len(literals) != 1 or value.args[1 - literals[0]] not in self.size_reads:
             return None
         k = literals[0]
-        literal = value.args[k]
-        if literal % self.count or value.args[1 - k] not in self.size_reads:
-            return None
-        return ConstantSpec(value, ("args", k), literal // self.count)
+        return value.args[1 - k], k, value.args[k]
+
+    def reads_unit_axis(self, value: Any) -> bool:
+        """``value`` is a size read, at run time, of a tensor's own unit axis: it follows the count by itself."""
+        if not isinstance(value, Node) or value not in self.size_reads or value.op != "call_function":
+            return False
+        if value.target is not operator.getitem or not isinstance(value.args[0], Node):
+            return False
+        shape = value.args[0]
+        source = shape.args[0] if shape.op == "call_function" and shape.target is getattr else None
+        return isinstance(source, Node) and self.axes.get((source, None)) == value.args[1]
 
 
 def shape_paths(node: Node, first: int) -> list[Path]:

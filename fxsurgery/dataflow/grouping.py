@@ -31,6 +31,7 @@ from .records import Act, Member, Sink, Space, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
 from .unit_layout import describe_layout, layout, segment
+from .widening import repeat_axes
 
 
 @dataclass(kw_only=True)
@@ -595,6 +596,10 @@ class _Builder:
                     raise Unsupported(f"{act.node.name}: mixes units with other coordinates on the unit axis")
                 segments[(act.node, act.index)] = span
             axes[(act.node, act.index)] = dims[0]
+        for read in self.rec.shared_reads:  # values the units read alike, repeated to their count
+            c = self.cls(read.units)
+            if (index[c[c >= 0]] >= 0).any():
+                axes.update(repeat_axes(self.lab, read))
         return axes, segments
 
     def one_coordinate(self, ut: torch.Tensor) -> bool:

@@ -75,6 +75,17 @@ class MixRead(NamedTuple):
     heads: torch.Tensor
 
 
+class SharedRead(NamedTuple):
+    """A value (graph node ``node``; None inside an opaque call) that the units along its dim ``dim`` read alike
+    where contraction ``at`` meets them (one key/value head repeated to every query head): it carries none of their
+    coordinates, yet its size along ``dim`` follows their count. ``units``: the ids of the operand that holds them."""
+
+    at: str
+    node: Node | None
+    dim: int
+    units: torch.Tensor
+
+
 class NonEmpty(NamedTuple):
     """Coordinates an op cannot have zero of."""
 
@@ -138,6 +149,7 @@ class Records:
     # map over those heads past this point is their output projection, not a mixing of their weights
     applied: list[torch.Tensor] = field(default_factory=list)
     softmaxes: list[Weighing] = field(default_factory=list)
+    shared_reads: list[SharedRead] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

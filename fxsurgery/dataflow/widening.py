@@ -1,6 +1,17 @@
-"""Following a size-1 dim through a graph: ids cannot vary along a dim of size 1, so the one head of a
-single-head layer is found by widening. Each node reached is run on meta tensors whose widened dims have a
-size no real dim has; the dim of its output that changed size is where the widened dim went."""
+"""Following a dim through a graph on meta tensors.
+
+Forward, by widening: ids cannot vary along a dim of size 1, so the one head of a single-head layer is found by
+widening. Each node reached is run on meta tensors whose widened dims have a size no real dim has; the dim of its
+output that changed size is where the widened dim went.
+
+Back, along a repeat: a value that units read alike, repeated to their count (``SharedRead``: one key/value head
+expanded to every query head), carries none of their coordinates, so no unit axis reaches it by its ids; yet the
+size of the repeat is the number of units, and must follow it. From the value the contraction reads, that dim is
+followed back node by node (where each node's input dim went is told by running it on an input of contiguous
+layout and matching strides) to the node that makes it from a size-1 dim (an expand, whose output repeats it with
+stride 0). Each value on the way holds the units' axis there: the constant rules then find its sizes as they do
+for any value that carries the units.
+"""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -11,6 +22,9 @@ from torch.fx.node import Node, map_arg
 
 from ..capture.calls import meta_state
 from ..reason import Reason
+from .constants import Unsupported
+from .labeller import Labeller
+from .records import SharedRead
 
 Key = tuple  # (node, output index or None)
 
@@ -66,7 +80,7 @@ def widen(gm: torch.fx.GraphModule, shapes: dict[Node, Any], dtypes: dict[Node, 
         if node.op == "output" or not reached:
             continue
         try:
-            out = _run(gm, node, map_arg(node.args, plain), map_arg(node.kwargs, plain))
+            out = run_node(gm, node, map_arg(node.args, plain), map_arg(node.kwargs, plain))
         except Exception as e:  # the widened dim cannot pass this node
             failures[node] = f"{node.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             continue
@@ -98,7 +112,8 @@ def _follow(out: torch.Tensor, real: tuple, node: Node, index: int | None, axes:
     return None
 
 
-def _run(gm: torch.fx.GraphModule, node: Node, args: tuple, kwargs: dict) -> Any:
+def run_node(gm: torch.fx.GraphModule, node: Node, args: tuple, kwargs: dict) -> Any:
+    """``node``'s op on the given arguments (a module's on meta copies of its parameters)."""
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
@@ -106,4 +121,51 @@ def _run(gm: torch.fx.GraphModule, node: Node, args: tuple, kwargs: dict) -> Any
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         return torch.func.functional_call(mod, meta_state(mod), args, kwargs)
-    raise TypeError(f"{node.op} cannot be widened")
+    raise TypeError(f"{node.op} cannot be run on meta tensors")
+
+
+def repeat_axes(lab: Labeller, read: SharedRead) -> dict[Key, int]:
+    """The dim of each value, from the node that makes ``read``'s repeated dim up to the value the contraction
+    reads (``lab``: the labelling that recorded it); none where that dim has size 1 (it broadcasts)."""
+    if read.node is None:
+        raise Unsupported(f"{read.at}: an operand its units read alike, inside an opaque call: where its size along "
+                          "their axis is set cannot be told")
+    node, dim = read.node, read.dim
+    if lab.shapes[node][dim] == 1:
+        return {}
+    axes: dict[Key, int] = {}
+    while dim is not None:
+        axes[(node, None)] = dim
+        sources = [a for a in node.all_input_nodes if a in lab.shapes]
+        if node.op not in ("call_function", "call_method", "call_module") or len(sources) != 1:
+            raise Unsupported(f"{read.at}: {node.name} holds an operand its units read alike, repeated to their "
+                              "count; where that size is set cannot be told (no single input to follow it to)")
+        node, dim = sources[0], _input_dim(lab, node, sources[0], dim)
+    chain = {n for n, _ in axes}
+    for n in chain - {read.node}:
+        if any(u not in chain for u in n.users):
+            raise Unsupported(f"{read.at}: {n.name}, an operand its units read alike repeated to their count, is "
+                              "read elsewhere too")
+    return axes
+
+
+def _input_dim(lab: Labeller, node: Node, source: Node, dim: int) -> int | None:
+    """The dim of ``source`` that ``node`` puts at its output dim ``dim``; None where ``node`` makes that dim by
+    repeating a size-1 dim of ``source`` (a broadcast view, such as an expand)."""
+    def plain(a: Node) -> Any:
+        return torch.empty(lab.shapes[a], dtype=lab.dtypes[a], device="meta") if a in lab.shapes else lab.values[a]
+    try:
+        probe = plain(source)  # contiguous: each dim of size over 1 has a stride of its own
+        out = run_node(lab.module, node, map_arg(node.args, lambda a: probe if a is source else plain(a)),
+                       map_arg(node.kwargs, lambda a: probe if a is source else plain(a)))
+    except Exception as e:  # any failure: the node cannot be followed
+        raise Unsupported(f"{node.name}: cannot be followed back along a repeated axis ({type(e).__name__})") from e
+    if not torch.is_tensor(out) or out.dim() <= dim or out.shape[dim] != lab.shapes[node][dim]:
+        raise Unsupported(f"{node.name}: cannot be followed back along a repeated axis")
+    if out.stride(dim) == 0:
+        return None
+    same = [i for i in range(probe.dim()) if probe.stride(i) == out.stride(dim) and probe.shape[i] == out.shape[dim]]
+    if not same:
+        raise Unsupported(f"{node.name}: where its dim {dim}, which repeats an operand its units read alike, comes "
+                          "from cannot be told")
+    return same[0]

@@ -53,8 +53,9 @@ class CallServer(Protocol):
         """A graph for this call (count constants bound to the host's current widths) and how it was made;
         or None and why the host's own forward serves it. Raises when neither can serve it."""
 
-    def own_forward(self) -> Callable[..., Any]:
-        """The host's own forward as a function of (module, *args, **kwargs), its taps still run."""
+    def own_forward(self, key: tuple) -> Callable[..., Any]:
+        """The host's own forward for calls of signature ``key``, as a function of (module, *args, **kwargs), its
+        taps still run."""
 
 
 class GraphForward:
@@ -79,7 +80,7 @@ class GraphForward:
         compiled = {} if compiled is None else compiled
         for key, g in self.graphs.items():
             if g is None:
-                self.fns[key] = self.server.own_forward()
+                self.fns[key] = self.server.own_forward(key)
                 continue
             if id(g) not in compiled:
                 compiled[id(g)] = compile_graph(g)
@@ -122,7 +123,7 @@ class GraphForward:
             oldest = next(k for k in self.graphs if k not in self.analysed)
             del self.graphs[oldest], self.fns[oldest], self.served[oldest]
         self.graphs[key], self.served[key] = graph, how
-        self.fns[key] = self.server.own_forward() if graph is None else compile_graph(graph)
+        self.fns[key] = self.server.own_forward(key) if graph is None else compile_graph(graph)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -109,12 +109,17 @@ class OwnForward:
 
 
 def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord],
-                         call: tuple[tuple, dict]) -> tuple[list[CountAttribute] | None, str, str]:
-    """The count attributes with which the class's forward follows the widths (``real()`` makes a copy of the
-    host at its analysed widths), or None and what went wrong without any; and what goes wrong with the groups
-    that may be emptied left with no units ("" if nothing)."""
+                         calls: list[tuple[tuple, dict]]) -> tuple[list[CountAttribute] | None, str, str]:
+    """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
+    analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
+    at its analysed widths), or None and what went wrong without any; and what goes wrong with the groups that
+    may be emptied left with no units ("" if nothing)."""
     trials = [_Trial(real, groups, k) for k in (1, 2) if any(r.max_count > k for r in groups)]
-    args, kwargs = materialize(call)
+    calls = [materialize(call) for call in calls]
+    checks = [(trial, call, trial.expected(*call)) for call in calls for trial in trials]
+    if any(expected is None for _, call, expected in checks if call is calls[0]):
+        return None, "cannot run the call it was analysed on", ""
+    checks = [check for check in checks if check[2] is not None]  # a later call the template cannot run
     candidates = _candidates(trials[0].masked, groups) if trials else []
     fault = ""
     tried = 0
@@ -122,9 +127,10 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
         for chosen in itertools.combinations(candidates, size):
             if len({(c.module, c.name) for c in chosen}) < size:
                 continue  # one attribute follows one group
-            why = next((w for w in (t.run(chosen, args, kwargs) for t in trials) if w), "")
+            why = next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
             if not why:
-                return list(chosen), "", _Trial(real, groups, None).run(chosen, args, kwargs)
+                empty = _Trial(real, groups, None)
+                return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
             fault = fault or why
             tried += 1
             if tried >= MAX_TRIALS:
@@ -157,23 +163,32 @@ class _Trial:
                 slices = {j: tuple(o.shifted(sl, -n * sl.outer * sl.inner) for o in group) if j != i else group
                           for j, group in slices.items()}
 
-    def run(self, counts: tuple[CountAttribute, ...], args: tuple, kwargs: dict) -> str:
-        """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked ones)."""
+    def expected(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+        """The masked copy's output tensors on the call (None where it cannot run it)."""
+        try:
+            with training_mode(self.masked, False), torch.no_grad():
+                out = type(self.masked).forward(self.masked, *args, **kwargs)
+        except Exception:  # a call the template cannot run tells nothing
+            return None
+        return [t for t in tree_leaves(out) if torch.is_tensor(t)]
+
+    def run(self, counts: tuple[CountAttribute, ...], args: tuple, kwargs: dict,
+            expected: list[torch.Tensor]) -> str:
+        """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked copy's,
+        ``expected``)."""
         saved = [(c, getattr(self.removed.get_submodule(c.module), c.name)) for c in counts]
         now = current_counts(self.removed, self.groups)
         for c in counts:
             setattr(self.removed.get_submodule(c.module), c.name, c.per_unit * now[c.group])
-        forward = type(self.masked).forward
         try:
-            with training_mode(self.masked, False), training_mode(self.removed, False), torch.no_grad():
-                expected = [t for t in tree_leaves(forward(self.masked, *args, **kwargs)) if torch.is_tensor(t)]
-                got = [t for t in tree_leaves(forward(self.removed, *args, **kwargs)) if torch.is_tensor(t)]
+            with training_mode(self.removed, False), torch.no_grad():
+                out = type(self.removed).forward(self.removed, *args, **kwargs)
         except Exception as e:  # any failure means the forward does not follow the widths
             return f"fails once a unit is removed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         finally:
             for c, value in saved:
                 setattr(self.removed.get_submodule(c.module), c.name, value)
-        err = max_rel_diff(expected, got)
+        err = max_rel_diff(expected, [t for t in tree_leaves(out) if torch.is_tensor(t)])
         return "" if err <= 1e-4 else f"reads a unit count it stores (a removal differs from masking by {err:.1e})"
 
 

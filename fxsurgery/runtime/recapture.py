@@ -33,7 +33,7 @@ from ..errors import AnalysisError, TraceError, UnservedCall
 from ..lru import LruCache
 from ..reason import Reason
 from ..taps import insert_tap_point
-from .call_signature import call_signature, differing_arguments, holds_objects
+from .call_signature import call_signature, differing_arguments, holds_objects, without_objects
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
 
@@ -64,19 +64,21 @@ class HostServer:
         self.analysed = analysed
         self.groups = groups
         self.shared = shared
-        self.fit: OwnForwardFit | None = None  # fitted on the first call its own forward may serve, or a host alike's
+        self.fit: OwnForwardFit | None = None  # fitted on the analysed call, or a host alike's
+        self.fits: dict[tuple, OwnForwardFit] = {}  # by the signature of each call its own forward serves
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
               hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
         """A graph captured for this call, or None (and why) where the host's own forward serves it."""
+        key = call_signature(args, kwargs, training, hooked)
         if hooked:
-            return self.own(module, args, kwargs, f"hooks on {', '.join(hooked)}, whose calls a graph inlines")
+            return self.own(module, (args, kwargs), key, f"hooks on {', '.join(hooked)}, whose calls a graph inlines")
         if holds_objects((args, kwargs)):
-            return self.own(module, args, kwargs, "the call passes an object a graph cannot take")
+            return self.own(module, (args, kwargs), key, "the call passes an object a graph cannot take")
         try:
             return self.capture(module, args, kwargs, training), "captured for this call"
         except (TraceError, AnalysisError, UnservedCall) as err:
-            return self.own(module, args, kwargs, str(err).splitlines()[0])
+            return self.own(module, (args, kwargs), key, str(err).splitlines()[0])
 
     def capture(self, module: nn.Module, args: tuple, kwargs: dict, training: bool) -> torch.fx.Graph:
         """A graph of the template for this call in mode ``training``, bound to ``module``'s slots and tap points."""
@@ -110,28 +112,48 @@ class HostServer:
         return graph
 
     def fit_own_forward(self) -> tuple[str, str]:
-        """Whether the host's own forward follows the widths (checked once): what goes wrong in it ("" if
-        nothing), and what goes wrong once a group has no units."""
+        """Whether the host's own forward follows the widths on the analysed call (checked once): what goes wrong
+        in it ("" if nothing), and what goes wrong once a group has no units."""
         if self.fit is None:
             counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
-                                                              self.analysed)
+                                                              [self.analysed])
             self.fit = OwnForwardFit(fault, counts or [], empty_fault)
         return self.fit.fault, self.fit.empty_fault
 
-    def own(self, module: nn.Module, args: tuple, kwargs: dict, why: str) -> tuple[None, str]:
+    def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
+        """The own forward's fit for a call it serves (of signature ``key``), checked on that call too: a path the
+        analysed call did not take may read a count it stores (a key/value head repeated to the query heads only
+        where a mask is passed). The call runs on copies of the template with its objects left out (a cache
+        holds values at the current widths, not the template's); one the template cannot run so is not checked."""
+        if key not in self.fits:
+            self.fit_own_forward()
+            fit = self.fit
+            if not fit.fault:
+                trial = tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, without_objects(call))
+                counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
+                                                                  [self.analysed, trial])
+                fit = OwnForwardFit(fault, counts or [], empty_fault)
+            self.fits[key] = fit
+        return self.fits[key]
+
+    def own(self, module: nn.Module, call: tuple[tuple, dict], key: tuple, why: str) -> tuple[None, str]:
         """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""
-        fault, _ = self.fit_own_forward()
+        fault = self.fit_call(key, call).fault
         if fault:
             own = type(module).forward.__get__(module)
-            differs = ", ".join(differing_arguments(own, (args, kwargs), self.analysed)) or "the analysed arguments"
+            differs = ", ".join(differing_arguments(own, call, self.analysed)) or "the analysed arguments"
             raise UnservedCall(f"{self.host or 'the model'} ({type(module).__name__}) cannot serve a call with "
                                f"{differs}: {why}; and its own forward {fault}")
         return None, f"its own forward ({why})"
 
-    def own_forward(self) -> OwnForward:
-        """The host's own forward, its count attributes kept in step and its taps run."""
-        self.fit_own_forward()
-        return OwnForward(self.groups, self.fit.counts, self.template, empty=self.fit.empty_fault)
+    def own_forward(self, key: tuple) -> OwnForward:
+        """The host's own forward for calls of signature ``key``, its count attributes kept in step (as fitted on
+        such a call) and its taps run."""
+        fit = self.fits.get(key) or self.fit
+        if fit is None:
+            self.fit_own_forward()
+            fit = self.fit
+        return OwnForward(self.groups, fit.counts, self.template, empty=fit.empty_fault)
 
     def materialize(self, like: nn.Module | None) -> nn.Module:
         """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""

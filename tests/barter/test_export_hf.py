@@ -192,16 +192,14 @@ def test_grouped_query_heads_found_again_at_load(tmp_path, key_value_heads):
     assert torch.allclose(logits(loaded, **example), logits(model, **example), atol=1e-5)
 
 
-@pytest.mark.parametrize("key_value_heads", [
-    pytest.param(1, marks=pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-        "multi-query: the padded path repeats the one key/value head to the dense query-head count, a constant of "
-        "the module that the recapture does not resize"))),
-    2])
+@pytest.mark.parametrize("key_value_heads", [1, 2, 4])
 def test_compact_grouped_query_model_serves_a_padded_call_after_an_unpadded_one(key_value_heads):
     """Analysed on an all-ones mask (transformers then runs the attention without a mask), a compact decoder then
     called with padding takes the other path (key/value heads repeated to the query heads): it must be served at
     the compact width and equal the same model with the removed units' output columns zeroed (init "first" keeps
-    each layer's first units)."""
+    each layer's first units). Multi-query (1) too: the repeat of its one key/value head follows the query heads,
+    in the graph captured for the padded call and in the attention's own forward, which serves the calls that
+    pass a cache (its count attribute is fitted on such a call, the path the analysed call did not take)."""
     torch.manual_seed(0)
     model = tiny_gemma(key_value_heads).eval()
     reference = copy.deepcopy(model)
@@ -215,3 +213,27 @@ def test_compact_grouped_query_model_serves_a_padded_call_after_an_unpadded_one(
     padded = {name: value for name, value in text_batch(4).items() if name != "labels"}
     for batch in (example, padded):
         assert torch.allclose(logits(model, **batch), logits(reference, **batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("key_value_heads", [1, 2])
+def test_grouped_query_model_analysed_on_a_padded_call_is_exact(key_value_heads):
+    """Analysed on a padded call (the path that repeats the key/value heads to the query heads by expand and
+    reshape), a multi-query (1) or grouped-query (2) decoder has its head groups, exact; compact, it equals the same
+    model with the removed units' output columns zeroed on padded and unpadded calls, with and without a cache."""
+    torch.manual_seed(0)
+    model = tiny_gemma(key_value_heads).eval()
+    reference = copy.deepcopy(model)
+    padded = {name: value for name, value in text_batch(4).items() if name != "labels"}
+    ctl = barter.wrap(model, total_steps=4, density=0.5, init="first", example_kwargs=padded)
+    heads = [g for g in ctl.surgeon.groups if g.kind == "head"]
+    units = {1: 4, 2: 2}[key_value_heads]  # a query head; a key/value head with its two query heads
+    assert len(heads) == 2 and all(g.exact and g.max_count == units for g in heads)
+    for g in ctl.surgeon.groups:
+        layer = reference.get_submodule(g.name.split(":")[0])
+        output = layer.o_proj if g.kind == "head" else layer.down_proj
+        output.weight.data[:, g.count * output.in_features // g.max_count:] = 0
+    unpadded = {"input_ids": torch.randint(0, 100, (4, 12)), "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    for batch in (padded, unpadded):
+        for use_cache in (False, True):
+            assert torch.allclose(logits(model, **batch, use_cache=use_cache),
+                                  logits(reference, **batch, use_cache=use_cache), atol=1e-5)

@@ -268,6 +268,50 @@ def test_a_host_whose_own_forward_reads_an_int_count_serves_hooked_calls() -> No
     assert "1 by its own forward (hooks on proj" in s.explain()
 
 
+class _MaskedRepeatAttention(torch.nn.Module):
+    """Four query heads on one key/value head, which the attention broadcasts; given a mask, the forward repeats it
+    to the query heads first, ``n_rep`` times (an int attribute the unmasked path reads only as a flag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv, self.proj = torch.nn.Linear(16, 16), torch.nn.Linear(16, 8), torch.nn.Linear(16, 16)
+        self.n_rep = 4
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, recorder: object = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, -1, 4).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, 1, 4).permute(2, 0, 3, 1, 4)
+        if mask is not None and self.n_rep > 1:
+            k, v = (t.expand(b, self.n_rep, n, 4) for t in (k, v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if recorder is not None:
+            recorder.append(a)
+        return x + self.proj(a.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_a_host_own_forward_is_fitted_on_the_path_of_the_call_it_serves() -> None:
+    """Analysed without a mask, the host's own forward follows removals with no count attribute set; a call with
+    a mask and an object (which only the own forward serves) takes the path that repeats the key/value head
+    ``n_rep`` times: there ``n_rep`` is found to follow the query heads, and the call equals the original with the
+    removed head's output columns zeroed."""
+    torch.manual_seed(0)
+    original = torch.nn.Sequential(_MaskedRepeatAttention())
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (torch.randn(2, 5, 16),))
+    (heads,) = [g for g in s.groups if g.kind == "head"]
+    assert heads.count == 4
+    s.remove(heads, 1)
+    with torch.no_grad():
+        original[0].proj.weight[:, 4:8] = 0
+        x, mask = torch.randn(2, 5, 16), torch.rand(2, 1, 5, 5) > 0.3
+        mask[..., 0] = True  # every query sees a key
+        recorder = _Recorder()
+        got = model[0](x, mask=mask, recorder=recorder)
+        assert torch.allclose(got, original[0](x, mask=mask), atol=1e-6)
+        assert torch.allclose(model(x), original(x), atol=1e-6)
+    assert model[0].n_rep == 3 and recorder.values[0].shape[1] == 3
+
+
 def test_an_installed_forward_keeps_the_signature_frameworks_read() -> None:
     """The HF Trainer keeps only the batch columns ``model.forward``'s signature names."""
     import inspect

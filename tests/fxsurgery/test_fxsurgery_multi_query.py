@@ -1,5 +1,6 @@
-"""Multi-query attention: one key/value head that every query head reads (broadcast, or grouped-query attention
-with one group). Each query head is a unit; the key and value projections are shared and stay whole."""
+"""Multi-query attention: one key/value head that every query head reads (broadcast, grouped-query attention with
+one group, or repeated to the query heads by expand + reshape). Each query head is a unit; the key and value
+projections are shared and stay whole."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from zoo import masked_copy
 
 from fxsurgery import Surgeon
 
@@ -56,3 +60,79 @@ def test_query_heads_are_units_and_key_value_stay(gqa: bool) -> None:
     sc.clone(sc.group(heads.name), 1, noise_std=0.1)
     with torch.no_grad():
         assert (cloned(x) - y0).abs().max() <= 1e-9
+
+
+class RepeatedKeyValueAttention(nn.Module):
+    """Query heads sharing ``kv_heads`` key/value heads, each repeated ``heads // kv_heads`` times by an expand and a
+    reshape before the attention (transformers' ``repeat_kv``), which runs by ``F.scaled_dot_product_attention`` or
+    by matmuls (the eager path)."""
+
+    def __init__(self, *, heads: int, kv_heads: int, eager: bool, dim: int = 8, head_dim: int = 3):
+        super().__init__()
+        self.heads, self.head_dim, self.eager = heads, head_dim, eager
+        self.n_rep = heads // kv_heads
+        self.q, self.out = nn.Linear(dim, heads * head_dim), nn.Linear(heads * head_dim, dim)
+        self.k, self.v = nn.Linear(dim, kv_heads * head_dim), nn.Linear(dim, kv_heads * head_dim)
+
+    def repeat(self, t: torch.Tensor) -> torch.Tensor:
+        b, kv_heads, n, d = t.shape
+        return t[:, :, None, :, :].expand(b, kv_heads, self.n_rep, n, d).reshape(b, kv_heads * self.n_rep, n, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (proj(x).view(b, n, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        k, v = self.repeat(k), self.repeat(v)
+        if self.eager:
+            weights = torch.softmax(q @ k.transpose(2, 3) * self.head_dim ** -0.5, dim=-1)
+            o = weights @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class RepeatedModel(nn.Module):
+    def __init__(self, **attention):
+        super().__init__()
+        self.embed, self.attn, self.head = nn.Linear(3, 8), RepeatedKeyValueAttention(**attention), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return self.head(h + self.attn(h))
+
+
+@settings(max_examples=12, deadline=None)
+@given(kv_heads=st.sampled_from([1, 2]), n_rep=st.sampled_from([2, 3]), eager=st.booleans(), data=st.data())
+def test_repeated_key_value_heads_follow_the_query_heads(kv_heads: int, n_rep: int, eager: bool,
+                                                         data: st.DataObject) -> None:
+    """Key/value heads repeated to the query heads by expand + reshape: with one key/value head (multi-query) each
+    query head is a unit and the repeat's size follows their count (the expand and the reshape read no coordinate of
+    the heads: they are found by following the repeated operand back from the attention); with several, a unit is
+    one key/value head with its query heads. Keeping any units equals zeroing the others through the tap and
+    zeroing their output columns on a copy of the dense model; a clone leaves the outputs unchanged."""
+    heads = kv_heads * n_rep
+    torch.manual_seed(0)
+    original = RepeatedModel(heads=heads, kv_heads=kv_heads, eager=eager).double()
+    x = torch.randn(2, 5, 3, dtype=torch.double)
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (x,))
+    (group,) = [g for g in s.groups if g.kind == "head"]
+    count = heads if kv_heads == 1 else kv_heads
+    width = 3 * heads // count  # output columns per unit
+    assert (group.count, group.exact) == (count, True)
+    assert ({"k", "v"} & {sl.name.split(".")[1] for sl in group.slices}) == (set() if kv_heads == 1 else {"k", "v"})
+    kept = data.draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=count, unique=True).map(sorted))
+    dead = set(range(count)) - set(kept)
+
+    def zero_dead(a: torch.Tensor) -> None:
+        a[..., sorted(dead), :] = 0
+    with torch.no_grad():
+        tap = s.tap(group, zero_dead)
+        by_tap = model(x)
+        tap.remove()
+        s.keep(group, kept)
+        removed = model(x)
+        assert (removed - by_tap).abs().max() <= 1e-9
+        assert (removed - masked_copy(original, {"attn.out.weight": dead}, {"attn.out.weight": width})(x)).abs().max() \
+            <= 1e-9
+        s.clone(group, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+        assert (model(x) - removed).abs().max() <= 1e-9

@@ -11,7 +11,7 @@ from torch.fx.node import Node
 
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
-from ..records import Note
+from ..records import Note, SharedRead
 from .base import defer_pins, elementwise_labels, head_axis, mix, mixing_map, pin_all, register_rule
 
 
@@ -52,6 +52,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     letters = sorted(set("".join(subs)) | set(out_sub))
     pos = {c: i for i, c in enumerate(letters)}
     views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
+    shared = _share(s, views, letters, out_sub)
     reps = [v.ids for v in views]
     consumed: list[set[int]] = [set() for _ in views]
     before = len(s.rec.contracted)
@@ -71,11 +72,13 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
                 s.rec.contracted.append(reps[i])
                 reps[i], tie = fold(reps[i], [ax])
                 s.rec.tie(tie)
-        elif len(acts) == 1 and params and (mixed := _mixed_heads(s, views, reps[acts[0]], params, c, letters,
-                                                                   out_sub)) is not None:
+        elif len(acts) == 1 and params and not shared.keys() & set(params) and (
+                mixed := _mixed_heads(s, views, reps[acts[0]], params, c, letters, out_sub)) is not None:
             reps[acts[0]] = mixed
         elif len(acts) == 1 and params:
             a = acts[0]
+            if shared.keys() & set(params):  # contracted against an activation all the same: a head
+                s.rec.contracted.append(reps[a])
             for p in params:
                 s.rec.tentative.append(pairs(reps[p], reps[a]))
             if any(varies(reps[a], pos[k]) for k in out_sub):
@@ -95,11 +98,46 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
             s.rec.pin(reps[labelled[0]], f"{s.name}: contraction of parameters")
             return None
     out = _output_label(s, views, reps, consumed, letters, out_sub)
-    if out is not None and sum(v.activation for v in views) >= 2:
+    if out is not None and sum(v.activation for v in views) + len(shared) >= 2:
         s.rec.products.append(out.ids)
         if len(s.rec.contracted) == before:
             s.rec.applied.append(out.ids)
     return out
+
+
+def _read_alike(views: list[Operand], letters: list[str], out_sub: str) -> dict[int, list[tuple[str, int]]]:
+    """The activations that the units of another activation read alike, each with the letters (and that other
+    operand) along which they do: a letter the output keeps, which both carry, along which the other's ids vary
+    and theirs do not (one key/value head broadcast, or repeated by an expand, to every query head). An operand
+    that two activations would read alike of each other is neither's."""
+    pos = {c: i for i, c in enumerate(letters)}
+    acts = [i for i, v in enumerate(views) if v.activation]
+
+    def along(i: int, j: int) -> list[str]:
+        return [c for c in out_sub if c in views[i].subs and varies(views[j].ids, pos[c])
+                and not varies(views[i].ids, pos[c])]
+    found: dict[int, list[tuple[str, int]]] = {}
+    for i in acts:
+        for j in acts:
+            if j != i and along(i, j) and not along(j, i):
+                found.setdefault(i, []).extend((c, j) for c in along(i, j))
+    return found
+
+
+def _share(s: Step, views: list[Operand], letters: list[str], out_sub: str) -> dict[int, list[tuple[str, int]]]:
+    """The operands read alike by the units of others (``_read_alike``), made parameters of ``views`` in place:
+    like a parameter they share, their coordinates join no unit and, being no unit axis themselves, stay whole;
+    their size along each such letter still follows those units' count (``SharedRead``)."""
+    shared = _read_alike(views, letters, out_sub)
+    for i, along in shared.items():
+        v = views[i]
+        s.rec.pin(v.label.ids, f"{s.name}: an operand read alike by each of the units it is contracted with",
+                  benign=True)
+        node = None if s.lab.nested else _node_of(s, v.label)
+        for c, j in along:
+            s.rec.shared_reads.append(SharedRead(s.name, node, v.subs.index(c), views[j].label.ids))
+        views[i] = v._replace(label=Label(v.label.ids, True))
+    return shared
 
 
 def _mixed_heads(s: Step, views: list[Operand], ids: torch.Tensor, params: list[int], c: str, letters: list[str],
@@ -238,15 +276,6 @@ def _repeat_heads(s: Step, t: torch.Tensor, lab: Label | None, times: int) -> tu
     return torch.empty(shape, device="meta"), Label(ids, lab.param)
 
 
-def _shared_by_heads(s: Step, lab: Label | None, heads: int) -> Label | None:
-    """The one key or value head that all query heads read: like a parameter they share, its coordinates join
-    no query head (each query head stays a unit) and, not being a unit axis itself, stay whole."""
-    if lab is None:
-        return None
-    s.rec.pin(lab.ids, f"{s.name}: one key/value head read by all {heads} query heads", benign=True)
-    return Label(lab.ids, True)
-
-
 @register_rule(F.scaled_dot_product_attention)
 def sdpa(s: Step) -> Label | None:
     (q, lq), (k, lk), (v, lv) = s.arg(0, "query"), s.arg(1, "key"), s.arg(2, "value")
@@ -255,11 +284,8 @@ def sdpa(s: Step) -> Label | None:
         pin_all(s, "attention with query and key batch dims that differ has no rule")
         return None
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    if kv_heads == 1 < heads:  # multi-query attention: the key/value head broadcasts to every query head
-        lk, lv = _shared_by_heads(s, lk, heads), _shared_by_heads(s, lv, heads)
-        if lq is not None and lk is not None:  # q·kᵀ still contracts each query head's coordinates: heads
-            s.rec.contracted.append(lq.ids)
-    elif heads != kv_heads:  # grouped-query attention: query head h reads key/value head h // (heads / kv_heads)
+    # one key/value head broadcasts to every query head (multi-query attention): the contractions read it alike
+    if kv_heads not in (1, heads):  # grouped-query attention: query head h reads key/value head h // (heads / kv_heads)
         if not s.arg(7, "enable_gqa", False)[0] or kv_heads == 0 or heads % kv_heads:
             pin_all(s, f"attention of {heads} query heads on {kv_heads} key/value heads")
             return None

@@ -38,7 +38,7 @@ def view_constants(site: Site) -> list[ConstantSpec]:
     if len(paths) != len(site.out_shape):
         raise Unsupported(f"{site.node.name}: shape built at run time; cannot rewrite the unit axis")
     value = get_path(site.node, paths[site.out_dim])
-    if (value == -1 or _read_along_units(site, value)) and _merges_positions(site):
+    if (value == -1 or site.reads_unit_axis(value)) and _merges_positions(site):
         site.notes.append(f"{site.node.name}: the unit axis holds positions too, its size is inferred at run time")
         return []
     return [site.constant(paths[site.out_dim], site.out_shape[site.out_dim])]
@@ -78,17 +78,6 @@ def _merges_positions(site: Site) -> bool:
             return site.in_dim in ins and any(d < site.in_dim and ids.shape[d] == 1 and site.in_shape[d] > 1
                                               for d in ins)
     return False
-
-
-def _read_along_units(site: Site, value: object) -> bool:
-    """``value`` is a size read, at run time, of a tensor's own unit axis: it follows the count by itself."""
-    if not isinstance(value, Node) or value not in site.size_reads or value.op != "call_function":
-        return False
-    if value.target is not operator.getitem or not isinstance(value.args[0], Node):
-        return False
-    shape = value.args[0]
-    source = shape.args[0] if shape.op == "call_function" and shape.target is getattr else None
-    return isinstance(source, Node) and site.axes.get((source, None)) == value.args[1]
 
 
 @RULES.constants(torch.reshape, "view", "reshape")

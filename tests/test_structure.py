@@ -6,9 +6,11 @@ the line)."""
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +72,35 @@ def test_barter_imports_only_the_names_fxsurgery_exports():
     assert not outside, "barter reaches fxsurgery past its exports (fxsurgery.__all__):\n" + "\n".join(outside)
 
 
+def private_attributes(cls: type) -> set[str]:
+    """The private names (`_x`, not `__x__` nor an enum's `_x_`) of `cls` and of its bases defined in fxsurgery: its
+    class attributes and the attributes its methods set or read on `self`."""
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.startswith("fxsurgery"):
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+            names |= set(vars(base)) | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                                        and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.endswith("_")}
+
+
+def reaches_private(tree: ast.AST, private: set[str]) -> Iterator[ast.Attribute]:
+    """Each `x._name` of a name in `private` on anything but `self` or `cls`."""
+    return (n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in private
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")))
+
+
+def test_barter_uses_no_private_attribute_of_fxsurgery_s_classes():
+    """barter drives a Surgeon, reads an Analysis and its groups through their public names (not `Surgeon._editor`,
+    `Analysis._plan`, `UnitGroup._count`)."""
+    private = set().union(*(private_attributes(obj) for obj in map(fxsurgery.__dict__.get, fxsurgery.__all__)
+                            if inspect.isclass(obj) and obj.__module__.startswith("fxsurgery")))
+    assert {"_editor", "_plan", "_count"} <= private
+    found = [f"{path}:{n.lineno}: {ast.unparse(n)}" for path, tree in sources("barter")
+             for n in reaches_private(tree, private)]
+    assert not found, "barter reaches private attributes of fxsurgery's classes:\n" + "\n".join(found)
+
+
 def test_fxsurgery_never_imports_barter():
     found = [f"{path}:{line}: {module}" for path, tree in sources("fxsurgery")
              for line, module, _ in imports_of(tree, "barter")]
@@ -120,6 +151,9 @@ def test_the_structure_checks_find_what_they_look_for():
     assert [m for _, m, _ in imports_of(tree, "barter")] == ["barter"]
     assert sorted(n.lineno for n in ast.walk(tree) if reaches_instance_deepcopy(n)) == [5, 6, 7]
     assert [name for name, f in functions(tree) if returns_a_string_union(f.returns)] == ["f", "g"]
+    assert sorted(ast.unparse(n) for n in reaches_private(ast.parse("s._editor.x\nself._editor\nc._count\nc.count\n"),
+                                                    {"_editor", "_count"})) == ["c._count", "s._editor"]
+
     def body(lines: int) -> str:
         return "".join(f"    x{i} = {i}\n" for i in range(lines))
     tree = ast.parse(f"class C:\n  def fits(self):\n{body(MAX_FUNCTION_LINES - 1)}"  # 60 lines with its `def`

@@ -162,5 +162,5 @@ class ScoreTable:
         self.armed, self.ran = set(), set()
         self.fresh.fill_(False)
         self.cool_until = sd["cool_until"].clone()
-        self.nonfinite.fill_(sd.get("nonfinite", 0))
+        self.nonfinite.fill_(sd["nonfinite"])
         self._offsets = [0, *accumulate(self.counts)]

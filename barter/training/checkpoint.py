@@ -116,7 +116,7 @@ def restore(session: Session, state: dict[str, Any]) -> None:
                 session.ema.load_state_dict(state["model_ema"])
             session.optimizer.load_state_dict(state["optimizer"])
         session.meter.load_state_dict(state["flops"])
-        session.precision.load_state_dict(state.get("scaler", {}))
+        session.precision.load_state_dict(state["scaler"])
         session.schedule = WarmupCosine(**state["schedule"])
         session.epoch, session.step, session.finished = state["epoch"], state["step"], state["finished"]
         session.best_acc, session.best_epoch = state["best"]["acc"], state["best"]["epoch"]

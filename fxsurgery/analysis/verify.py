@@ -24,95 +24,119 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reas
     removal is compared (an inexact group, or one at its minimum count, such as a single FFN channel), the tap is
     compared with masking unit 0 at every output slice instead (the projection's columns, a head-mixing map's read
     rows). Returns what went wrong, or None."""
-    module = editor.host(g)
-    args, kwargs = materialize(inputs)
-    saved = [(t, t.data, t.grad) for t in itertools.chain(module.parameters(), module.buffers())]
-    count = g.count
-    dtype = saved[0][1].dtype if saved else torch.float32
-    tol = {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
-
-    def run() -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
-
-    def restore() -> None:
-        for t, data, grad in saved:
-            t.data, t.grad = data, grad
-        editor.settle(g, count)
-
-    def tapped(unit: int) -> list[torch.Tensor]:
-        """The outputs with ``unit`` zeroed at the group's tap point."""
-        handle = editor.tap_point(g).add(functools.partial(_zero_unit, unit=unit))
-        try:
-            return run()
-        finally:
-            handle.remove()
-
-    def clone_first() -> None:
-        noise = editor.noise(g, 0, 0.5, None, True)
-        editor.edit(g, g.count + 1, lambda sl, t: clone_unit(t, sl, g.count, 0, noise.get(sl.name)), None)
-
-    def remove(unit: int) -> None:
-        now = g.count
-        rest = torch.tensor([k for k in range(now) if k != unit], dtype=torch.long)
-        editor.edit(g, now - 1, lambda sl, t: sl.keep(t, now, rest), None)
-
-    def masked(slices: list[ParamSlice]) -> list[torch.Tensor]:
-        """The outputs with unit 0 of ``slices`` zeroed (in copies of their tensors)."""
-        for name, group in by_tensor(slices):
-            w = editor.tensor(name)
-            w.data = w.data.clone()
-            for sl in group:
-                sl.unit(w.data, count, 0).zero_()
-        try:
-            return run()
-        finally:
-            restore()
-
-    def one_by_one() -> Reason | None:
-        """Each property alone, on unit 0."""
-        if g.exact:
-            y0 = run()
-            clone_first()
-            err = max_rel_diff(y0, run())
-            restore()
-            if err > tol:
-                return Reason(f"a clone changed the outputs by {err:.2e}", module=g.module)
-        y_tap = tapped(0)
-        removes = count - 1 >= g.min_count
-        if not (g.exact and removes):
-            err = max_rel_diff(masked([sl for sl in g.slices if sl.output]), y_tap)
-            if err > tol:
-                return Reason(f"zeroing unit 0 at its tap point differs from masking it by {err:.2e}", module=g.module)
-        if not removes:
-            return None
-        remove(0)
-        y_rm = run()
-        if [y.shape for y in y_rm] != [y.shape for y in y_tap]:
-            return Reason("a removal changed the output shapes", module=g.module)
-        err = max_rel_diff(y_tap, y_rm)
-        if g.exact and err > tol:
-            return Reason(f"a removal differs from masking by {err:.2e}", module=g.module)
-        return None
-
+    trial = _Trial(editor, g, inputs)
     try:
-        with training_mode(module, False), forked_rng(tree_leaves((args, kwargs))):
-            if g.exact and count >= 2 and count - 1 >= g.min_count:
-                y_tap = tapped(1)
-                clone_first()
-                remove(1)
-                y_both = run()
-                restore()
-                err = max_rel_diff(y_tap, y_both)
-                if err <= tol:
-                    return None
-                return one_by_one() or Reason(f"a clone of unit 0 with unit 1 removed differs from masking unit 1 "
-                                              f"by {err:.2e}", module=g.module)
-            return one_by_one()
+        with training_mode(trial.module, False), forked_rng(tree_leaves((trial.args, trial.kwargs))):
+            return trial.check()
     except Exception as e:  # report the group, keep the model usable
         return Reason(f"{type(e).__name__}: {e}", module=g.module)
     finally:
-        restore()
+        trial.restore()
+
+
+class _Trial:
+    """The trial edits of one self-check on the group's live host, the outputs they give, and the restore that undoes
+    them: `check` compares, the other methods each make one edit or one run."""
+
+    def __init__(self, editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> None:
+        self.editor, self.g = editor, g
+        self.module = editor.host(g)
+        self.args, self.kwargs = materialize(inputs)
+        self.saved = [(t, t.data, t.grad) for t in itertools.chain(self.module.parameters(), self.module.buffers())]
+        self.count = g.count  # the count before any trial edit, restored after each
+        dtype = self.saved[0][1].dtype if self.saved else torch.float32
+        self.tol = {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
+
+    def check(self) -> Reason | None:
+        """Unit 0 cloned and unit 1 removed against unit 1 zeroed at the tap point, in one forward where the group
+        allows both; each property alone where it does not, or where the two differ (to tell which is wrong)."""
+        g = self.g
+        if not (g.exact and self.count >= 2 and self.count - 1 >= g.min_count):
+            return self.one_by_one()
+        y_tap = self.tapped(1)
+        self.clone_first()
+        self.remove(1)
+        y_both = self.run()
+        self.restore()
+        err = max_rel_diff(y_tap, y_both)
+        if err <= self.tol:
+            return None
+        return self.one_by_one() or Reason(f"a clone of unit 0 with unit 1 removed differs from masking unit 1 "
+                                           f"by {err:.2e}", module=g.module)
+
+    def one_by_one(self) -> Reason | None:
+        """Each property alone, on unit 0: the clone, the tap against masking (where no removal is compared), and
+        the removal against the tap."""
+        g = self.g
+        if g.exact:
+            y0 = self.run()
+            self.clone_first()
+            err = max_rel_diff(y0, self.run())
+            self.restore()
+            if err > self.tol:
+                return Reason(f"a clone changed the outputs by {err:.2e}", module=g.module)
+        y_tap = self.tapped(0)
+        removes = self.count - 1 >= g.min_count
+        if not (g.exact and removes):
+            err = max_rel_diff(self.masked([sl for sl in g.slices if sl.output]), y_tap)
+            if err > self.tol:
+                return Reason(f"zeroing unit 0 at its tap point differs from masking it by {err:.2e}", module=g.module)
+        return self.removal_against(y_tap) if removes else None
+
+    def removal_against(self, y_tap: list[torch.Tensor]) -> Reason | None:
+        """Unit 0 removed against the outputs with it zeroed at the tap point: the same shapes, and (for an exact
+        group) the same values."""
+        self.remove(0)
+        y_rm = self.run()
+        if [y.shape for y in y_rm] != [y.shape for y in y_tap]:
+            return Reason("a removal changed the output shapes", module=self.g.module)
+        err = max_rel_diff(y_tap, y_rm)
+        if self.g.exact and err > self.tol:
+            return Reason(f"a removal differs from masking by {err:.2e}", module=self.g.module)
+        return None
+
+    def run(self) -> list[torch.Tensor]:
+        """The host's tensor outputs on the inputs, without gradients."""
+        with torch.no_grad():
+            return [t for t in tree_leaves(self.module(*self.args, **self.kwargs)) if torch.is_tensor(t)]
+
+    def restore(self) -> None:
+        """The host's tensors and gradients as they were, and the group at its count before the trial."""
+        for t, data, grad in self.saved:
+            t.data, t.grad = data, grad
+        self.editor.settle(self.g, self.count)
+
+    def tapped(self, unit: int) -> list[torch.Tensor]:
+        """The outputs with ``unit`` zeroed at the group's tap point."""
+        handle = self.editor.tap_point(self.g).add(functools.partial(_zero_unit, unit=unit))
+        try:
+            return self.run()
+        finally:
+            handle.remove()
+
+    def clone_first(self) -> None:
+        """Unit 0 copied as a new last unit, its output slices split W/2 + ε and W/2 − ε (the outputs unchanged)."""
+        g = self.g
+        noise = self.editor.noise(g, 0, 0.5, None, True)
+        self.editor.edit(g, g.count + 1, lambda sl, t: clone_unit(t, sl, g.count, 0, noise.get(sl.name)), None)
+
+    def remove(self, unit: int) -> None:
+        """``unit`` removed at the group's current count."""
+        now = self.g.count
+        rest = torch.tensor([k for k in range(now) if k != unit], dtype=torch.long)
+        self.editor.edit(self.g, now - 1, lambda sl, t: sl.keep(t, now, rest), None)
+
+    def masked(self, slices: list[ParamSlice]) -> list[torch.Tensor]:
+        """The outputs with unit 0 of ``slices`` zeroed (in copies of their tensors), then restored."""
+        for name, group in by_tensor(slices):
+            w = self.editor.tensor(name)
+            w.data = w.data.clone()
+            for sl in group:
+                sl.unit(w.data, self.count, 0).zero_()
+        try:
+            return self.run()
+        finally:
+            self.restore()
 
 
 def _zero_unit(a: torch.Tensor, unit: int) -> None:

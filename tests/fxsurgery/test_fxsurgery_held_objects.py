@@ -94,6 +94,11 @@ def test_t5_decoder_self_attention_heads_behind_its_returned_cache() -> None:
     zeroed = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, 8))
     s = Surgeon(model, (), {"input_ids": ids, "labels": ids})
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    assert not any(is_pytree_node(cls) for cls in (cache_utils.EncoderDecoderCache, cache_utils.DynamicCache,
+                                                   cache_utils.DynamicLayer))  # registered for the captures only
+    with torch.no_grad():
+        assert isinstance(model(input_ids=ids, labels=ids).past_key_values, cache_utils.EncoderDecoderCache)
     heads = s.group("decoder.block:head")
     assert (heads.count, heads.exact) == (4, True)
     projections = sorted({sl.name for sl in heads.slices if sl.name.endswith(".o.weight")})

@@ -27,7 +27,8 @@ from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map si
 __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "flatten_to_spec", "pytree_info",
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
-           "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module", "is_fake", "outside_traces"]
+           "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module", "is_fake", "outside_traces",
+           "is_pytree_node", "register_pytree_node", "pytree_node_registered", "spec_with_types", "set_out_spec"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
 # -> the name of this module that reaches it
@@ -38,7 +39,6 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch.fx._pytree.tree_flatten_spec": "flatten_to_spec",
     "torch.fx._lazy_graph_module._make_graph_module": "graph_module",
     "torch.fx._lazy_graph_module._use_lazy_graph_module": "graph_module",
-    "._codegen": "pytree_info",
     "self._in_spec": "GENERATED_SPEC_READS",
     "self._out_spec": "GENERATED_SPEC_READS",
     "._set_current_node": "running_node",
@@ -61,6 +61,12 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch._C._len_torch_function_stack": "outside_traces",
     "torch.overrides._pop_mode_temporarily": "outside_traces",
     "torch.utils._python_dispatch._disable_current_modes": "outside_traces",
+    "torch.utils._pytree.SUPPORTED_NODES": "is_pytree_node",
+    "torch.utils._pytree.register_pytree_node": "register_pytree_node",
+    "torch.utils._pytree.GetAttrKey": "register_pytree_node",
+    "torch.utils._pytree._deregister_pytree_node": "pytree_node_registered",
+    "torch.utils._pytree.TreeSpec": "spec_with_types",
+    "._codegen": "pytree_info",
 }
 
 def graph_module(root: nn.Module, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:
@@ -74,6 +80,56 @@ def pytree_info(graph: torch.fx.Graph) -> Any:
     """The input/output specs of a graph that flattens structured arguments (``in_spec``, ``out_spec``), else None:
     fx keeps them on the graph's code generator (``Graph._codegen``, torch >= 1.12)."""
     return getattr(graph._codegen, "pytree_info", None)
+
+
+def set_out_spec(graph: torch.fx.Graph, out_spec: Any) -> None:
+    """Make ``graph`` (one that flattens structured arguments) build its outputs by ``out_spec`` (the spec on its
+    code generator, ``Graph._codegen.pytree_info``, torch >= 1.12)."""
+    graph._codegen.pytree_info = graph._codegen.pytree_info._replace(out_spec=out_spec)
+
+
+def is_pytree_node(cls: type) -> bool:
+    """Whether pytree (and so ``torch.export``) flattens objects of type ``cls`` as a container
+    (``torch.utils._pytree.SUPPORTED_NODES``, torch >= 2.0)."""
+    return cls in torch.utils._pytree.SUPPORTED_NODES
+
+
+def register_pytree_node(cls: type, flatten: Callable[[Any], tuple[dict[str, Any], Any]],
+                         unflatten: Callable[[list, Any], Any]) -> None:
+    """Have pytree flatten objects of type ``cls`` into children: ``flatten(obj)`` gives them by attribute name (the
+    keys ``torch.export`` names them by) with a context, ``unflatten(children, context)`` rebuilds the object
+    (``torch.utils._pytree.register_pytree_node`` and ``GetAttrKey``, torch >= 2.2)."""
+    def children(obj: Any) -> tuple[list, Any]:
+        named, context = flatten(obj)
+        return list(named.values()), context
+
+    def keyed(obj: Any) -> tuple[list, Any]:
+        named, context = flatten(obj)
+        return [(torch.utils._pytree.GetAttrKey(name), child) for name, child in named.items()], context
+
+    torch.utils._pytree.register_pytree_node(cls, children, unflatten, flatten_with_keys_fn=keyed,
+                                             serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+
+
+@contextlib.contextmanager
+def pytree_node_registered(cls: type, flatten: Callable[[Any], tuple[dict[str, Any], Any]],
+                           unflatten: Callable[[list, Any], Any]) -> Iterator[None]:
+    """``cls`` registered as ``register_pytree_node`` does while the block runs, then taken out of the registry
+    (``torch.utils._pytree._deregister_pytree_node``, torch >= 2.2)."""
+    register_pytree_node(cls, flatten, unflatten)
+    try:
+        yield
+    finally:
+        torch.utils._pytree._deregister_pytree_node(cls)
+
+
+def spec_with_types(spec: Any, replace: Callable[[Any], Any]) -> Any:
+    """The tree spec ``spec`` with the type of each of its nodes replaced by ``replace(type)``; contexts and
+    leaves as they are (``torch.utils._pytree.TreeSpec``, torch >= 2.0)."""
+    if spec.is_leaf():
+        return spec
+    return torch.utils._pytree.TreeSpec(replace(spec.type), spec.context,
+                           [spec_with_types(child, replace) for child in spec.children()])
 
 
 #: How the Python code fx generates for such a graph reads its specs (from ``self``, the graph module; torch >= 1.12):

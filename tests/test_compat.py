@@ -412,3 +412,57 @@ def test_graph_module():
     gm = compat.graph_module(Double(), graph, "Double")
     assert isinstance(gm, torch.fx.GraphModule) and type(gm).__name__ == "Double"
     assert torch.equal(gm(torch.ones(2)), torch.full((2,), 2.0)) and "mul" in gm.code
+
+
+class _Held:
+    """An object pytree does not know, holding a tensor and a flag."""
+
+    def __init__(self, tensor: torch.Tensor, flag: str):
+        self.tensor, self.flag = tensor, flag
+
+
+def _flatten_held(obj: _Held) -> tuple[dict, str]:
+    return {"tensor": obj.tensor}, obj.flag
+
+
+def _unflatten_held(children: list, flag: str) -> _Held:
+    return _Held(children[0], flag)
+
+
+def test_is_pytree_node():
+    assert compat.is_pytree_node(dict) and not compat.is_pytree_node(_Held)
+
+
+def test_register_pytree_node():
+    compat.register_pytree_node(_Held, _flatten_held, _unflatten_held)
+    try:
+        leaves, spec = torch.utils._pytree.tree_flatten_with_path([_Held(torch.ones(2), "a")])
+        assert [str(path[-1]) for path, _ in leaves] == [".tensor"]
+        spec = torch.utils._pytree.tree_flatten([_Held(torch.ones(2), "a")])[1]
+        rebuilt = compat.tree_unflatten([torch.zeros(2)], spec)
+        assert rebuilt[0].flag == "a" and torch.equal(rebuilt[0].tensor, torch.zeros(2))
+    finally:
+        torch.utils._pytree._deregister_pytree_node(_Held)
+
+
+def test_pytree_node_registered():
+    for _ in range(2):  # registered again after its registration ended
+        with compat.pytree_node_registered(_Held, _flatten_held, _unflatten_held):
+            assert compat.is_pytree_node(_Held)
+            assert len(compat.tree_leaves(_Held(torch.ones(2), "a"))) == 1
+        assert not compat.is_pytree_node(_Held)
+    assert compat.tree_leaves(_Held(torch.ones(2), "a"))[0].flag == "a"  # a leaf again
+
+
+def test_spec_with_types():
+    spec = torch.utils._pytree.tree_flatten((torch.ones(1), [torch.ones(1), {"k": torch.ones(1)}]))[1]
+    as_lists = compat.spec_with_types(spec, lambda t: list if t is tuple else t)
+    assert compat.tree_unflatten([1, 2, 3], as_lists) == [1, [2, {"k": 3}]]
+
+
+def test_set_out_spec():
+    exported = torch.export.export(torch.fx.symbolic_trace(lambda x: (x, x + 1)), (torch.ones(2),)).module()
+    spec = compat.pytree_info(exported.graph).out_spec
+    compat.set_out_spec(exported.graph, compat.spec_with_types(spec, lambda t: list if t is tuple else t))
+    exported.recompile()
+    assert isinstance(exported(torch.ones(2)), list)

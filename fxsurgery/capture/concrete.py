@@ -24,6 +24,7 @@ from ..errors import TraceError
 from .aten import lower
 from .calls import buffers_kept, forked_rng, materialize, training_mode
 from .grad_regions import inline_grad_regions
+from .held_objects import holders_registered, rebuild_held_outputs, tensor_holders
 from .tracer import CODE_CONSTANT
 
 
@@ -52,17 +53,13 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     its ``get_attr`` nodes read) and the values of its placeholders. ``replayed``: a graph to install, with
     dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither."""
     args, kwargs = materialize((args, kwargs))
-    leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
-    try:
-        with training_mode(module, training), forked_rng(leaves), _quiet_export():
-            dynamic = _dynamic_shapes(module, args, kwargs) if replayed else None
-            program = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic, strict=False)
-    except Exception as e:  # export raises many types; the user needs the module and the cause
-        label = name or "the model"
-        raise TraceError(f"cannot capture {label} ({type(module).__name__}) with torch.export: "
-                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    exported = program.module()
-    graph = exported.graph
+    label = name or "the model"
+    expected = _eager_outputs(module, args, kwargs, training=training, label=label)
+    holders = tensor_holders(expected)  # a key/value cache it returns: registered for the capture (``held_objects``)
+    with holders_registered(holders):
+        exported = _exported(module, args, kwargs, training=training, dynamic=replayed, label=label)
+        graph = exported.graph
+        rebuild_held_outputs(graph, holders)
     for node in list(graph.nodes):
         if node.op == "call_module" and not node.users:  # the input guards export adds
             graph.erase_node(node)
@@ -79,8 +76,35 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)  # run at once: no lazy code
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
     if replayed:
-        _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
+        with holders_registered(holders):  # the objects' tensors are compared too
+            _check_replay(module, gm, (args, kwargs), expected, training=training, label=label)
     return gm, list(values)
+
+
+def _exported(module: nn.Module, args: tuple, kwargs: dict, *, training: bool, dynamic: bool,
+              label: str) -> torch.fx.GraphModule:
+    """``module`` exported in mode ``training`` (with dynamic dims if ``dynamic``), as a graph module."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    try:
+        with training_mode(module, training), forked_rng(leaves), _quiet_export():
+            shapes = _dynamic_shapes(module, args, kwargs) if dynamic else None
+            return torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False).module()
+    except Exception as e:  # export raises many types; the user needs the module and the cause
+        raise TraceError(f"cannot capture {label} ({type(module).__name__}) with torch.export: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _eager_outputs(module: nn.Module, args: tuple, kwargs: dict, *, training: bool, label: str) -> Any:
+    """What ``module`` returns on the example inputs in mode ``training`` (seeded, its buffers put back): the objects
+    the capture must flatten, and what the captured graph must reproduce."""
+    leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
+    try:
+        with training_mode(module, training), forked_rng(leaves), torch.no_grad(), buffers_kept(module):
+            torch.manual_seed(0)
+            return module(*args, **kwargs)
+    except Exception as e:  # the module's own code refuses the call
+        raise TraceError(f"cannot capture {label} ({type(module).__name__}): it fails on the example call: "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 @contextlib.contextmanager
@@ -95,16 +119,15 @@ def _quiet_export() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict, *, training: bool,
-                  label: str) -> None:
-    """The captured graph must compute what the module computes on the example inputs (same random draws):
-    code that caches state between calls, or reads something the capture froze, is refused here."""
+def _check_replay(module: nn.Module, gm: torch.fx.GraphModule, call: tuple[tuple, dict], outputs: Any, *,
+                  training: bool, label: str) -> None:
+    """The captured graph must compute what the module computed on the example inputs (``outputs``, same random
+    draws): code that caches state between calls, or reads something the capture froze, is refused here."""
+    args, kwargs = call
     leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
-    try:  # each run on the buffers as given: batch norm's statistics move in training mode, caches get filled
+    expected = [t for t in tree_leaves(outputs) if torch.is_tensor(t)]
+    try:  # on the buffers as given: batch norm's statistics move in training mode, caches get filled
         with training_mode(module, training), forked_rng(leaves), torch.no_grad():
-            with buffers_kept(module):
-                torch.manual_seed(0)
-                expected = [t for t in tree_leaves(module(*args, **kwargs)) if torch.is_tensor(t)]
             with buffers_kept(module):  # its forward, not its call: fx's call prints a failure to stderr
                 torch.manual_seed(0)
                 got = [t for t in tree_leaves(gm.forward(*args, **kwargs)) if torch.is_tensor(t)]

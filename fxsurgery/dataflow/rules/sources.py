@@ -7,6 +7,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from ...capture.held_objects import held_output_leaves
 from ...capture.tracer import CODE_CONSTANT
 from ..labeller import Label, Step
 from ..rule_table import NodeKind
@@ -43,9 +44,13 @@ def _read_by_name(user: torch.fx.Node, node: torch.fx.Node) -> bool:
 def output(s: Step) -> Any:
     if s.lab.nested:  # the inside of an opaque function hands its labels back to the caller
         return s.largs[0]
-    for _, lab in s.tensors():
-        if lab is not None:
-            s.rec.pin(lab.ids, f"{s.name}: reaches the graph output", benign=True, at_output=True)
+    held = held_output_leaves(s.lab.module.graph)  # a returned cache's tensors: state at the units' widths
+    if held:  # a captured graph returns its leaves flat
+        labels = [lab for i, lab in enumerate(s.largs[0]) if i not in held and isinstance(lab, Label)]
+    else:
+        labels = [lab for _, lab in s.tensors() if lab is not None]
+    for lab in labels:
+        s.rec.pin(lab.ids, f"{s.name}: reaches the graph output", benign=True, at_output=True)
     return None
 
 

@@ -2,10 +2,13 @@
 the host's outputs unchanged, and a removal must equal masking the unit at its tap point (and keep output shapes)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+from collections.abc import Iterator
 
 import torch
+import torch.nn as nn
 
 from ..capture.calls import forked_rng, materialize, training_mode
 from ..compat import tree_leaves
@@ -16,6 +19,32 @@ from ..slicing import ParamSlice, by_tensor, clone_unit
 
 
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reason | None:
+    """The self-check (``check_live_host``) of ``g`` on its host. A host on the meta device (a model built without
+    memory) is checked with random values of its tensors' shapes, on the CPU, standing in for its meta ones during
+    the check: the properties checked hold for any values, and one host is small. Returns what went wrong, or None."""
+    with real_values(editor.host(g)):
+        return check_live_host(editor, g, inputs)
+
+
+@contextlib.contextmanager
+def real_values(module: nn.Module) -> Iterator[None]:
+    """Within the block, each meta parameter or buffer of ``module`` is a real tensor of its shape and dtype on the
+    CPU (random floats, zeros otherwise: ``materialize``); the same tensor objects, so ties and the editor's names
+    still hold. Afterwards they are meta again."""
+    meta = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_meta]
+    stand_ins = [materialize(t.detach(), seed=k) for k, t in enumerate(meta)]
+    stand_ins = [nn.Parameter(s, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else s
+                 for t, s in zip(meta, stand_ins)]
+    for t, stand_in in zip(meta, stand_ins):
+        torch.utils.swap_tensors(t, stand_in)
+    try:
+        yield
+    finally:
+        for t, stand_in in zip(meta, stand_ins):
+            torch.utils.swap_tensors(t, stand_in)
+
+
+def check_live_host(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reason | None:
     """Clone and remove units on the live host, compare its outputs, and restore everything. A clone must leave the
     outputs unchanged; a removal must equal zeroing the unit at the group's tap point, which must see it at every
     point it enters the others (the tap is a hook on the graph's values, the removal slices of tensors: two

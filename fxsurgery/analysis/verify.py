@@ -20,20 +20,26 @@ from ..slicing import ParamSlice, by_tensor, clone_unit
 
 @contextlib.contextmanager
 def real_values(module: nn.Module) -> Iterator[None]:
-    """Within the block, each meta parameter or buffer of ``module`` is a real tensor of its shape and dtype on the
-    CPU (random floats, zeros otherwise: ``materialize``); the same tensor objects, so ties and the editor's names
-    still hold. Afterwards they are meta again."""
-    meta = [t for t in itertools.chain(module.parameters(), module.buffers()) if t.is_meta]
-    stand_ins = [materialize(t.detach(), seed=k) for k, t in enumerate(meta)]
-    stand_ins = [nn.Parameter(s, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else s
-                 for t, s in zip(meta, stand_ins)]
-    for t, stand_in in zip(meta, stand_ins):
-        torch.utils.swap_tensors(t, stand_in)
+    """Within the block, each meta parameter or buffer of ``module`` is replaced, in its owner, by a real tensor of
+    its shape and dtype on the CPU (random floats, zeros otherwise: ``materialize``); tied ones stay tied, and the
+    names the editor reads them by still hold. Afterwards the meta ones are back."""
+    made: dict[int, torch.Tensor] = {}
+    replaced = []
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_meta:
+                    if id(t) not in made:
+                        real = materialize(t.detach(), seed=len(made))
+                        made[id(t)] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+                    replaced.append((table, name, t))
+    for table, name, t in replaced:
+        table[name] = made[id(t)]
     try:
         yield
     finally:
-        for t, stand_in in zip(meta, stand_ins):
-            torch.utils.swap_tensors(t, stand_in)
+        for table, name, t in replaced:
+            table[name] = t
 
 
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reason | None:

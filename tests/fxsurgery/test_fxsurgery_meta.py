@@ -37,9 +37,19 @@ def test_real_values_stand_in_for_meta_tensors_and_leave_them_meta() -> None:
     block = model.blocks[0]
     weight = block.attn.qkv.weight
     with real_values(block):
-        assert block.attn.qkv.weight is weight and not weight.is_meta and weight.shape == (192, 64)
+        real = block.attn.qkv.weight
+        assert not real.is_meta and real.shape == (192, 64) and isinstance(real, torch.nn.Parameter)
         assert torch.isfinite(block(torch.randn(2, 17, 64))).all()
-    assert weight.is_meta and all(t.is_meta for t in block.parameters())
+    assert block.attn.qkv.weight is weight and all(t.is_meta for t in block.parameters())
+
+
+def test_real_values_keep_tied_parameters_tied() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    with real_values(model):
+        assert model[1].weight is model[0].weight and not model[0].weight.is_meta
+    assert model[1].weight is model[0].weight and model[0].weight.is_meta
 
 
 def test_the_self_check_fails_a_wrong_group_on_a_meta_model() -> None:

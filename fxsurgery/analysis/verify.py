@@ -2,44 +2,17 @@
 the host's outputs unchanged, and a removal must equal masking the unit at its tap point (and keep output shapes)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-from collections.abc import Iterator
 
 import torch
-import torch.nn as nn
 
-from ..capture.calls import forked_rng, materialize, training_mode
+from ..capture.calls import forked_rng, materialize, real_values, training_mode
 from ..compat import tree_leaves
 from ..editing import Editor
 from ..groups import UnitGroup
 from ..reason import Reason
 from ..slicing import ParamSlice, by_tensor, clone_unit
-
-
-@contextlib.contextmanager
-def real_values(module: nn.Module) -> Iterator[None]:
-    """Within the block, each meta parameter or buffer of ``module`` is replaced, in its owner, by a real tensor of
-    its shape and dtype on the CPU (random floats, zeros otherwise: ``materialize``); tied ones stay tied, and the
-    names the editor reads them by still hold. Afterwards the meta ones are back."""
-    made: dict[int, torch.Tensor] = {}
-    replaced = []
-    for owner in module.modules():
-        for table in (owner._parameters, owner._buffers):
-            for name, t in table.items():
-                if t is not None and t.is_meta:
-                    if id(t) not in made:
-                        real = materialize(t.detach(), seed=len(made))
-                        made[id(t)] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
-                    replaced.append((table, name, t))
-    for table, name, t in replaced:
-        table[name] = made[id(t)]
-    try:
-        yield
-    finally:
-        for table, name, t in replaced:
-            table[name] = t
 
 
 def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reason | None:

@@ -22,7 +22,7 @@ from torch.export import Dim
 from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from .aten import lower
-from .calls import buffers_kept, forked_rng, materialize, training_mode
+from .calls import buffers_kept, forked_rng, materialize, real_values, training_mode
 from .grad_regions import inline_grad_regions
 from .tracer import CODE_CONSTANT
 
@@ -50,8 +50,12 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
             replayed: bool = True) -> tuple[torch.fx.GraphModule, list]:
     """Capture ``module`` in the given mode; returns the graph module (rooted at ``module``, whose parameters
     its ``get_attr`` nodes read) and the values of its placeholders. ``replayed``: a graph to install, with
-    dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither."""
-    args, kwargs = materialize((args, kwargs))
+    dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither. A module
+    on the meta device (built without memory) is captured on meta inputs: export reads shapes, and a real input
+    beside its meta weights would be a device mismatch."""
+    real_args, real_kwargs = args, kwargs = materialize((args, kwargs))
+    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        args, kwargs = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, (args, kwargs))
     leaves = [t for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)]
     try:
         with training_mode(module, training), forked_rng(leaves), _quiet_export():
@@ -78,8 +82,9 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)  # run at once: no lazy code
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
-    if replayed:
-        _check_replay(module, gm, args, kwargs, training=training, label=name or "the model")
+    if replayed:  # on real values: a meta module's stand in for the check
+        with real_values(module, gm):
+            _check_replay(module, gm, real_args, real_kwargs, training=training, label=name or "the model")
     return gm, list(values)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from tiny_vit import build_vit
 
@@ -65,3 +66,19 @@ def test_the_self_check_fails_a_wrong_group_on_a_meta_model() -> None:
     g.slices = tuple(dataclasses.replace(sl, output=False) for sl in g.slices)  # the columns copied, not split
     assert self_check(s._editor, g, calls[0]).text.startswith("a clone changed the outputs by")
     assert all(t.is_meta for t in s.model.parameters())
+
+
+def test_a_meta_hf_llama_analyses_as_on_the_cpu() -> None:
+    """Its attention takes a tuple of tensors: captured by torch.export on meta inputs, the replay check and the
+    self-check on real values standing in."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, num_key_value_heads=2, max_position_embeddings=32,
+                                      use_cache=False, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=24)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    with torch.device("meta"):
+        meta = transformers.LlamaModel(config)
+    on_meta = analyse(meta, (), {"input_ids": ids.to("meta")})
+    on_cpu = analyse(transformers.LlamaModel(config), (), {"input_ids": ids})
+    assert [g.name for g in on_meta.groups] == [g.name for g in on_cpu.groups]
+    assert len(on_meta.groups) == 4 and _described(on_meta)[0] == _described(on_cpu)[0]

@@ -94,6 +94,7 @@ class Controller:
         self.tables = {kind: ScoreTable(self.initial[kind], options.beta, device) for kind in KINDS}
         self.select_rng = select_rng
         self.noise_rng = noise_rng
+        self.noise_seeded_on_meta = device.type == "meta"  # follows the weights once they exist
         self.step_count = 0
         self.edits = 0
         self.events: list[TransferEvent] = []
@@ -218,6 +219,7 @@ class Controller:
                 return
             self._uncounted = 0
         self.step_count += 1
+        self._follow_materialised()
         self._check_taps_ran()
         if self.probe is not None:
             self.probe.step(self.model, self.step_count, self.edits)
@@ -228,6 +230,19 @@ class Controller:
             for _ in range(self._due[kind][self.step_count]):
                 self._attempt(kind)
         self._drop_finished_taps()
+
+    def _follow_materialised(self) -> None:
+        """A model wrapped on the meta device and materialised since (``to_empty``): the split noise is drawn on
+        the device its weights are on now, seeded as `wrap` seeded it (nothing was drawn on meta), and the score
+        tables are there too."""
+        device = next(self.model.parameters()).device
+        if device.type == "meta":
+            return
+        if self.noise_rng.device != device and self.noise_seeded_on_meta:
+            self.noise_rng = torch.Generator(device=device).manual_seed(self.noise_rng.initial_seed())
+        self.noise_seeded_on_meta = False
+        for table in self.tables.values():
+            table.materialise(device)
 
     def close(self) -> None:
         """Stop following the optimizer and collecting scores: the step hook and the score taps go (the model

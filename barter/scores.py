@@ -114,6 +114,8 @@ class ScoreTable:
         """Forward tap for `layer`: hooks this use's gradient (whose loss scale `scale()` gives, read when the
         gradient arrives)."""
         def fn(a: Tensor) -> None:
+            if self.ema.is_meta:
+                self.materialise(a.device)
             if a.requires_grad and a.shape[-2]:
                 act = a.detach()
                 self.samples = a.shape[0]
@@ -121,6 +123,14 @@ class ScoreTable:
                 self.ran.add(layer)
                 a.register_hook(lambda g: self.record(layer, act, g, 1.0 if scale is None else scale()))
         return fn
+
+    def materialise(self, device: torch.device) -> None:
+        """Hold the table on ``device``: a table made for a model on the meta device (wrapped before its weights
+        exist) has scored nothing, so it starts there as a fresh one, once the model runs on a real device."""
+        if self.ema.is_meta:
+            self.ema, self.pending = (torch.zeros(t.shape, device=device) for t in (self.ema, self.pending))
+            self.fresh = torch.zeros((), dtype=torch.bool, device=device)
+            self.nonfinite = torch.zeros((), dtype=torch.long, device=device)
 
     def blocked(self, step: int) -> Tensor:
         """Flat bool: units still in donor cooldown at `step`."""

@@ -16,7 +16,7 @@ from .compact_init import compact
 from .controller import Controller
 from .fsdp import check_optimizer, refuse_sharded
 from .loss_scale import Scaler
-from .options import METHODS, Options
+from .options import METHODS, RANKED_INITS, Options
 from .schedule import KINDS, make_schedule, transfer_count
 from .transfer_policy import TransferParts
 
@@ -63,8 +63,8 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
         check_optimizer(model, optimizer)
         surgeon.attach_optimizer(optimizer)
     select_rng = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    noise_rng = torch.Generator(device=device).manual_seed(seed)
+    device = next(model.parameters()).device  # a meta model's: the controller seeds it again where it runs
+    noise_rng = torch.Generator(device="cpu" if device.type == "meta" else device).manual_seed(seed)
     scores = None if calibration is None else calibrated_scores(
         surgeon, [g for kind in KINDS for g in layers[kind]], calibration, loss_fn)
     kept = compact(surgeon, layers, density=density, init=opts.init, allocation=opts.allocation,
@@ -98,6 +98,10 @@ def _read_arguments(model: nn.Module, *, method: str, density: float, total_step
         raise ValueError(f"{type(model).__name__} is wrapped by barter.wrap already (compact, its layers installed): "
                          "keep using the controller that wrap returned (ctl.close() stops it following the "
                          "optimizer and collecting scores); to wrap anew, build the model afresh and wrap that")
+    if opts.init in RANKED_INITS and any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"init={opts.init!r} ranks units by their weights, and {type(model).__name__} is on the meta "
+                         "device (no weights yet): wrap it with init='first' or 'random', or materialise and "
+                         "initialise it first")
     if (opts.init == "score") != (calibration is not None):
         raise ValueError("init='score' measures D on calibration batches: pass calibration=<loader>"
                          if calibration is None else f"calibration is read by init='score' only (init={opts.init!r})")

@@ -1,12 +1,13 @@
 """Finding the groups of one traced graph: label it, inline the helpers it can look into, group."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
 import torch.fx
 
-from ..capture.calls import buffers_kept, forked_rng, materialize
+from ..capture.calls import buffers_kept, forked_rng, materialize, real_values
 from ..capture.inline import inline_helpers
 from ..capture.tracer import MODULE_CALLS
 from ..compat import tree_map
@@ -68,7 +69,8 @@ def _labelled(gm: torch.fx.GraphModule, values: list, where: str, locate: bool) 
     for meta in (True, False):  # labelling runs for real what reads buffers alone: they are put back after it
         lab = Labeller(gm, RULES, meta=meta, repeats=repeats)
         try:
-            with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]), buffers_kept(gm):
+            with torch.no_grad(), forked_rng([v for v in values if torch.is_tensor(v)]), buffers_kept(gm), \
+                    (contextlib.nullcontext() if meta else real_values(gm)):  # a meta module too runs for real
                 lab.run(*(values if meta else materialize(values)))
             break
         except Exception as e:

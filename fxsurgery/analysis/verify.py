@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from ..capture.calls import forked_rng, materialize, training_mode
+from ..capture.calls import forked_rng, materialize, real_values, training_mode
 from ..compat import tree_leaves
 from ..editing import Editor
 from ..groups import UnitGroup
@@ -23,15 +23,18 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reas
     equal unit 1 zeroed at the tap point; where that differs, each is checked alone to tell which is wrong. Where no
     removal is compared (an inexact group, or one at its minimum count, such as a single FFN channel), the tap is
     compared with masking unit 0 at every output slice instead (the projection's columns, a head-mixing map's read
-    rows). Returns what went wrong, or None."""
-    trial = _Trial(editor, g, inputs)
-    try:
-        with training_mode(trial.module, False), forked_rng(tree_leaves((trial.args, trial.kwargs))):
-            return trial.check()
-    except Exception as e:  # report the group, keep the model usable
-        return Reason(f"{type(e).__name__}: {e}", module=g.module)
-    finally:
-        trial.restore()
+    rows). A host on the meta device (a model built without memory) is checked with random values of its tensors'
+    shapes, on the CPU, standing in for its meta ones (``real_values``): the properties hold for any values, and one
+    host is small. Returns what went wrong, or None."""
+    with real_values(editor.host(g)):
+        trial = _Trial(editor, g, inputs)
+        try:
+            with training_mode(trial.module, False), forked_rng(tree_leaves((trial.args, trial.kwargs))):
+                return trial.check()
+        except Exception as e:  # report the group, keep the model usable
+            return Reason(f"{type(e).__name__}: {e}", module=g.module)
+        finally:
+            trial.restore()
 
 
 class _Trial:

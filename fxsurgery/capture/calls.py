@@ -68,6 +68,31 @@ def materialize(obj: Any, seed: int = 0) -> Any:
     return tree_map(real, obj)
 
 
+@contextmanager
+def real_values(*modules: nn.Module) -> Iterator[None]:
+    """Within the block, each meta parameter or buffer of ``modules`` is replaced, in its owner, by a real tensor of
+    its shape and dtype on the CPU (random floats, zeros otherwise: ``materialize``); one tensor held by several
+    owners (tied, or a graph module's copy of its root's) gets one real value everywhere, and the names it is read
+    by still hold. Afterwards the meta ones are back."""
+    made: dict[int, torch.Tensor] = {}
+    replaced = []
+    for owner in (m for module in modules for m in module.modules()):
+        for table in (owner._parameters, owner._buffers):
+            for name, t in table.items():
+                if t is not None and t.is_meta:
+                    if id(t) not in made:
+                        real = materialize(t.detach(), seed=len(made))
+                        made[id(t)] = nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
+                    replaced.append((table, name, t))
+    for table, name, t in replaced:
+        table[name] = made[id(t)]
+    try:
+        yield
+    finally:
+        for table, name, t in replaced:
+            table[name] = t
+
+
 def example_size(size: int | torch.SymInt) -> int:
     """A size as a plain int: a symbolic one (a trace's dynamic dim) at its value in the trace's example, read
     without adding a guard (2, which a call signature makes of every symbolic size, where it has none)."""
@@ -93,9 +118,9 @@ def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[st
                     torch.func.functional_call(model, state, meta_args, meta_kwargs)
             except Exception:
                 seen.clear()
-                with buffers_kept(model):
+                with buffers_kept(model), real_values(model):  # a meta model: on random values of its shapes
                     try:
-                        model(*example[0], **example[1])
+                        model(*materialize(example[0]), **materialize(example[1]))
                     except Exception as err:  # the model's own code refuses the call in this mode
                         mode = "train" if model.training else "eval"
                         raise AnalysisError(f"{type(model).__name__} cannot be called with the example call (in "

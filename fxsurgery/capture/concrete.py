@@ -22,7 +22,7 @@ from torch.export import Dim
 from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
 from .aten import lower
-from .calls import buffers_kept, forked_rng, materialize, training_mode
+from .calls import buffers_kept, forked_rng, materialize, real_values, training_mode
 from .grad_regions import inline_grad_regions
 from .held_objects import holders_registered, rebuild_held_outputs, tensor_holders
 from .tracer import CODE_CONSTANT
@@ -51,8 +51,13 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
             replayed: bool = True) -> tuple[torch.fx.GraphModule, list]:
     """Capture ``module`` in the given mode; returns the graph module (rooted at ``module``, whose parameters
     its ``get_attr`` nodes read) and the values of its placeholders. ``replayed``: a graph to install, with
-    dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither."""
-    args, kwargs = materialize((args, kwargs))
+    dynamic dims and checked to compute what the module does; a graph only read to locate hosts is neither. A module
+    on the meta device (built without memory) is captured on meta inputs: export reads shapes, and a real input
+    beside its meta weights would be a device mismatch."""
+    real_args, real_kwargs = args, kwargs = materialize((args, kwargs))
+    on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    if on_meta:
+        args, kwargs = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, (args, kwargs))
     label = name or "the model"
     expected = _eager_outputs(module, args, kwargs, training=training, label=label)
     holders = tensor_holders(expected)  # a key/value cache it returns: registered for the capture (``held_objects``)
@@ -75,9 +80,11 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)  # run at once: no lazy code
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
-    if replayed:
-        with holders_registered(holders):  # the objects' tensors are compared too
-            _check_replay(module, gm, (args, kwargs), expected, training=training, label=label)
+    if replayed:  # on real values (a meta module's stand in) and with the objects' tensors compared too
+        with real_values(module, gm), holders_registered(holders):
+            if on_meta:
+                expected = _eager_outputs(module, real_args, real_kwargs, training=training, label=label)
+            _check_replay(module, gm, (real_args, real_kwargs), expected, training=training, label=label)
     return gm, list(values)
 
 

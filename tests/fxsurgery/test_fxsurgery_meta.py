@@ -1,0 +1,84 @@
+"""A model built on the meta device (no memory for its weights) is analysed from its shapes and graphs alone: the
+same groups, counts, constants and refusals as the same model built on the CPU, its self-check run on random values
+of its hosts' shapes; the self-check still fails a group built to be wrong, and the model stays on meta."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from tiny_vit import build_vit
+
+from fxsurgery import Surgeon, analyse
+from fxsurgery.analysis.verify import real_values, self_check
+
+
+def _built(device: str) -> torch.nn.Module:
+    with torch.device(device):
+        return build_vit()
+
+
+def _described(analysis) -> tuple:
+    groups = [(g.name, g.kind, g.count, g.max_count, g.min_count, g.exact, tuple((sl.name, sl.dim, sl.output)
+               for sl in g.slices)) for g in analysis.groups]
+    return groups, analysis.left_out, analysis.front_ends, analysis.structure
+
+
+def test_a_meta_model_analyses_as_the_same_model_on_the_cpu() -> None:
+    meta, cpu = _built("meta"), _built("cpu")
+    on_meta = analyse(meta, (torch.zeros(2, 3, 32, 32, device="meta"),))
+    on_cpu = analyse(cpu, (torch.zeros(2, 3, 32, 32),))
+    assert len(on_meta.groups) == 6
+    assert _described(on_meta) == _described(on_cpu)
+    assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+
+
+def test_real_values_stand_in_for_meta_tensors_and_leave_them_meta() -> None:
+    model = _built("meta")
+    block = model.blocks[0]
+    weight = block.attn.qkv.weight
+    with real_values(block):
+        real = block.attn.qkv.weight
+        assert not real.is_meta and real.shape == (192, 64) and isinstance(real, torch.nn.Parameter)
+        assert torch.isfinite(block(torch.randn(2, 17, 64))).all()
+    assert block.attn.qkv.weight is weight and all(t.is_meta for t in block.parameters())
+
+
+def test_real_values_keep_tied_parameters_tied() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    with real_values(model):
+        assert model[1].weight is model[0].weight and not model[0].weight.is_meta
+    assert model[1].weight is model[0].weight and model[0].weight.is_meta
+
+
+def test_the_self_check_fails_a_wrong_group_on_a_meta_model() -> None:
+    x = torch.zeros(2, 3, 32, 32, device="meta")
+    s = Surgeon(_built("meta"), (x,))
+    g = s.group("blocks.0.attn:head")
+    calls = []
+    handle = s.model.get_submodule(g.module).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    s.model(x)
+    handle.remove()
+    assert self_check(s._editor, g, calls[0]) is None
+    g.slices = tuple(dataclasses.replace(sl, output=False) for sl in g.slices)  # the columns copied, not split
+    assert self_check(s._editor, g, calls[0]).text.startswith("a clone changed the outputs by")
+    assert all(t.is_meta for t in s.model.parameters())
+
+
+def test_a_meta_hf_llama_analyses_as_on_the_cpu() -> None:
+    """Its attention takes a tuple of tensors: captured by torch.export on meta inputs, the replay check and the
+    self-check on real values standing in."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, num_key_value_heads=2, max_position_embeddings=32,
+                                      use_cache=False, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=24)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    with torch.device("meta"):
+        meta = transformers.LlamaModel(config)
+    on_meta = analyse(meta, (), {"input_ids": ids.to("meta")})
+    on_cpu = analyse(transformers.LlamaModel(config), (), {"input_ids": ids})
+    assert [g.name for g in on_meta.groups] == [g.name for g in on_cpu.groups]
+    assert len(on_meta.groups) == 4 and _described(on_meta)[0] == _described(on_cpu)[0]

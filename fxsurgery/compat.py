@@ -26,7 +26,8 @@ from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map si
 
 __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "flatten_to_spec", "pytree_info",
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
-           "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "NormBase", "ConvNd", "self_attention_block",
+           "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "own_tensor_tables", "NormBase", "ConvNd",
+           "self_attention_block",
            "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module", "is_fake", "outside_traces",
            "is_pytree_node", "register_pytree_node", "pytree_node_registered", "spec_with_types", "set_out_spec"]
 
@@ -53,6 +54,8 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "._forward_hooks": "module_hooks",
     "._backward_pre_hooks": "module_hooks",
     "._backward_hooks": "module_hooks",
+    "._parameters": "own_tensor_tables",
+    "._buffers": "own_tensor_tables",
     "torch.nn.modules.batchnorm._NormBase": "NormBase",
     "torch.nn.modules.conv._ConvNd": "ConvNd",
     "._sa_block": "self_attention_block",
@@ -201,6 +204,12 @@ def module_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     dicts; ``_backward_pre_hooks`` since torch 2.0)."""
     hook_dicts = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
     return [hook for hooks in hook_dicts for hook in hooks.values()]
+
+
+def own_tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dicts that hold ``module``'s own parameters and buffers by name (``Module._parameters`` and
+    ``_buffers``): writing an entry replaces the tensor without the checks of ``setattr``, as a meta one must be."""
+    return module._parameters, module._buffers
 
 
 #: The base class of the batch and instance norms, whose feature count is ``num_features`` (torch >= 1.5).

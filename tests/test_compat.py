@@ -335,6 +335,14 @@ def test_module_hooks():
     assert compat.module_hooks(module) == hooks
 
 
+def test_own_tensor_tables():
+    module = nn.BatchNorm1d(3)
+    parameters, buffers = compat.own_tensor_tables(module)
+    assert parameters["weight"] is module.weight and buffers["running_mean"] is module.running_mean
+    parameters["weight"] = nn.Parameter(torch.zeros(3))
+    assert module.weight is parameters["weight"] and "weight" in dict(module.named_parameters())
+
+
 def test_normbase():
     for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm2d, nn.SyncBatchNorm):
         assert issubclass(cls, compat.NormBase) and cls(3).num_features == 3

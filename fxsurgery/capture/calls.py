@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..compat import is_fake, tree_leaves, tree_map
+from ..compat import is_fake, own_tensor_tables, tree_leaves, tree_map
 from ..errors import AnalysisError
 from .meta_memo import MetaMemo
 
@@ -77,7 +77,7 @@ def real_values(*modules: nn.Module) -> Iterator[None]:
     made: dict[int, torch.Tensor] = {}
     replaced = []
     for owner in (m for module in modules for m in module.modules()):
-        for table in (owner._parameters, owner._buffers):
+        for table in own_tensor_tables(owner):
             for name, t in table.items():
                 if t is not None and t.is_meta:
                     if id(t) not in made:

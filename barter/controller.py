@@ -235,10 +235,12 @@ class Controller:
         """A model wrapped on the meta device and materialised since (``to_empty``): the split noise is drawn on
         the device its weights are on now, seeded as `wrap` seeded it (nothing was drawn on meta), and the score
         tables are there too."""
+        if not self.noise_seeded_on_meta:  # the common case, and every step after the first real one: nothing to do
+            return
         device = next(self.model.parameters()).device
         if device.type == "meta":
             return
-        if self.noise_rng.device != device and self.noise_seeded_on_meta:
+        if self.noise_rng.device != device:
             self.noise_rng = torch.Generator(device=device).manual_seed(self.noise_rng.initial_seed())
         self.noise_seeded_on_meta = False
         for table in self.tables.values():

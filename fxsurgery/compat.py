@@ -27,9 +27,9 @@ from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map si
 __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "flatten_to_spec", "pytree_info",
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
            "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "own_tensor_tables", "NormBase", "ConvNd",
-           "self_attention_block",
-           "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module", "is_fake", "outside_traces",
-           "is_pytree_node", "register_pytree_node", "pytree_node_registered", "spec_with_types", "set_out_spec"]
+           "self_attention_block", "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module",
+           "is_fake", "outside_traces", "is_pytree_node", "register_pytree_node", "pytree_node_registered",
+           "spec_with_types", "set_out_spec"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object, or text fx generates)
 # -> the name of this module that reaches it
@@ -132,7 +132,7 @@ def spec_with_types(spec: Any, replace: Callable[[Any], Any]) -> Any:
     if spec.is_leaf():
         return spec
     return torch.utils._pytree.TreeSpec(replace(spec.type), spec.context,
-                           [spec_with_types(child, replace) for child in spec.children()])
+                                        [spec_with_types(child, replace) for child in spec.children()])
 
 
 #: How the Python code fx generates for such a graph reads its specs (from ``self``, the graph module; torch >= 1.12):

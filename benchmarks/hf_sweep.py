@@ -86,6 +86,7 @@ class Row:
     seconds: float = 0.0
     trace: str = ""  # a raw exception's traceback head
     unforeseen: str = ""  # the first part left out by an unforeseen exception (a bug of the analysis): its reason
+    attention: bool = False  # the model has an attention module (the issue's measure counts these)
 
     @property
     def built(self) -> bool:
@@ -241,11 +242,28 @@ def sweep_one(name: str) -> Row:
     seconds = time.perf_counter() - start
     left = [(lo.module or "(model)", reason) for lo in analysis.left_out for reason in lo.reasons]
     unforeseen = next((first_words(f"{module}: {reason}") for module, reason in left if UNFORESEEN in reason), "")
+    attention = bool(attention_modules(model))
     if not analysis.groups:
         why = first_words(left[0][1]) if left else ""
-        return Row(name, Outcome.REFUSED if why else Outcome.SILENT, why=why, seconds=seconds, unforeseen=unforeseen)
-    return Row(name, Outcome.HEADS if heads else Outcome.CHANNELS, heads, channels, seconds=seconds,
-               unforeseen=unforeseen)
+        return Row(name, Outcome.REFUSED if why else Outcome.SILENT, why=why, seconds=seconds, unforeseen=unforeseen,
+                   attention=attention)
+    why = "" if heads else first_words(_why_no_heads(model, left))
+    return Row(name, Outcome.HEADS if heads else Outcome.CHANNELS, heads, channels, why=why, seconds=seconds,
+               unforeseen=unforeseen, attention=attention)
+
+
+def attention_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s attention modules, by transformers' class names (the sweep's own notion: the
+    analysis reads graphs, not names)."""
+    return [name for name, module in model.named_modules() if "Attention" in type(module).__name__]
+
+
+def _why_no_heads(model: torch.nn.Module, left: list[tuple[str, str]]) -> str:
+    """Why a model with channel groups has no head group: the first reason given for a part within an attention
+    module or that speaks of heads, else "" (the heads are missing without a reason)."""
+    attention = attention_modules(model)
+    return next((f"{module}: {reason}" for module, reason in left
+                 if re.search(r"\bheads?\b", reason) or any(module.startswith(a) for a in attention)), "")
 
 
 def _unforeseen_part(message: str) -> str:
@@ -314,12 +332,19 @@ def table(rows: list[Row]) -> str:
 
 
 def summary(rows: list[Row]) -> str:
+    """The counts of each outcome, then the measure: of the classes built with attention, the share with heads
+    found, and how many of the others give no reason."""
     counts = {outcome: sum(r.outcome is outcome for r in rows) for outcome in Outcome}
     built = sum(r.built for r in rows)
     unforeseen = sum(bool(r.unforeseen) for r in rows)
+    attending = [r for r in rows if r.built and r.attention]
+    with_heads = sum(r.outcome is Outcome.HEADS for r in attending)
+    silent = sum(r.outcome is not Outcome.HEADS and not r.why for r in attending)
+    share = f"{100 * with_heads / len(attending):.1f}%" if attending else "n/a"
     return (f"hf sweep: {len(rows)} classes, {built} built; " +
             ", ".join(f"{outcome.value} {count}" for outcome, count in counts.items()) +
-            f"; a part left out by an unforeseen error in {unforeseen}")
+            f"; a part left out by an unforeseen error in {unforeseen}; with attention {len(attending)}, heads found "
+            f"in {with_heads} ({share}), the others without a reason {silent}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -289,3 +289,37 @@ def test_tokens_picked_by_a_data_dependent_index_keep_their_expert_channels(perm
         s.remove(ffn, 1)
         masked.fc2.weight[:, 1] = 0
         assert (model(x) - masked(x)).abs().max() <= 1e-9
+
+
+class AliasAttention(nn.Module):
+    """Attention written with the NumPy-style aliases (``torch.multiply``, ``Tensor.divide``, ``torch.subtract``),
+    as some transformers models write it: heads are found through them as through ``*``, ``/`` and ``-``."""
+
+    def __init__(self, dim: int = 12, heads: int = 3):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, self.h, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = torch.multiply(q, self.d ** -0.5) @ k.transpose(-1, -2)
+        weights = torch.subtract(scores, scores.amax(-1, keepdim=True)).exp()
+        weights = weights.divide(weights.sum(-1, keepdim=True))
+        mixed = (weights @ v).transpose(1, 2).reshape(b, n, -1)
+        return self.out(mixed.multiply(torch.sigmoid(self.gate(x))))
+
+
+def test_heads_are_found_through_the_numpy_style_aliases_and_removal_equals_masking() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(AliasAttention(), nn.Linear(12, 3))
+    masked = copy.deepcopy(model)
+    x = torch.randn(2, 4, 12)
+    s = Surgeon(model, (x,))
+    head = next(g for g in s.groups if g.kind == "head")
+    assert head.count == 3 and head.exact
+    s.remove(head, 1)
+    with torch.no_grad():
+        masked[0].out.weight[:, 4:8] = 0  # head 1's columns of the output projection
+    torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)

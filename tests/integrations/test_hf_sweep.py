@@ -48,6 +48,8 @@ def test_class_finds_groups_or_refuses_with_a_reason(sweep, name):
         assert row.why, "a refusal without its reason"
     else:
         assert row.heads + row.channels > 0
+    if row.outcome is sweep.Outcome.CHANNELS and row.attention:
+        assert row.why, "an attention model whose heads are missing without a reason"
 
 
 def test_class_whose_input_is_neither_text_nor_images_is_not_built_with_the_reason(sweep):
@@ -71,6 +73,15 @@ def test_the_table_counts_each_outcome_and_a_raw_exception_fails_the_sweep(sweep
     assert "KeyError: 'h'" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         sweep.main(["--classes", "NoSuchModelForCausalLM"])
+
+
+def test_the_summary_gives_the_share_of_attention_models_with_heads_and_those_without_a_reason(sweep):
+    rows = [sweep.Row("A", sweep.Outcome.HEADS, heads=2, attention=True),
+            sweep.Row("B", sweep.Outcome.CHANNELS, channels=2, why="b.attn: no rule for multiply", attention=True),
+            sweep.Row("C", sweep.Outcome.CHANNELS, channels=2, attention=True),
+            sweep.Row("D", sweep.Outcome.CHANNELS, channels=4),  # no attention: not counted
+            sweep.Row("E", sweep.Outcome.NOT_BUILT, why="too big", attention=True)]
+    assert sweep.summary(rows).endswith("with attention 3, heads found in 1 (33.3%), the others without a reason 1")
 
 
 def test_a_refusal_names_the_part_an_unforeseen_error_left_out(sweep):

@@ -22,11 +22,13 @@ _BINARY_FUNCS = [
     operator.add, operator.sub, operator.mul, operator.truediv, operator.pow, operator.iadd,
     operator.imul, operator.isub, operator.itruediv, torch.add, torch.sub, torch.mul, torch.div,
     torch.where, torch.maximum, torch.minimum, torch.pow, torch.lerp, torch.addcmul,
+    torch.multiply, torch.subtract, torch.divide, torch.true_divide,  # the NumPy-style aliases
 ]
 _ELEMENTWISE_METHODS = [
     "relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "rsqrt", "sin", "cos", "erf", "log",
     "square", "clamp", "clip", "pow", "add", "sub", "mul", "div", "where", "lerp",
     "zero", "fill", "nan_to_num", "softplus", "addcmul", "maximum", "minimum", "clamp_min", "clamp_max",
+    "multiply", "subtract", "divide", "true_divide",
 ]
 _PASSTHROUGH_METHODS = [
     "contiguous", "clone", "detach", "float", "double", "half", "bfloat16", "to", "type", "type_as",

@@ -323,3 +323,36 @@ def test_heads_are_found_through_the_numpy_style_aliases_and_removal_equals_mask
     with torch.no_grad():
         masked[0].out.weight[:, 4:8] = 0  # head 1's columns of the output projection
     torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
+
+
+class MaxStabilisedAttention(nn.Module):
+    """A softmax written out, stabilised by ``scores.max(dim=-1, keepdim=True).values`` and with ``torch.max`` of
+    two tensors as a floor: heads are found through both forms of ``max``."""
+
+    def __init__(self, dim: int = 12, heads: int = 3):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, self.h, self.d).transpose(1, 2) for p in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) * self.d ** -0.5
+        weights = (scores - scores.max(dim=-1, keepdim=True).values).exp()
+        weights = weights / weights.sum(-1, keepdim=True)
+        mixed = torch.max(weights @ v, torch.full_like(v, -3.0))
+        return self.out(mixed.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_heads_are_found_through_max_over_a_dim_and_of_two_tensors_and_removal_equals_masking() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(MaxStabilisedAttention(), nn.Linear(12, 3))
+    masked = copy.deepcopy(model)
+    x = torch.randn(2, 4, 12)
+    s = Surgeon(model, (x,))
+    head = next(g for g in s.groups if g.kind == "head")
+    assert head.count == 3 and head.exact
+    s.remove(head, 2)
+    with torch.no_grad():
+        masked[0].out.weight[:, 8:] = 0  # head 2's columns of the output projection
+    torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)

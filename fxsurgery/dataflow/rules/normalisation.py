@@ -136,6 +136,11 @@ def normalize(s: Step) -> Label:
 @register_rule(torch.sum, torch.mean, torch.amax, torch.amin, torch.logsumexp, torch.norm, torch.var, torch.std,
                "sum", "mean", "amax", "amin", "logsumexp", "norm", "var", "std")
 def reduce(s: Step) -> Label | None:
+    return _reduce(s, s.out)
+
+
+def _reduce(s: Step, out: torch.Tensor) -> Label | None:
+    """A reduction over ``dim`` (all dims where None) whose result is ``out``: it mixes the coordinates it reduces."""
     x, xl = first_tensor(s)
     ids = align(xl.ids, x.dim())
     dim = s.arg(2 if s.node.target in ("norm",) or s.node.target is torch.norm else 1, "dim")[0]
@@ -146,6 +151,19 @@ def reduce(s: Step) -> Label | None:
         if not any(varies(ids, d) for d in range(x.dim()) if d not in dims):
             return None
         ids = ids.amax(dim=dims, keepdim=True)  # within blocks (a head's own coordinates): as the mix represents them
-    keep = s.out.dim() == x.dim()
-    out = ids if keep else ids.reshape([n for k, n in enumerate(ids.shape) if k not in dims])
-    return Label(out, xl.param)
+    keep = out.dim() == x.dim()
+    out_ids = ids if keep else ids.reshape([n for k, n in enumerate(ids.shape) if k not in dims])
+    return Label(out_ids, xl.param)
+
+
+@register_rule(torch.max, torch.min, "max", "min")
+def extremum(s: Step) -> Label | tuple[Label | None, Label | None] | None:
+    """``max``/``min``: of two tensors, elementwise; over all dims, a reduction; over ``dim``, a reduction whose
+    values and indices (positions along ``dim``) both carry the coordinates of the dims kept."""
+    other = s.arg(1, "other")[0]
+    if torch.is_tensor(other):
+        return elementwise_labels(s, list(s.tensors()), s.out.dim())
+    if torch.is_tensor(s.out):
+        return _reduce(s, s.out)
+    label = _reduce(s, s.out[0])
+    return (label, label)

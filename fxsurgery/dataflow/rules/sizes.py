@@ -18,6 +18,8 @@ def attribute(s: Step) -> Any:
     if s.args[1] in ("T", "mT") and torch.is_tensor(s.out) and xl is not None:
         x = s.args[0]
         return Label(align(xl.ids, x.dim()).transpose(-2, -1), xl.param)
+    if s.args[1] in ("values", "indices") and isinstance(xl, tuple):  # a reduction's (values, indices)
+        return xl[("values", "indices").index(s.args[1])]
     return None
 
 

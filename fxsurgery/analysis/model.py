@@ -120,17 +120,30 @@ def _called(hosts: list[str], calls: dict[str, tuple[tuple, dict]]) -> list[str]
 
 def _callers_of_returned_heads(model: nn.Module, hosts: list[str], plan: ModelPlan) -> list[str]:
     """The hosts, each one whose heads reach its outputs (an attention module that returns its per-head
-    attention weights) replaced by its nearest calling module, where the weights may be dropped."""
-    inputs = plan.calls
+    attention weights) replaced by its nearest calling module that drops them (a block may hand them on to its
+    own caller), where that caller offers more groups than the hosts it replaces."""
     hosts = list(hosts)
     for host in list(hosts):
-        found = host_analysis(model, host, inputs[host], plan.shared)
-        if host not in hosts or isinstance(found, Reason) or found.groups or not found.refusals \
-                or not all(r.at_output for r in found.refusals):
+        if host not in hosts or not _hands_heads_on(model, host, plan):
             continue
-        caller = _nearest_called(host.rpartition(".")[0], inputs)
-        hosts = [h for h in hosts if not within(h, caller)] + [caller]
+        caller = host
+        while caller and _hands_heads_on(model, caller, plan):
+            caller = _nearest_called(caller.rpartition(".")[0], plan.calls)
+        replaced = [h for h in hosts if within(h, caller)]
+        if _group_count(model, caller, plan) > sum(_group_count(model, h, plan) for h in replaced):
+            hosts = [h for h in hosts if h not in replaced] + [caller]
     return hosts
+
+
+def _hands_heads_on(model: nn.Module, host: str, plan: ModelPlan) -> bool:
+    """Whether the host's per-head values reach its outputs."""
+    found = host_analysis(model, host, plan.calls[host], plan.shared)
+    return not isinstance(found, Reason) and any(r.at_output for r in found.refusals)
+
+
+def _group_count(model: nn.Module, host: str, plan: ModelPlan) -> int:
+    found = host_analysis(model, host, plan.calls[host], plan.shared)
+    return 0 if isinstance(found, Reason) else len(found.groups)
 
 
 def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],

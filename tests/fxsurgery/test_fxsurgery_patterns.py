@@ -356,3 +356,58 @@ def test_heads_are_found_through_max_over_a_dim_and_of_two_tensors_and_removal_e
     with torch.no_grad():
         masked[0].out.weight[:, 8:] = 0  # head 2's columns of the output projection
     torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
+
+
+class WeightsReturningAttention(nn.Module):
+    """Returns its per-head attention weights beside its output, as many transformers attention modules do."""
+
+    def __init__(self, dim: int = 12, heads: int = 3):
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        weights = (q @ k.transpose(-1, -2) * self.d ** -0.5).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, -1)), weights
+
+
+class WeightsHandingBlock(nn.Module):
+    """A block that hands its attention's weights on to its caller."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(dim), WeightsReturningAttention(dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        attended, weights = self.attn(self.norm(x))
+        x = x + attended
+        return x + self.mlp(x), weights
+
+
+class WeightsDroppingModel(nn.Module):
+    """Its blocks hand their attention weights on; it drops them."""
+
+    def __init__(self, dim: int = 12):
+        super().__init__()
+        self.blocks, self.head = nn.ModuleList(WeightsHandingBlock(dim) for _ in range(2)), nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x, _ = block(x)
+        return self.head(x)
+
+
+def test_heads_whose_weights_blocks_hand_on_are_found_where_a_caller_drops_them() -> None:
+    torch.manual_seed(0)
+    model = WeightsDroppingModel()
+    masked = copy.deepcopy(model)
+    x = torch.randn(2, 4, 12)
+    s = Surgeon(model, (x,))
+    heads = [g for g in s.groups if g.kind == "head"]
+    assert [g.count for g in heads] == [3, 3] and all(g.exact for g in heads)
+    s.remove(heads[1], 0)
+    with torch.no_grad():
+        masked.blocks[1].attn.out.weight[:, :4] = 0  # head 0's columns of the second block's output projection
+    torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)

@@ -187,8 +187,10 @@ class _Builder:
         # parameters join units, they do not define which units share an axis; values whose classes are all no
         # unit axis (the residual stream) are dropped anyway
         held = {id(act.units): act.units for act in self.acts if not act.param}  # values that share ids share units
-        axes = list({u.numpy().tobytes(): u for u in held.values()  # values that carry the same units once
-                     if u.numel() and not self.benign[u].all()}.values())
+        # a value's classes that are no unit axis (a key/value head that every query head reads, fused beside
+        # them) join nothing: the units beside them are grouped as they would be apart
+        held = {key: u[~self.benign[u]] for key, u in held.items()}
+        axes = list({u.numpy().tobytes(): u for u in held.values() if u.numel()}.values())
         axes = [a for a in axes if not self.fused(a, axes)]
         units, edges = _first_appearance(axes, self.rec.next_id)
         comps = _components(units, classes(len(units), [edges]), self.rec.next_id)

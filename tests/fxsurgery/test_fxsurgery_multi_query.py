@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zoo import masked_copy
 
+import fxsurgery
 from fxsurgery import Surgeon
 
 
@@ -136,3 +137,38 @@ def test_repeated_key_value_heads_follow_the_query_heads(kv_heads: int, n_rep: i
             <= 1e-9
         s.clone(group, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
         assert (model(x) - removed).abs().max() <= 1e-9
+
+
+class FusedMultiQueryAttention(nn.Module):
+    """Queries and the one key/value head from one projection (GPTBigCode's c_attn): [q heads | k | v] rows."""
+
+    def __init__(self, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.dim, self.head_dim = dim, dim // heads
+        self.c_attn, self.out = nn.Linear(dim, dim + 2 * self.head_dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.c_attn(x).split((self.dim, self.head_dim, self.head_dim), dim=2)
+        q = q.view(b, n, -1, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k.unsqueeze(1), v.unsqueeze(1), is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class FusedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.fc1, self.fc2 = FusedMultiQueryAttention(), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_query_heads_fused_beside_one_key_value_head_are_left_out_with_the_reason() -> None:
+    """The shared key/value rows are no unit axis; the query heads beside them fill a segment of the fused weight,
+    which the slice engine cannot yet resize: they are reported naming the weight, never silently dropped."""
+    analysis = fxsurgery.analyse(FusedModel(), (torch.randn(2, 5, 8),), {})
+    assert [(g.name, g.count) for g in analysis.groups] == [("FusedModel:channel", 16)]
+    reasons = [reason for left in analysis.left_out for reason in left.reasons]
+    assert any("attn.c_attn.weight" in r and "segment of dim 0" in r for r in reasons), reasons

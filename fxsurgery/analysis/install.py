@@ -64,10 +64,10 @@ def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor
         if check.outcomes[layout] is not None:
             del editor.plumbing[g]
     kept = offered(host, check).kept
-    for (index, g), record in zip(trial, list(server.groups)):
+    for index, g in trial:
         if index not in kept:
             editor.plumbing.pop(g, None)
-            server.groups.remove(record)
+    server.groups[:] = [record for (index, _), record in zip(trial, server.groups) if index in kept]
     server.fit = check.fit
     return server
 

@@ -14,7 +14,7 @@ from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
 from fxsurgery import Analysis, Surgeon, analyse
 from fxsurgery.analysis import cache as analysis_cache
 from fxsurgery.analysis import install as analysis_install
-from fxsurgery.analysis import model as model_analysis
+from fxsurgery.analysis import value as analysis_value
 from fxsurgery.analysis.value import working_copy as model_analysis_working_copy
 from fxsurgery.errors import AnalysisError
 
@@ -136,7 +136,7 @@ def test_surgeon_installs_an_analysis_without_analysing_again(monkeypatch) -> No
     def no_planning(*_):
         raise AssertionError("Surgeon(model, analysis) planned again")
 
-    monkeypatch.setattr(model_analysis, "plan_model", no_planning)
+    monkeypatch.setattr(analysis_value, "plan_model", no_planning)
     surgeon = Surgeon(model, analysis)
     assert surgeon.analysis == analysis and surgeon.analysis._plan is None  # the plan goes once installed
     assert [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
@@ -186,6 +186,19 @@ def test_the_analysis_installs_one_host_of_each_kind_on_its_copy_and_the_surgeon
     hosts = [model.get_submodule(host) for host in analysis._plan.checks]
     assert [id(m) for m in installed] == [id(m) for m in hosts] and len(hosts) == 3 * len(kinds)
     assert [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
+
+
+def test_an_analysis_of_hosts_changed_since_is_made_again_before_it_installs(monkeypatch) -> None:
+    """A host whose fingerprint changed after the analysis (a plain attribute set) is not the host checked: the
+    Surgeon analyses the model again, and installs that analysis, which must find the same groups."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3)).eval()
+    analysis = analyse(model, (torch.randn(2, 4, 5),))
+    model.blocks[0].attn.note = "changed after the analysis"
+    real, planned = analysis_value.plan_model, []
+    monkeypatch.setattr(analysis_value, "plan_model", lambda *a: planned.append(a) or real(*a))
+    surgeon = Surgeon(model, analysis)
+    assert len(planned) == 1 and [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
 
 
 def test_a_unit_group_is_read_only_and_an_analysis_keeps_its_own() -> None:

@@ -20,6 +20,16 @@ class UnitGroup:
     groups before it), changes, by its Surgeon's edits (``set_count``, ``set_slices``). An ``Analysis`` keeps its
     groups as analysed: a Surgeon operates on groups of its own."""
 
+    name: str
+    kind: UnitKind
+    module: str
+    max_count: int
+    min_count: int
+    exact: bool
+    notes: tuple[str, ...]
+    slices: tuple[ParamSlice, ...]  # live
+    _count: int  # live
+
     def __init__(self, *, name: str, kind: UnitKind, module: str, count: int, max_count: int, exact: bool,
                  slices: tuple[ParamSlice, ...], notes: tuple[str, ...] = (), min_count: int = 0):
         vars(self).update(name=name, kind=kind, module=module, _count=count, max_count=max_count,

@@ -24,6 +24,7 @@ from tiny_vit import build_vit  # noqa: E402
 import barter  # noqa: E402
 
 ENTRY_POINTS = ("barter/wrapping.py", "fxsurgery/analysis/value.py", "fxsurgery/analysis/model.py",
+                "fxsurgery/analysis/install.py",
                 "fxsurgery/surgeon.py")
 
 

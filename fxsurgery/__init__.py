@@ -2,10 +2,10 @@
 remove or clone units with parameters, graph constants and optimizer state kept consistent.
 
 Layout: ``capture`` turns a module into fx graphs; ``dataflow`` labels them and groups units;
-``analysis`` runs that over a whole model (``analyse``: a read-only ``Analysis`` value, found on a copy) and
-installs the hosts; ``runtime`` is the installed forward and serves calls of new signatures; ``editing`` operates
-on groups; ``Surgeon`` (``surgeon``) installs an analysis and is the facade
-for every edit.
+``analysis`` runs that over a whole model (``analyse``: an ``Analysis`` value, found and self-checked on a copy,
+that installs nothing on the model) and installs the hosts of a plan (``analysis.install``); ``runtime`` is the
+installed forward and serves calls of new signatures; ``editing`` operates on groups; ``Surgeon`` (``surgeon``)
+installs an analysis and is the facade for every edit.
 
 Glossary (as the code uses the words):
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from .clone_state import StateAtClone, clone_step, stamp_restarts, state_at_clone
 from .dataflow.constants import ConstantSpec, set_path
 from .dataflow.paths import tensor_at
-from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count
+from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count, set_slices
 from .module_sizes import sync_sizes
 from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, state_tensors
 from .taps import TapPoint
@@ -134,11 +134,13 @@ class Editor:
     def settle(self, g: UnitGroup, count: int) -> None:
         """Set the count, and the host constants, module sizes and segments of other groups that follow it (a
         group whose segment of a fused projection lies after this group's moves with it)."""
-        for sl in g.slices:
-            delta = (count - g.count) * sl.outer * sl.inner
-            for other in self.plumbing:
-                if other is not g:
-                    other.slices = tuple(o.shifted(sl, delta) for o in other.slices)
+        moves = [(sl, (count - g.count) * sl.outer * sl.inner) for sl in g.slices]
+        for other in self.plumbing:
+            moved = other.slices
+            for sl, delta in moves if other is not g else ():
+                moved = tuple(o.shifted(sl, delta) for o in moved)
+            if moved != other.slices:
+                set_slices(other, moved)
         set_count(g, count)
         host = self.host(g)
         for slot in self.plumbing[g].slots:

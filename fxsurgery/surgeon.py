@@ -7,8 +7,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .analysis.model import install_model
-from .analysis.value import Analysis, analyse, check_installed, run_once, structure, structure_difference
+from .analysis.install import install_model, installs_on
+from .analysis.value import Analysis, analyse, run_once, structure, structure_difference
 from .clone_state import StateAtClone
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
@@ -36,27 +36,23 @@ class Surgeon:
             if now != analysis.structure:
                 raise ValueError(f"the analysis is of another model than this {type(model).__name__}: "
                                  f"{structure_difference(analysis.structure, now)}")
-            if analysis._plan is None:  # unpickled or copied: analyse again and check it finds the same
-                fresh = analyse(model, analysis.example_inputs, analysis.example_kwargs)
-                if fresh != analysis:
-                    raise ValueError(f"analysing this {type(model).__name__} again finds other groups than the "
-                                     f"analysis given: {[g.name for g in fresh.groups]} against "
-                                     f"{[g.name for g in analysis.groups]}")
-                analysis = fresh
+            run_once(model, analysis.example_inputs, analysis.example_kwargs)  # its first-call state, as analysed
+            if analysis._plan is None or not installs_on(model, analysis._plan):
+                analysis = _analysed_again(model, analysis)  # unpickled or copied, or its hosts have changed since
         else:  # analysed here and now: of this model, whose hosts' fingerprints are its copy's
             analysis = analyse(model, example_inputs, example_kwargs)
             analysis._plan.shared.hand_keys_to(model)
+            run_once(model, analysis.example_inputs, analysis.example_kwargs)  # its first-call state, as analysed
         self.model = model
         self.analysis = analysis.without_plan()
         self.example_inputs = analysis.example_inputs
         self.example_kwargs = analysis.example_kwargs
         self._editor = Editor(model)
-        run_once(model, self.example_inputs, self.example_kwargs)  # its first-call state, as the analysed copy's
-        found = install_model(model, analysis._plan, self._editor)
-        check_installed(analysis, found.groups)
-        self.groups: list[UnitGroup] = found.groups
-        self.left_out: list[LeftOut] = found.left_out
-        self._front_ends = found.front_ends
+        # groups of its own, which its edits change: the analysis keeps its groups as analysed
+        self.groups: list[UnitGroup] = [copy.copy(g) for g in analysis.groups]
+        install_model(model, analysis._plan, self.groups, self._editor)
+        self.left_out: list[LeftOut] = list(analysis.left_out)
+        self._front_ends = dict(analysis.front_ends)
 
     def group(self, name: str) -> UnitGroup:
         for g in self.groups:
@@ -187,3 +183,14 @@ class Surgeon:
         if not any(group is g for g in self.groups):
             raise ValueError(f"{getattr(group, 'name', group)!r} is not a group of this Surgeon")
         return group
+
+
+def _analysed_again(model: nn.Module, analysis: Analysis) -> Analysis:
+    """``model`` analysed again as ``analysis`` was (one without its plan, or whose hosts have changed since); it
+    must find the same."""
+    fresh = analyse(model, analysis.example_inputs, analysis.example_kwargs)
+    if fresh != analysis:
+        raise ValueError(f"analysing this {type(model).__name__} again finds other groups than the analysis given: "
+                         f"{[g.name for g in fresh.groups]} against {[g.name for g in analysis.groups]}")
+    fresh._plan.shared.hand_keys_to(model)
+    return fresh

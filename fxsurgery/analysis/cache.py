@@ -1,6 +1,6 @@
 """What hosts built alike share, found once per analysis and kept with its plan: installing the plan on the model
-analysed, or on another built alike, reuses all of it, and so do the calls of new signatures an installed host
-serves."""
+analysed reuses it, and so do the calls of new signatures an installed host serves. The self-check outcomes are
+no cache: they are part of the plan (``model.HostCheck``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,7 +11,7 @@ import torch.nn as nn
 from ..groups import ConstantSlot
 from ..lru import LruCache
 from ..reason import Reason
-from ..runtime.recapture import CallKey, OwnForwardFit
+from ..runtime.recapture import CallKey
 from .host import HostAnalysis, HostKey, fingerprint
 
 HOST_KINDS_LIMIT = 1024  # kinds of host kept (a model has one kind per block built alike: a few, or one per layer)
@@ -33,23 +33,22 @@ class BoundGraphs:
 class AnalysisCache:
     """The tables hosts built alike share, each keyed by the host's ``HostKey`` (its fingerprint): its analysis or
     why it failed, a copy of it as analysed with parameters on the meta device (what other calls are captured
-    from), each group layout's self-check outcome (by the group's slices, named within the host: None where it
-    passed), the fit of its own forward, and its graphs as bound. The analyses of calls of new signatures are keyed
-    by ``CallKey``. Every table keeps its ``limit`` most recently used entries; one forgotten is worked out again."""
+    from), and its graphs as bound. The analyses of calls of new signatures are keyed by ``CallKey``, and each
+    host's fingerprint is kept by its path with the module and call it was worked out for. Every table keeps its
+    ``limit`` most recently used entries; one forgotten is worked out again."""
 
     def __init__(self, limit: int = HOST_KINDS_LIMIT, recaptures: int = RECAPTURES_LIMIT):
         self.templates: LruCache[HostKey, HostAnalysis | Reason] = LruCache(limit)
         self.meta_copies: LruCache[HostKey, nn.Module] = LruCache(limit)
-        self.checked: LruCache[HostKey, dict[tuple, Reason | None]] = LruCache(limit)
-        self.own_forwards: LruCache[HostKey, OwnForwardFit] = LruCache(limit)
         self.bound: LruCache[HostKey, BoundGraphs] = LruCache(limit)
         self.recaptured: LruCache[CallKey, HostAnalysis | Reason] = LruCache(recaptures)
         # host path -> (module, call, key): the key worked out once for the module and call it was worked out for
         self.keys: LruCache[str, tuple[nn.Module, tuple[tuple, dict], HostKey]] = LruCache(limit)
 
     def key_of(self, module: nn.Module, host: str, inputs: tuple[tuple, dict]) -> HostKey:
-        """The host's fingerprint, worked out once for the module and call it was worked out for (installing the
-        model planned asks again for each host; a model built alike has modules of its own)."""
+        """The host's fingerprint, worked out once for the module and call it was worked out for (a Surgeon given
+        an analysis asks again for each host of its model: the model analysed hands its keys over, ``hand_keys_to``;
+        a model built alike has modules of its own)."""
         known = self.keys.get(host)
         if known is None or known[0] is not module or known[1] is not inputs:
             known = self.keys[host] = (module, inputs, fingerprint(module, *inputs))

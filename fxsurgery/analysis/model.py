@@ -1,29 +1,27 @@
-"""Analysing a whole model: trace its regions, locate the hosts, install each host's rewritten graphs,
-and offer every group that passes the self-check."""
+"""Planning the analysis of a whole model: trace its regions, locate the hosts and analyse each kind of host
+(``plan_model``); once the hosts are self-checked (``analysis.install.check_hosts``), ``read_findings`` reads the
+groups offered and the parts left out from the plan alone, and places each group in its host for installing."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch.nn as nn
 
 from ..capture.calls import capture_inputs
-from ..capture.front_ends import FrontEnd, FrontEndUse
+from ..capture.front_ends import FrontEndUse
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module, join_path, within
-from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..errors import AnalysisError, TraceError, unforeseen
-from ..groups import GroupPlumbing, LeftOut, UnitGroup
+from ..groups import LeftOut, UnitGroup
 from ..reason import Reason
 from ..runtime.call_signature import holds_objects, without_objects
-from ..runtime.graph_forward import GraphForward
-from ..runtime.own_forward import GroupRecord
-from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
-from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
-from .cache import AnalysisCache, BoundGraphs
-from .host import HostAnalysis, HostGroup, HostKey, analyse_host
+from ..runtime.recapture import OwnForwardFit
+from ..slicing import ParamSlice
+from .cache import AnalysisCache
+from .host import HostAnalysis, HostKey, analyse_host
 from .regions import TraceFailure, find_regions, locate_hosts
-from .verify import self_check
 
 
 @dataclass
@@ -33,6 +31,7 @@ class Findings:
     groups: list[UnitGroup] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
     front_ends: dict[str, FrontEndUse] = field(default_factory=dict)  # host module -> the front end that recorded it
+    placed: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # host -> (index in its analysis, name)
 
     def leave_out(self, module: str, reasons: list[str]) -> None:
         """Report ``module`` as left out (once: a region and its host may find the same refusal)."""
@@ -40,18 +39,35 @@ class Findings:
             self.left_out.append(LeftOut(module, reasons))
 
 
+@dataclass(frozen=True)
+class HostCheck:
+    """One host as the self-check found it: its fingerprint, its analysis (or why it failed), the self-check outcome
+    of each group layout (by the group's slices named within the host: None where it passed) and, for a host whose
+    calls pass objects, the fit of its own forward. Hosts built alike share the outcomes and the fit."""
+
+    key: HostKey
+    found: HostAnalysis | Reason
+    outcomes: dict[tuple, Reason | None]
+    fit: OwnForwardFit | None
+
+
 @dataclass
 class ModelPlan:
     """What installing needs, found once: the hosts in the order the model runs them, each host's analysed call
     (object arguments left out) and whether it passes objects, the parts left out while locating the hosts,
-    the regions that did not trace, and the analyses hosts share."""
+    the regions that did not trace, the analyses hosts share, each installed host's check, in order (hosts inside
+    one captured by another front end than the symbolic trace are not installed: the outer one serves them), and
+    where ``read_findings`` placed each group offered (by host: its index in the host's analysis, and its name)."""
 
+    model_name: str
     hosts: list[str]
     calls: dict[str, tuple[tuple, dict]]
     passes_objects: dict[str, bool]
     left_out: list[LeftOut]
     failures: list[TraceFailure]
     shared: AnalysisCache
+    checks: dict[str, HostCheck] = field(default_factory=dict)
+    placed: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
 
 
 def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
@@ -59,7 +75,7 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     found = Findings()
     regions, failures = find_regions(model, example, found.leave_out)
     hosts, traced_calls = locate_hosts(model, regions, found.leave_out)
-    plan = ModelPlan([], {}, {}, found.left_out, failures, AnalysisCache())
+    plan = ModelPlan(type(model).__name__, [], {}, {}, found.left_out, failures, AnalysisCache())
     if hosts:
         # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller):
         # as the labelling of the traced graphs made them, else captured from a meta run of the model
@@ -80,30 +96,114 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     return plan
 
 
-def install_model(model: nn.Module, plan: ModelPlan, editor: Editor, install_alike: bool = True) -> Findings:
-    """Install the plan's hosts on ``model`` (the model planned, or one built alike) and offer every group that
-    passes the self-check; their plumbing goes to ``editor``. Without ``install_alike``, a host built alike as one
-    installed before is not installed, only its groups offered by that host's outcomes (what an analysis needs of
-    its working copy, whose hosts run only for the self-check)."""
-    findings = Findings(left_out=list(plan.left_out))
-    installer = _Installer(model, editor, findings, plan.shared, install_alike)
-    for host in plan.hosts:
-        # a host inside a module kept whole by the symbolic trace is seen by an outer host captured otherwise
-        if any(host != outer and within(host, outer) and use.front_end is not FrontEnd.SYMBOLIC
-               for outer, use in findings.front_ends.items()):
+def read_findings(plan: ModelPlan) -> Findings:
+    """The groups the checked plan offers and the parts it leaves out, in the order found, read from the hosts'
+    analyses, self-check outcomes and own-forward fits alone (nothing is installed or checked here)."""
+    found = Findings(left_out=list(plan.left_out))
+    for host, check in plan.checks.items():
+        if isinstance(check.found, Reason):
+            found.leave_out(host, [check.found.text])
             continue
-        installer.install(host, plan.calls[host], passes_objects=plan.passes_objects[host])
+        found.front_ends[host] = check.found.front_end
+        for r in check.found.refusals:
+            found.leave_out(join_path(host, common_module(r.modules)), r.reasons)
+        _offer(found, host, check, plan.model_name)
     # modules that did not trace: their parts were analysed on their own where they traced
     for name, err in plan.failures:
-        findings.leave_out(name, [str(err)])
-    if not findings.groups:
+        found.leave_out(name, [str(err)])
+    if not found.groups:
         failures = {str(err) for _, err in plan.failures}
-        parts = [f"{lo.module}: {', '.join(lo.reasons)}" for lo in findings.left_out if not set(lo.reasons) <= failures]
+        parts = [f"{lo.module}: {', '.join(lo.reasons)}" for lo in found.left_out if not set(lo.reasons) <= failures]
         if plan.failures:  # what did not trace, then why the parts that did were left out
             raise TraceError("; ".join([str(err) for _, err in plan.failures] + parts))
         why = "; ".join(parts) or "no attention heads or FFN channels"
-        raise AnalysisError(f"no unit groups found in {type(model).__name__}: {why}")
-    return findings
+        raise AnalysisError(f"no unit groups found in {plan.model_name}: {why}")
+    return found
+
+
+def _offer(found: Findings, host: str, check: HostCheck, model_name: str) -> None:
+    """Offer the host's groups that pass (``offered``), each named in turn (a name taken by a group passing before,
+    even one left out later as a partner, is not given again), with what its host's own forward asks of it."""
+    offer = offered(host, check)
+    taken = [g.name for g in found.groups]
+    names = {}
+    for index, hg in enumerate(check.found.groups):
+        base = f"{group_module(host, hg.spec) or model_name}:{hg.spec.kind}"
+        name = next(n for n in itertools.chain([base], (f"{base}{k}" for k in itertools.count(1))) if n not in taken)
+        if index in offer.passed:
+            taken.append(name)
+            names[index] = name
+    for lo in offer.left_out:
+        found.leave_out(lo.module, lo.reasons)
+    found.groups += [unit_group(host, check.found.groups[index].spec, offer.slices[index], name=names[index],
+                                fit=check.fit) for index in offer.kept]
+    found.placed[host] = [(index, names[index]) for index in offer.kept]
+
+
+class Offer(NamedTuple):
+    """A host's groups as offered: each group's slices (named within the model), the groups that pass their
+    self-check and those offered (indices in the host's analysis), and why the others are left out."""
+
+    slices: list[tuple[ParamSlice, ...]]
+    passed: list[int]
+    kept: list[int]
+    left_out: list[LeftOut]
+
+
+def offered(host: str, check: HostCheck) -> Offer:
+    """The host's groups offered: those that pass their self-check, less those that share a dim with one left out
+    (segments of one fused projection: the segments of a dim tile it, so its size tells their counts)."""
+    specs = [hg.spec for hg in check.found.groups]
+    slices = [group_slices(host, spec) for spec in specs]
+    passed, left_out, lost = [], [], set()
+    for index, spec in enumerate(specs):
+        failure = check.outcomes[layout_within(host, slices[index])]
+        if failure is None:
+            passed.append(index)
+        else:
+            left_out.append(LeftOut(group_module(host, spec), [f"self-check failed: {failure.text}"]))
+            lost |= {(sl.name, sl.dim) for sl in slices[index]}
+    kept = list(passed)
+    while partners := [index for index in kept if any((sl.name, sl.dim) in lost for sl in slices[index])]:
+        for index in partners:
+            shared = next(sl.name for sl in slices[index] if (sl.name, sl.dim) in lost)
+            left_out.append(LeftOut(group_module(host, specs[index]),
+                                    [f"{shared}: shares a dim with a group left out, in segments"]))
+            kept.remove(index)
+            lost |= {(sl.name, sl.dim) for sl in slices[index]}
+    return Offer(slices, passed, kept, left_out)
+
+
+def group_module(host: str, spec: GroupSpec) -> str:
+    """The module that holds the group: the deepest one holding all its modules."""
+    return join_path(host, common_module(spec.modules))
+
+
+def group_slices(host: str, spec: GroupSpec) -> tuple[ParamSlice, ...]:
+    """The group's slices, named within the model."""
+    return tuple(replace(m, name=join_path(host, m.name)) for m in spec.members)
+
+
+def layout_within(host: str, slices: tuple[ParamSlice, ...]) -> tuple:
+    """What decides a group's self-check outcome beside its host's key (identical code, layout and inputs give
+    identical outcomes): its slices, named within the host."""
+    return tuple(replace(sl, name=sl.name[len(host):]) for sl in slices)
+
+
+def unit_group(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...], *, name: str,
+               fit: OwnForwardFit | None) -> UnitGroup:
+    """The group of ``spec`` at its analysed count. A host whose own forward serves its calls (``fit``) notes where
+    it cannot serve them at all, and keeps one unit at least where it cannot run a group with none."""
+    notes, min_count = tuple(spec.notes), spec.min_count
+    if fit is not None and fit.fault:
+        notes += (f"calls that pass an object (a key/value cache) are refused: its host's own forward {fit.fault}",)
+    elif fit is not None and fit.empty_fault and min_count == 0:
+        min_count = 1
+        notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object (a key/value "
+                  f"cache), {fit.empty_fault} with none",)
+    return UnitGroup(name=name, kind=spec.kind, module=group_module(host, spec), count=spec.count,
+                     max_count=spec.count, exact=spec.exact, slices=slices, notes=notes,
+                     min_count=min_count)
 
 
 def _nearest_called(name: str, calls: dict[str, tuple[tuple, dict]]) -> str:
@@ -160,159 +260,3 @@ def host_analysis(model: nn.Module, host: str, inputs: tuple[tuple, dict],
             what = f"analysing {host or 'the model'} ({type(module).__name__})"
             shared.templates[key] = Reason(unforeseen(what, err), module=host)
     return shared.templates[key]
-
-
-class _Installer:
-    """Installs hosts one by one; hosts built alike share one analysis and one self-check outcome."""
-
-    def __init__(self, model: nn.Module, editor: Editor, findings: Findings, shared: AnalysisCache,
-                 install_alike: bool = True):
-        self.model, self.editor, self.findings, self.shared = model, editor, findings, shared
-        self.install_alike = install_alike
-        self.installed: set[HostKey] = set()  # fingerprints of the hosts installed so far
-
-    def install(self, host: str, inputs: tuple[tuple, dict], *, passes_objects: bool) -> None:
-        """Install the host's graphs and offer its groups that pass the self-check. A host whose calls pass an
-        object is served by its own forward: where that cannot run a group with no units, the group keeps one."""
-        module = self.model.get_submodule(host) if host else self.model
-        key = self.shared.key_of(module, host, inputs)
-        template = host_analysis(self.model, host, inputs, self.shared)
-        if isinstance(template, Reason):
-            self.findings.leave_out(host, [template.text])
-            return
-        self.findings.front_ends[host] = template.front_end
-        for r in template.refusals:
-            self.findings.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        if not self.install_alike and key in self.installed and key in self.shared.checked \
-                and (not passes_objects or key in self.shared.own_forwards):
-            self.offer_alike(host, key, template, passes_objects=passes_objects)
-            return
-        self.installed.add(key)
-        if key not in self.shared.meta_copies:  # before the host changes: other calls are captured from it
-            self.shared.meta_copies[key] = meta_template(module)
-        bound = self.bind(module, key, template)
-        forward = GraphForward(module, bound.analysis.graphs, inputs, compiled=bound.compiled)
-        forward.install()
-        served, offered, failed = [], [], []
-        outcomes = self.shared.checked.get_or_make(key, dict)  # by group layout
-        for hg, shared_slots, point in zip(bound.analysis.groups, bound.slots, bound.points):
-            group_slots = list(shared_slots)  # the host's own: a capture for another call may add to it
-            g = self.make_group(host, hg.spec)
-            self.editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
-                                                    constants=hg.constants, slots=group_slots)
-            layout = self.layout_within(host, g)
-            if layout not in outcomes:
-                outcomes[layout] = self_check(self.editor, g, inputs)
-            if self.offer(g, outcomes[layout]):
-                offered.append(g)
-                served.append((g, GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
-                                              tuple(hg.spec.members), group_slots, point, hg.sites[0].layout)))
-            else:
-                del self.editor.plumbing[g]
-                failed.append(g)
-        offered = self.without_partners_left_out(failed, offered)
-        served = [record for g, record in served if any(g is kept for kept in offered)]
-        server = forward.server = HostServer(self.shared.meta_copies[key], host, inputs, served,
-                                             self.shared.recaptured)
-        if passes_objects:  # the own forward is fitted once for hosts built alike
-            if key in self.shared.own_forwards:  # the same template, groups and analysed call
-                server.fit = self.shared.own_forwards[key]
-            server.fit_own_forward()
-            self.shared.own_forwards[key] = server.fit
-            self.limit_to_own_forward(offered, server.fit)
-
-    def bind(self, module: nn.Module, key: HostKey, template: HostAnalysis) -> BoundGraphs:
-        """Set the host's slots, tap points and traced constants as plain attributes (the state_dict keeps its
-        keys), over graphs that read them: those of a host built alike if one was bound before, else a copy of
-        the template's, rewritten here."""
-        fresh = not any(k.startswith((CONSTANT_PREFIX, POINT_PREFIX)) for k in module.__dict__)
-        bound = self.shared.bound.get(key) if fresh else None
-        if bound is not None:
-            module.__dict__.update(bound.analysis.tensors)
-            for hg, slots in zip(bound.analysis.groups, bound.slots):
-                for slot in slots:
-                    module.__dict__[slot.attr] = slot.per_unit * hg.spec.count
-            module.__dict__.update({point: TapPoint() for point in bound.points})
-            return bound
-        found = template.copy()
-        module.__dict__.update(found.tensors)
-        slots = [bind_constants(module, hg.constants, hg.spec.count) for hg in found.groups]
-        bound = BoundGraphs(found, slots, [add_tap_point(module, hg) for hg in found.groups])
-        if fresh:  # attributes named as on any host built alike
-            self.shared.bound[key] = bound
-        return bound
-
-    def offer_alike(self, host: str, key: HostKey, template: HostAnalysis, *, passes_objects: bool) -> None:
-        """Offer the groups of a host built alike as one installed before, by that host's self-check outcomes and
-        fit of its own forward, without installing it."""
-        offered, failed, outcomes = [], [], self.shared.checked[key]
-        for hg in template.groups:  # named in turn: a name taken by the group before is not given again
-            g = self.make_group(host, hg.spec)
-            (offered if self.offer(g, outcomes[self.layout_within(host, g)]) else failed).append(g)
-        offered = self.without_partners_left_out(failed, offered)
-        if passes_objects:
-            self.limit_to_own_forward(offered, self.shared.own_forwards[key])
-
-    @staticmethod
-    def layout_within(host: str, g: UnitGroup) -> tuple:
-        """What decides a group's self-check outcome beside its host's key (identical code, layout and inputs give
-        identical outcomes): its slices, named within the host."""
-        return tuple(replace(sl, name=sl.name[len(host):]) for sl in g.slices)
-
-    def offer(self, g: UnitGroup, failure: Reason | None) -> bool:
-        """Offer ``g`` if its self-check found nothing wrong, else leave it out with what went wrong."""
-        if failure is not None:
-            self.findings.leave_out(g.module, [f"self-check failed: {failure.text}"])
-            return False
-        self.findings.groups.append(g)
-        return True
-
-    def without_partners_left_out(self, failed: list[UnitGroup], offered: list[UnitGroup]) -> list[UnitGroup]:
-        """The host's groups offered, once those sharing a dim with a group left out (segments of one fused
-        projection) are left out too: the segments of a dim tile it, so its size tells their counts."""
-        lost = {(sl.name, sl.dim) for g in failed for sl in g.slices}
-        kept = list(offered)
-        while partners := [g for g in kept if any((sl.name, sl.dim) in lost for sl in g.slices)]:
-            for g in partners:
-                shared = next(sl.name for sl in g.slices if (sl.name, sl.dim) in lost)
-                self.findings.leave_out(g.module, [f"{shared}: shares a dim with a group left out, in segments"])
-                self.findings.groups.remove(g)
-                self.editor.plumbing.pop(g, None)
-                kept.remove(g)
-                lost |= {(sl.name, sl.dim) for sl in g.slices}
-        return kept
-
-    @staticmethod
-    def limit_to_own_forward(groups: list[UnitGroup], fit: OwnForwardFit) -> None:
-        """The groups of a host whose own forward serves its calls: a note where it cannot serve them at all, and
-        one unit at least where it cannot run a group with none."""
-        for g in groups:
-            if fit.fault:
-                g.notes += (f"calls that pass an object (a key/value cache) are refused: its host's own forward "
-                            f"{fit.fault}",)
-            elif fit.empty_fault and g.min_count == 0:
-                g.min_count = 1
-                g.notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object "
-                            f"(a key/value cache), {fit.empty_fault} with none",)
-
-    def make_group(self, host: str, spec: GroupSpec) -> UnitGroup:
-        module = join_path(host, common_module(spec.modules))
-        base = f"{module or type(self.model).__name__}:{spec.kind}"
-        name = base
-        for k in itertools.count(1):
-            if all(g.name != name for g in self.findings.groups):
-                break
-            name = f"{base}{k}"
-        slices = tuple(replace(m, name=join_path(host, m.name)) for m in spec.members)
-        return UnitGroup(name=name, kind=spec.kind, module=module, count=spec.count, max_count=spec.count,
-                         exact=spec.exact, slices=slices, notes=tuple(spec.notes), min_count=spec.min_count)
-
-
-def add_tap_point(module: nn.Module, hg: HostGroup) -> str:
-    """Give ``module`` a tap point for the group and route every call of its output projection (and of a map that
-    mixes its heads) through it."""
-    attr = f"{POINT_PREFIX}{sum(k.startswith(POINT_PREFIX) for k in module.__dict__)}"
-    module.__dict__[attr] = TapPoint()
-    for site in hg.sites:
-        insert_tap_point(attr, site.sink, site.input, site.layout)
-    return attr

@@ -1,10 +1,11 @@
-"""``analyse``: what fxsurgery finds in a model, as a read-only value (``Analysis``) that ``Surgeon`` installs.
+"""``analyse``: what fxsurgery finds in a model, as a value (``Analysis``) that ``Surgeon`` installs.
 
 The analysis runs on a working copy of the model whose parameters share the model's storage (no memory) and
 whose buffers are cloned, so tracing, the train-mode capture and the self-check's trial edits never touch the
-model. The value keeps what installing needs (the hosts, their graphs and self-check outcomes) so that
-``Surgeon(model, analysis)`` does no tracing; pickling and copying drop that part, and a Surgeon given an analysis
-without it analyses the model again and checks that it finds the same.
+model: it plans (``model.plan_model``), self-checks the first host of each kind on the copy (``install.check_hosts``)
+and describes the groups that pass (``model.read_findings``). The value keeps the plan (the hosts, their graphs and
+checks) so that ``Surgeon(model, analysis)`` installs it once, without tracing; pickling and copying drop the plan,
+and a Surgeon given an analysis without it analyses the model again and checks that it finds the same.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ import torch.nn as nn
 
 from ..capture.calls import forked_rng
 from ..capture.front_ends import FrontEndUse
-from ..editing import Editor
 from ..errors import AnalysisError
 from ..groups import LeftOut, UnitGroup
 from ..runtime.call_signature import value_signature, without_objects
-from .model import ModelPlan, install_model, plan_model
+from .install import check_hosts
+from .model import ModelPlan, plan_model, read_findings
 
 Structure = tuple[tuple[str, str, tuple], ...]  # (module path, class, ((tensor, shape, dtype), ...)) per module
 
@@ -90,7 +91,9 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
         working = working_copy(model)
         run_once(working, args, kwargs)
         plan = plan_model(working, (args, kwargs))
-        found = install_model(working, plan, Editor(working), install_alike=False)
+        plan.checks = check_hosts(working, plan)
+        found = read_findings(plan)
+        plan.placed = found.placed
     return Analysis(type(model).__name__, structure(model), tuple(found.groups), tuple(found.left_out),
                     found.front_ends, args, kwargs, plan)
 
@@ -188,10 +191,3 @@ def structure_difference(expected: Structure, found: Structure) -> str:
 def group_fields(g: UnitGroup) -> tuple:
     """Everything a group says about itself (its count as analysed)."""
     return (g.name, g.kind, g.module, g.count, g.max_count, g.min_count, g.exact, g.slices, g.notes)
-
-
-def check_installed(analysis: Analysis, groups: list[UnitGroup]) -> None:
-    """Installing must offer exactly the analysed groups."""
-    if [group_fields(g) for g in groups] != [group_fields(g) for g in analysis.groups]:
-        raise RuntimeError(f"installing the analysis of {analysis.model_class} offered other groups than it found: "
-                           f"{[g.name for g in groups]} against {[g.name for g in analysis.groups]}")

@@ -13,7 +13,8 @@ from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
 
 from fxsurgery import Analysis, Surgeon, analyse
 from fxsurgery.analysis import cache as analysis_cache
-from fxsurgery.analysis import model as model_analysis
+from fxsurgery.analysis import install as analysis_install
+from fxsurgery.analysis import value as analysis_value
 from fxsurgery.analysis.value import working_copy as model_analysis_working_copy
 from fxsurgery.errors import AnalysisError
 
@@ -135,7 +136,7 @@ def test_surgeon_installs_an_analysis_without_analysing_again(monkeypatch) -> No
     def no_planning(*_):
         raise AssertionError("Surgeon(model, analysis) planned again")
 
-    monkeypatch.setattr(model_analysis, "plan_model", no_planning)
+    monkeypatch.setattr(analysis_value, "plan_model", no_planning)
     surgeon = Surgeon(model, analysis)
     assert surgeon.analysis == analysis and surgeon.analysis._plan is None  # the plan goes once installed
     assert [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
@@ -165,6 +166,54 @@ def test_each_host_is_fingerprinted_once_when_analysed_and_installed_in_one_step
     given = Surgeon(model, analyse(model, (x,)))
     assert any(id(m) in own for m in seen)
     assert [g.name for g in given.groups] == [g.name for g in surgeon.groups]
+
+
+def test_the_analysis_installs_one_host_of_each_kind_on_its_copy_and_the_surgeon_every_host_once(monkeypatch) -> None:
+    """`analyse` self-checks the first host of each kind on its working copy (those built alike share the outcomes);
+    `Surgeon(model, analysis)` installs every host on the model once, and checks nothing again."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3, depth=3)).eval()
+    x = torch.randn(2, 4, 5)
+    real, installed = analysis_install.install_host, []
+    monkeypatch.setattr(analysis_install, "install_host", lambda module, *a, **k: installed.append(module)
+                        or real(module, *a, **k))
+    analysis = analyse(model, (x,))
+    kinds = {host.rpartition(".")[2] for host in analysis._plan.checks}
+    assert len(installed) == len(kinds) and not set(map(id, installed)) & set(map(id, model.modules()))
+    installed.clear()
+    monkeypatch.setattr(analysis_install, "self_check", lambda *_: pytest.fail("the Surgeon checked again"))
+    surgeon = Surgeon(model, analysis)
+    hosts = [model.get_submodule(host) for host in analysis._plan.checks]
+    assert [id(m) for m in installed] == [id(m) for m in hosts] and len(hosts) == 3 * len(kinds)
+    assert [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
+
+
+def test_an_analysis_of_hosts_changed_since_is_made_again_before_it_installs(monkeypatch) -> None:
+    """A host whose fingerprint changed after the analysis (a plain attribute set) is not the host checked: the
+    Surgeon analyses the model again, and installs that analysis, which must find the same groups."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=3)).eval()
+    analysis = analyse(model, (torch.randn(2, 4, 5),))
+    model.blocks[0].attn.note = "changed after the analysis"
+    real, planned = analysis_value.plan_model, []
+    monkeypatch.setattr(analysis_value, "plan_model", lambda *a: planned.append(a) or real(*a))
+    surgeon = Surgeon(model, analysis)
+    assert len(planned) == 1 and [g.name for g in surgeon.groups] == [g.name for g in analysis.groups]
+
+
+def test_a_unit_group_is_read_only_and_an_analysis_keeps_its_own() -> None:
+    """A group's description is decided before it is built; its Surgeon's edits change only its count (and the
+    slices a fused projection moves), on groups of the Surgeon's own."""
+    model = TinyTransformer(Style(heads=3)).eval()
+    analysis = analyse(model, (torch.randn(2, 4, 5),))
+    surgeon = Surgeon(model, analysis)
+    head = surgeon.group(analysis.groups[0].name)
+    assert head is not analysis.groups[0]
+    for name, value in [("count", 1), ("min_count", 1), ("notes", ("x",)), ("slices", ())]:
+        with pytest.raises(AttributeError, match="read-only"):
+            setattr(head, name, value)
+    surgeon.remove(head, 0)
+    assert head.count == 2 and analysis.groups[0].count == 3
 
 
 def test_surgeon_refuses_an_analysis_of_another_model() -> None:

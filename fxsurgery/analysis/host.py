@@ -12,7 +12,7 @@ import torch.fx
 import torch.nn as nn
 from torch.fx.node import map_arg
 
-from ..capture.calls import training_mode
+from ..capture.calls import attributes_read, training_mode
 from ..capture.front_ends import FrontEnd, FrontEndUse, Recording, record, record_concrete
 from ..capture.tracer import CODE_CONSTANT
 from ..compat import pytree_info, tree_leaves
@@ -66,10 +66,13 @@ class HostKey(NamedTuple):
 
 def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> HostKey:
     """Everything tracing and analysis read: module types, plain attributes, parameter shapes,
-    integer buffer contents, and the call's input shapes and frozen values."""
+    integer buffer contents, and the call's input shapes and frozen values. An attribute the call's code does not
+    read (``attributes_read``: a block's index, read only by a key/value cache's update) is named without its
+    value, so that the blocks of a deep model are built alike."""
+    read = attributes_read(module, args, kwargs) if (args or kwargs) else None
     parts = []
     for name, m in module.named_modules():
-        attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items()
+        attrs = tuple(sorted((k, repr(v) if read is None or (name, k) in read else None) for k, v in vars(m).items()
                              if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))))
         params = tuple((k, tuple(p.shape), p.dtype) for k, p in m.named_parameters(recurse=False))
         buffers = tuple((k, tuple(b.shape), b.dtype, None if b.is_floating_point() else hash(b.cpu().numpy().tobytes()))

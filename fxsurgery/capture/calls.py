@@ -131,6 +131,53 @@ def capture_inputs(model: nn.Module, example: tuple[tuple, dict], names: list[st
     return seen
 
 
+def attributes_read(module: nn.Module, args: tuple, kwargs: dict) -> set[tuple[str, str]] | None:
+    """The plain attributes (path of the submodule, name) that ``module``'s code reads when called with ``args`` and
+    ``kwargs``, in train and in eval mode: a run on the meta device (shapes only) during which each submodule's
+    class is a subclass that notes every read of an attribute of its instance ``__dict__``. None where the call
+    does not run so (then every attribute counts)."""
+    paths = {id(m): name for name, m in module.named_modules()}
+    reads: set[tuple[str, str]] = set()
+    swapped = [(m, type(m)) for m in module.modules()]
+    meta_args, meta_kwargs = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, (args, kwargs))
+    try:
+        for m, cls in swapped:
+            m.__class__ = _noting(cls)
+        _NOTING.append((reads, paths))
+        with torch.no_grad():
+            for mode in (True, False):
+                with training_mode(module, mode):
+                    torch.func.functional_call(module, meta_state(module), meta_args, meta_kwargs)
+    except Exception:  # data-dependent code, a class that cannot be subclassed: every attribute counts
+        return None
+    finally:
+        if _NOTING and _NOTING[-1][0] is reads:
+            _NOTING.pop()
+        for m, cls in swapped:
+            m.__class__ = cls
+    return reads
+
+
+_NOTING: list[tuple[set[tuple[str, str]], dict[int, str]]] = []  # the reads being noted, innermost last
+_NOTING_CLASSES: dict[type, type] = {}
+
+
+def _noting(cls: type) -> type:
+    """``cls`` with every read of an instance attribute noted in the innermost ``_NOTING`` (one subclass per class,
+    named and placed as ``cls`` so that tracers treat it alike)."""
+    if cls not in _NOTING_CLASSES:
+        def __getattribute__(self: Any, name: str) -> Any:
+            if _NOTING and name in object.__getattribute__(self, "__dict__"):
+                reads, paths = _NOTING[-1]
+                reads.add((paths.get(id(self), ""), name))
+            return cls.__getattribute__(self, name)
+
+        _NOTING_CLASSES[cls] = type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                                           "__module__": cls.__module__,
+                                                           "__qualname__": cls.__qualname__})
+    return _NOTING_CLASSES[cls]
+
+
 def _recorder(seen: dict[str, tuple[tuple, dict]], name: str) -> Any:
     """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:

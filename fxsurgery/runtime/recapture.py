@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..analysis.host import HostAnalysis, analyse_host, fingerprint
-from ..capture.calls import forked_rng, materialize
+from ..capture.calls import attributes_read, forked_rng, materialize
 from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
@@ -66,6 +66,7 @@ class HostServer:
         self.shared = shared
         self.fit: OwnForwardFit | None = None  # fitted on the analysed call, or a host alike's
         self.fits: dict[tuple, OwnForwardFit] = {}  # by the signature of each call its own forward serves
+        self.analysed_reads: set[tuple[str, str]] | None = None  # the attributes the analysed call reads
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
               hooked: tuple[str, ...]) -> tuple[torch.fx.Graph | None, str]:
@@ -84,6 +85,10 @@ class HostServer:
         """A graph of the template for this call in mode ``training``, bound to ``module``'s slots and tap points."""
         real = self.materialize(module)
         inputs = tree_map(lambda t: t.detach() if torch.is_tensor(t) else t, materialize((args, kwargs)))
+        differing = self.differing_reads(module, real, inputs)
+        if differing:  # the template is a host built alike, not this one: a graph of it would hold its values
+            raise UnservedCall(f"the call reads {', '.join(differing)}, which the analysed call does not read and "
+                               f"in which hosts built alike differ")
         key = CallKey(fingerprint(real, (), {}).modules, call_signature(args, kwargs, training))
         if key not in self.shared:
             try:
@@ -110,6 +115,25 @@ class HostServer:
         graph = found.graphs[training]
         _attach_code_constants(module, graph, found.tensors)
         return graph
+
+    def differing_reads(self, module: nn.Module, real: nn.Module, inputs: tuple[tuple, dict]) -> list[str]:
+        """The plain attributes this call reads and the analysed call does not (hosts built alike may differ in
+        them: a block's index) whose values differ between ``module`` and its template ``real``."""
+        if self.analysed_reads is None:
+            self.analysed_reads = attributes_read(self.template, *self.analysed) or set()
+        if not self.analysed_reads:  # every attribute was in the host's fingerprint: its template's are its own
+            return []
+        reads = attributes_read(real, *inputs)
+        if reads is None:  # not known: every attribute may be read
+            reads = {(path, name) for path, m in real.named_modules() for name in vars(m)}
+        missing = object()
+        differing = []
+        for path, name in sorted(reads - self.analysed_reads):
+            own, live = vars(real.get_submodule(path)).get(name, missing), vars(module.get_submodule(path)).get(name)
+            if not name.startswith("_") and own is not missing and not isinstance(own, (torch.Tensor, nn.Module)) \
+                    and repr(own) != repr(live):
+                differing.append(f"{path}.{name}" if path else name)
+        return differing
 
     def fit_own_forward(self) -> tuple[str, str]:
         """Whether the host's own forward follows the widths on the analysed call (checked once): what goes wrong

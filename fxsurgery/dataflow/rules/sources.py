@@ -20,10 +20,12 @@ _READ_BY_NAME = {F.linear: (1, 2), F.conv1d: (1, 2), F.conv2d: (1, 2), F.conv3d:
 @register_rule(NodeKind("get_attr"), always=True)
 def get_attr(s: Step) -> Label | None:
     """Parameters and float buffers get one fresh id per element; integer buffers are indices. A weight that
-    only linear maps read (a captured graph's ``F.linear(x, weight)``) needs none: its rule names it."""
+    only linear maps and lookups read (a captured graph's ``F.linear(x, weight)``, ``F.embedding(ids, table)``)
+    needs none: their rules name it (a vocabulary's table of 128256 × 4096 elements would take half a billion
+    ids)."""
     if not torch.is_tensor(s.out) or not s.out.is_floating_point():
         return None
-    if s.node.users and all(_read_by_name(user, s.node) for user in s.node.users):
+    if s.node.users and all(_read_by_name(user, s.node) or _looked_up_in(user, s.node) for user in s.node.users):
         return None
     if s.node.target.startswith(CODE_CONSTANT):  # like a parameter it joins the units it is used with alone
         ids = s.rec.fresh(tuple(s.out.shape))
@@ -38,6 +40,16 @@ def _read_by_name(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     if slots is None or user.kwargs:
         return False
     return all(i in slots for i, a in enumerate(user.args) if a is node)
+
+
+def _looked_up_in(user: torch.fx.Node, table: torch.fx.Node) -> bool:
+    """``user`` is ``F.embedding`` with ``table`` as its table only and no ``max_norm``: the embedding rule reads
+    the table by name (indices that carry ids it refuses, and their ids with them)."""
+    if user.op != "call_function" or user.target is not F.embedding:
+        return False
+    args = dict(zip(("input", "weight", "padding_idx", "max_norm"), user.args)) | dict(user.kwargs)
+    return args.get("weight") is table and args.get("max_norm") is None \
+        and all(a is not table for k, a in args.items() if k != "weight")
 
 
 @register_rule(NodeKind("output"), always=True)

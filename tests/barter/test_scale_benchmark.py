@@ -1,0 +1,66 @@
+"""benchmarks/scale.py's memory of a transfer under FSDP2, against what a transfer reads: the bytes it counts for the
+two largest groups (their tensors and Adam moments) equal the bytes an edit gathers whole through its tensor access
+(as `barter.fsdp.ShardedAccess` gathers them) when the donor and the receiver are those groups, on tiny models."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_vit import build_vit
+
+from fxsurgery import Surgeon, TensorAccess
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
+
+
+@pytest.fixture
+def scale(monkeypatch):
+    spec = importlib.util.spec_from_file_location("scale_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Counted(TensorAccess):
+    """Each tensor an edit gathers whole, counted once, with its bytes."""
+
+    def __init__(self):
+        self.read: dict[int, int] = {}
+
+    def values(self, t: torch.Tensor) -> torch.Tensor:
+        self.read[id(t)] = t.numel() * t.element_size()
+        return super().values(t)
+
+
+def _llama() -> tuple[torch.nn.Module, tuple, dict]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+                                      hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config), (), {"input_ids": torch.zeros(2, 6, dtype=torch.long)}
+
+
+@pytest.mark.parametrize("build", [lambda: (build_vit(), (torch.randn(2, 3, 32, 32),), {}), _llama],
+                         ids=["vit", "llama"])
+def test_a_transfer_gathers_what_the_benchmark_counts(scale, build) -> None:
+    model, args, kwargs = build()
+    s = Surgeon(model, args, kwargs)
+    optimizer = torch.optim.AdamW(s.model.parameters())
+    s.attach_optimizer(optimizer)
+    out = s.model(*args, **kwargs)
+    (out if torch.is_tensor(out) else out.logits).sum().backward()
+    optimizer.step()
+    sizes = scale.group_bytes(s.model, s)
+    model_bytes = sum(p.numel() * p.element_size() for p in s.model.parameters())
+    memory = scale.transfer_memory(sizes, model_bytes, ranks=8)
+    order = sorted(range(len(sizes)), key=sizes.__getitem__)
+    receiver, donor = s.groups[order[-1]], s.groups[order[-2]]
+    counted = Counted()
+    s.set_tensor_access(counted)
+    s.remove(donor, 0)
+    s.clone(receiver, 0)
+    assert memory.gathered == sum(counted.read.values()) > 0
+    assert memory.shard == model_bytes * 3 // 8
+    assert 0 < memory.fraction == memory.gathered / memory.shard

@@ -126,3 +126,81 @@ def test_t5_self_and_cross_attention_heads_are_exact(group: str) -> None:
     assert not torch.allclose(removed, reference, atol=1e-6)
     s.clone(heads, 2)
     assert torch.allclose(logits(model), removed, atol=1e-10)
+
+
+class FoldedAttention(nn.Module):
+    """Heads folded into the batch, the score bias added by ``baddbmm`` (as Bloom does): a learned per-head bias,
+    or ALiBi's slopes computed from the head count."""
+
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.heads, self.learned = HEADS, learned
+        self.qkv, self.out = nn.Linear(DIM, 3 * HEADS * HEAD_DIM), nn.Linear(HEADS * HEAD_DIM, DIM)
+        self.bias = nn.Parameter(torch.randn(1, HEADS, 1, 5)) if learned else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).view(b, n, 3, self.heads, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.reshape(3, b * self.heads, n, HEAD_DIM)
+        if self.learned:
+            bias = self.bias.expand(b, -1, -1, -1).reshape(b * self.heads, 1, n)
+        else:
+            slopes = 2.0 ** (-8.0 * torch.arange(1, self.heads + 1, dtype=x.dtype) / self.heads)
+            bias = (slopes[:, None] * torch.arange(n, dtype=x.dtype)).expand(b, -1, -1).reshape(b * self.heads, 1, n)
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=1.0, alpha=HEAD_DIM ** -0.5).softmax(-1)
+        y = torch.bmm(scores, v).view(b, self.heads, n, HEAD_DIM).transpose(1, 2).reshape(b, n, -1)
+        return self.out(y)
+
+
+class FoldedBlock(nn.Module):
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.embed, self.attn, self.head = nn.Linear(3, DIM), FoldedAttention(learned), nn.Linear(DIM, 2)
+        self.fc1, self.fc2 = nn.Linear(DIM, 16), nn.Linear(16, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.attn(h)
+        return self.head(h + self.fc2(self.fc1(h).relu()))
+
+
+def test_a_learned_bias_added_by_baddbmm_keeps_its_heads_and_alibi_slopes_are_refused() -> None:
+    """A per-head parameter added to the scores by ``baddbmm`` is sliced with its head (removal equals both
+    oracles); slopes the code computes from the head count cannot be, and the attention is left out saying so."""
+    torch.manual_seed(0)
+    model, x = FoldedBlock(learned=True).double().eval(), torch.randn(2, 5, 3, dtype=torch.float64)
+    zeroed = copy.deepcopy(model)
+    s = Surgeon(model, (x,))
+    heads = s.group("attn:head")
+    assert (heads.count, heads.exact) == (HEADS, True)
+    handle = s.tap(heads, lambda a: a.select(-2, 1).zero_())
+    tapped = model(x).detach()
+    handle.remove()
+    with torch.no_grad():
+        zeroed.attn.out.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
+    s.remove(heads, 1)
+    assert model.attn.bias.shape == (1, HEADS - 1, 1, 5)
+    removed = model(x).detach()
+    assert torch.allclose(removed, zeroed(x), atol=1e-12) and torch.allclose(removed, tapped, atol=1e-12)
+
+    computed = Surgeon(FoldedBlock(learned=False).double().eval(), (x,))
+    assert not [g for g in computed.groups if g.kind == "head"]
+    (reason,) = [r for lo in computed.left_out if lo.module == "attn" for r in lo.reasons]
+    assert reason.startswith("baddbmm: a tensor the code computes (no parameter or buffer), which no edit can slice")
+
+
+def test_bloom_alibi_attention_is_left_out_with_its_reason() -> None:
+    """Bloom adds ALiBi slopes computed from the head count to every layer's scores: no head removal equals
+    masking, so its attention is left out saying which tensor cannot be sliced, and its MLPs are groups."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2,
+                                                                   n_head=4)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    s = Surgeon(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    assert [g.name for g in s.groups] == [f"transformer.h.{i}.mlp:channel" for i in range(2)]
+    for i in range(2):
+        (reason,) = [r for lo in s.left_out if lo.module == f"transformer.h.{i}.self_attention"
+                     for r in lo.reasons if "baddbmm" in r]
+        assert "a tensor the code computes (no parameter or buffer), which no edit can slice, lines up with the " \
+               "unit axis (dim 0)" in reason

@@ -47,6 +47,10 @@ def defer_pins(s: Step, ids: torch.Tensor, other: Sequence[int], what: str, beni
             s.rec.pin(ids, f"{s.name}: {what} lines up with the unit axis (dim {d})", benign, d)
 
 
+# a tensor with no ids beside the units: neither a parameter nor computed from one (per-head ALiBi slopes, say)
+COMPUTED_TENSOR = "a tensor the code computes (no parameter or buffer), which no edit can slice,"
+
+
 def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: int) -> Label | None:
     """Output label of an elementwise op over tensor ``operands`` broadcast to rank ``ndim``."""
     acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
@@ -58,7 +62,7 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
             ids, tie = merge(ids, p)
             s.rec.tie(tie)
         for sh in plain:
-            defer_pins(s, ids, sh, "a plain tensor")
+            defer_pins(s, ids, sh, COMPUTED_TENSOR)
         return Label(ids, True)
     ids = acts[0]
     for a in acts[1:]:
@@ -68,7 +72,7 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
         if not uniform_ties(s, p, ids):
             s.rec.tentative.append(pairs(p, ids))
     for sh in plain:
-        defer_pins(s, ids, sh, "a plain tensor")
+        defer_pins(s, ids, sh, COMPUTED_TENSOR)
     return Label(ids)
 
 

@@ -150,6 +150,8 @@ class Records:
     applied: list[torch.Tensor] = field(default_factory=list)
     softmaxes: list[Weighing] = field(default_factory=list)
     shared_reads: list[SharedRead] = field(default_factory=list)
+    # ids of values a factory filled with one number (``torch.zeros``): slicing one is rewriting its size
+    uniform: list[torch.Tensor] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

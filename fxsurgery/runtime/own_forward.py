@@ -1,7 +1,8 @@
 """The host class's own forward, serving the calls no graph can take (a key/value cache, hooks inside the host).
 
 It serves only where it follows the widths, which is checked on the host's template, never assumed: removing
-the first units of every group (one, then two) must equal masking them, on the analysed call; a group left with
+the first units of every group (one, then two, and counts that differ between any two groups) must equal masking
+them, on the analysed call; a group left with
 no units is served only if removing all of them passed too. Code that keeps a
 count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
 attributes follow the count: the int attributes of the host's own modules that are a multiple of a group's
@@ -114,7 +115,8 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
     analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
     at its analysed widths), or None and what went wrong without any; and what goes wrong with the groups that
     may be emptied left with no units ("" if nothing)."""
-    trials = [_Trial(real, groups, k) for k in (1, 2) if any(r.max_count > k for r in groups)]
+    trials = [_Trial(real, groups, _removing(groups, k)) for k in (1, 2) if any(r.max_count > k for r in groups)]
+    trials += [_Trial(real, groups, removals) for removals in _told_apart(groups)]
     calls = [materialize(call) for call in calls]
     checks = [(trial, call, trial.expected(*call)) for call in calls for trial in trials]
     if any(expected is None for _, call, expected in checks if call is calls[0]):
@@ -129,7 +131,7 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
                 continue  # one attribute follows one group
             why = next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
             if not why:
-                empty = _Trial(real, groups, None)
+                empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups])
                 return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
             fault = fault or why
             tried += 1
@@ -138,15 +140,27 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
     return None, fault, ""
 
 
-class _Trial:
-    """The template with the first ``k`` units of every group masked, and a copy with them removed (``k`` None:
-    every unit of the groups that may be emptied)."""
+def _removing(groups: list[GroupRecord], k: int) -> list[int]:
+    """``k`` units of every group that has more."""
+    return [k if r.max_count > k else 0 for r in groups]
 
-    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupRecord], k: int | None):
+
+def _told_apart(groups: list[GroupRecord]) -> list[list[int]]:
+    """Removals that give any two groups different counts in one of them (group ``i`` loses 1 + bit ``t`` of ``i``
+    units in the ``t``-th), so that an attribute holding one group's count is not taken for another's that the
+    uniform removals shrink alike (a decoder's self- and cross-attention heads)."""
+    bits = (len(groups) - 1).bit_length()
+    return [[min(1 + (i >> t & 1), r.max_count - 1) for i, r in enumerate(groups)] for t in range(bits)]
+
+
+class _Trial:
+    """The template with the first ``removals[i]`` units of each group ``i`` masked, and a copy with them
+    removed."""
+
+    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupRecord], removals: list[int]):
         self.masked, self.removed, self.groups = real(), real(), groups
         slices = {i: r.slices for i, r in enumerate(groups)}  # segments move as the groups before them shrink
-        for i, r in enumerate(groups):
-            n = (r.max_count if r.min_count == 0 else 0) if k is None else (k if r.max_count > k else 0)
+        for i, (r, n) in enumerate(zip(groups, removals)):
             if not n:
                 continue
             with torch.no_grad():  # every point where the units enter the others

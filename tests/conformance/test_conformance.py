@@ -32,6 +32,8 @@ HEADS_REQUIRED |= {"hf_swin"}
 HEADS_REQUIRED |= {"vit_pytorch_pit", "vit_pytorch_cvt"}
 # and the parallel block, whose q, k, v and MLP hidden come from one projection in segments
 HEADS_REQUIRED |= {"vit_pwee_patch16_reg1_gap_256"}
+# and a relative-position bias computed in the first layer and added in every layer (T5): one head index over them
+HEADS_REQUIRED |= {"hf_t5"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

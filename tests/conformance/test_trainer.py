@@ -4,7 +4,8 @@ example given (the callback analyses the Trainer's first batch, keyword argument
 transfers chosen on non-zero scores, then evaluates; text models see padded batches of varying length. Models
 with a head of their own use its loss; feature models (a vision tower, an encoder, a decoder stack) a loss over
 every output they make. An entry's `causal_lm` trains that class of the same config as a language model instead,
-which then generates."""
+which then generates; its `seq2seq` trains that encoder-decoder class of the same config on the ids as labels, which
+then decodes greedily with its cache as without it."""
 from __future__ import annotations
 
 import inspect
@@ -29,8 +30,9 @@ SAMPLES, BATCH, EPOCHS = 24, 4, 2
 def build(entry: dict) -> torch.nn.Module:
     torch.manual_seed(0)
     kwargs = dict(entry["kwargs"])
-    if "causal_lm" in entry:
-        kwargs["model"] = entry["causal_lm"]
+    trained = entry.get("causal_lm", entry.get("seq2seq"))
+    if trained:
+        kwargs["model"] = trained
     return hugging_face(**kwargs)
 
 
@@ -45,9 +47,10 @@ def samples(entry: dict, n: int) -> list[dict]:
             for i, k in enumerate(lengths)]
 
 
-def collate(causal_lm: bool):
-    """Stack images; pad token ids with 0 on the right, with an attention mask (and, for a language model, the
-    ids as labels with the padding ignored). The Trainer drops the labels of a model whose forward takes none."""
+def collate(ids_as_labels: bool):
+    """Stack images; pad token ids with 0 on the right, with an attention mask (and, for a language model or an
+    encoder-decoder, the ids as labels with the padding ignored). The Trainer drops the labels of a model whose
+    forward takes none."""
     def batch(items: list[dict]) -> dict:
         labels = {"labels": torch.tensor([i["labels"] for i in items])} if "labels" in items[0] else {}
         if "pixel_values" in items[0]:
@@ -58,7 +61,7 @@ def collate(causal_lm: bool):
         for row, item in enumerate(items):
             ids[row, :len(item["input_ids"])] = item["input_ids"]
             mask[row, :len(item["input_ids"])] = 1
-        if causal_lm:
+        if ids_as_labels:
             labels = {"labels": ids.masked_fill(mask == 0, -100)}
         return {"input_ids": ids, "attention_mask": mask, **labels}
     return batch
@@ -82,7 +85,8 @@ def test_trains_through_the_trainer(entry: dict, tmp_path: Path) -> None:
                                           learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no",
                                           logging_strategy="no", disable_tqdm=True, seed=0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=samples(entry, SAMPLES),
-                                   eval_dataset=samples(entry, BATCH * 2), data_collator=collate("causal_lm" in entry),
+                                   eval_dataset=samples(entry, BATCH * 2),
+                                   data_collator=collate("causal_lm" in entry or "seq2seq" in entry),
                                    compute_loss_func=None if own_loss else feature_loss,
                                    callbacks=[callback, recorder])
     trainer.train()
@@ -102,3 +106,10 @@ def test_trains_through_the_trainer(entry: dict, tmp_path: Path) -> None:
             generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
                                        do_sample=False, pad_token_id=0)
         assert generated.shape == (1, 8) and torch.equal(generated[:, :4], prompt)
+    if "seq2seq" in entry:
+        model.eval()
+        prompt = torch.tensor([[5, 6, 7, 8, 9], [3, 4, 5, 0, 0]])
+        options = dict(attention_mask=(prompt > 0).long(), max_new_tokens=4, do_sample=False)
+        with torch.no_grad():
+            cached = model.generate(prompt, use_cache=True, **options)
+            assert torch.equal(cached, model.generate(prompt, use_cache=False, **options))

@@ -6,7 +6,7 @@ import importlib
 from .base import RULES, register_rule
 
 FAMILIES = ("sources", "linear", "elementwise", "views", "indexing", "layout", "contraction", "normalisation",
-            "sizes", "opaque")
+            "sizes", "opaque", "factories")
 for _family in FAMILIES:
     importlib.import_module(f"{__name__}.{_family}")
 

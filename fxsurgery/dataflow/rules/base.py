@@ -47,6 +47,10 @@ def defer_pins(s: Step, ids: torch.Tensor, other: Sequence[int], what: str, beni
             s.rec.pin(ids, f"{s.name}: {what} lines up with the unit axis (dim {d})", benign, d)
 
 
+# a tensor with no ids beside the units: neither a parameter nor computed from one (per-head ALiBi slopes, say)
+COMPUTED_TENSOR = "a tensor the code computes (no parameter or buffer), which no edit can slice,"
+
+
 def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: int) -> Label | None:
     """Output label of an elementwise op over tensor ``operands`` broadcast to rank ``ndim``."""
     acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
@@ -58,17 +62,31 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
             ids, tie = merge(ids, p)
             s.rec.tie(tie)
         for sh in plain:
-            defer_pins(s, ids, sh, "a plain tensor")
+            defer_pins(s, ids, sh, COMPUTED_TENSOR)
         return Label(ids, True)
     ids = acts[0]
     for a in acts[1:]:
         ids, tie = merge(ids, a)
         s.rec.tie(tie)
     for p in params:
-        s.rec.tentative.append(pairs(p, ids))
+        if not uniform_ties(s, p, ids):
+            s.rec.tentative.append(pairs(p, ids))
     for sh in plain:
-        defer_pins(s, ids, sh, "a plain tensor")
+        defer_pins(s, ids, sh, COMPUTED_TENSOR)
     return Label(ids)
+
+
+def uniform_ties(s: Step, fill: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether ``fill`` is a factory's fill of one number (``rules/factories.py``), and if so tie it to the
+    coordinates ``ids`` where it lines up with them: it must follow them. Where it broadcasts along coordinates
+    that vary (one fill beside every head) it is the same for each, and ties to none."""
+    first = int(fill.reshape(-1)[0]) if fill.numel() else NO_ID
+    if not any(int(u.reshape(-1)[0]) <= first <= int(u.reshape(-1)[-1]) for u in s.rec.uniform if u.numel()):
+        return False
+    fill, ids = align(fill, max(fill.dim(), ids.dim())), align(ids, max(fill.dim(), ids.dim()))
+    if all(fill.shape[d] > 1 or not varies(ids, d) for d in range(ids.dim())):
+        s.rec.tie(pairs(fill, ids))
+    return True
 
 
 def mix(s: Step, ids: torch.Tensor, dims: Sequence[int], what: str) -> None:

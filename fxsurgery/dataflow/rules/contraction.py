@@ -238,6 +238,18 @@ def matmul(s: Step) -> Label | None:
     return contract(s, [(a.shape, la), (b.shape, lb)], [sa, sb], so)
 
 
+@register_rule(torch.baddbmm, "baddbmm")
+def baddbmm(s: Step) -> Label | None:
+    """``beta * input + alpha * (batch1 @ batch2)``: the product's coordinates, tied position by position to the
+    input's (a score bias added to the scores)."""
+    (x, lx), (a, la), (b, lb) = s.arg(0, "input"), s.arg(1, "batch1"), s.arg(2, "batch2")
+    product = contract(s, [(a.shape, la), (b.shape, lb)], ["bxk", "bky"], "bxy")
+    if product is None and lx is None:
+        return None
+    operands = [(torch.empty(s.out.shape, device="meta"), product), (x, lx)]
+    return elementwise_labels(s, operands, s.out.dim())
+
+
 def parse_einsum(eq: str, ranks: Sequence[int]) -> tuple[list[str], str]:
     eq = eq.replace(" ", "")
     lhs, _, rhs = eq.partition("->")

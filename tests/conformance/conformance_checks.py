@@ -67,7 +67,8 @@ UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"),
 
 
 def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
-    """`kind: module` for every attention/FFN module of `model` with no group of that kind at or under it
+    """`kind: module` for every attention/FFN module of `model` with no group of that kind at or under it (or
+    hosted above it and slicing its parameters: a block that holds the heads' position-bias table hosts them)
     and no left-out report at, under, or (below the root) above it."""
     out, claimed = [], []
     for name, module in model.named_modules():
@@ -76,7 +77,8 @@ def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
             if not name or not pattern.search(cls) or cls.endswith("Head") or any(_within(name, c) for c in claimed):
                 continue
             claimed.append(name)
-            grouped = any(g.kind == kind and _within(g.module, name) for g in surgeon.groups)
+            grouped = any(g.kind == kind and (_within(g.module, name) or any(_within(sl.name, name) for sl in g.slices))
+                          for g in surgeon.groups)
             reported = any(_within(lo.module, name) or (lo.module and _within(name, lo.module))
                            for lo in surgeon.left_out)
             if not (grouped or reported):

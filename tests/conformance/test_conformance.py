@@ -32,6 +32,9 @@ HEADS_REQUIRED |= {"hf_swin"}
 HEADS_REQUIRED |= {"vit_pytorch_pit", "vit_pytorch_cvt"}
 # and the parallel block, whose q, k, v and MLP hidden come from one projection in segments
 HEADS_REQUIRED |= {"vit_pwee_patch16_reg1_gap_256"}
+# and a per-layer relative-position bias table (distances x heads) gathered and permuted to heads x N x N, whose
+# blocks are called with the image's resolution (a torch.Size analysed, a tuple from the installed caller)
+HEADS_REQUIRED |= {"hf_beit_relpos", "hf_data2vec_vision_relpos"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

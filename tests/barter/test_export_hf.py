@@ -237,3 +237,23 @@ def test_grouped_query_model_analysed_on_a_padded_call_is_exact(key_value_heads)
         for use_cache in (False, True):
             assert torch.allclose(logits(model, **batch, use_cache=use_cache),
                                   logits(reference, **batch, use_cache=use_cache), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["Beit", "Data2VecVision"])
+def test_relative_position_bias_heads_round_trip(name, tmp_path):
+    """BEiT / Data2Vec vision with a relative-position bias table per layer (its layers called with the image's
+    resolution): the compact model after transfers reloads with the same groups and outputs."""
+    config = getattr(transformers, f"{name}Config")(num_labels=2, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=4, intermediate_size=64, image_size=32,
+                                                    patch_size=8, use_relative_position_bias=True)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForImageClassification")(config)
+    ctl = train_with_transfers(model, [((torch.randn(4, 3, 32, 32),), {}) for _ in range(3)],
+                               example_inputs=(torch.randn(4, 3, 32, 32),))
+    assert sum(g.kind == "head" for g in ctl.surgeon.groups) == 2
+    path = barter.export(model, tmp_path / "model", program=False)
+    loaded = barter.load(path)
+    x = torch.randn(4, 3, 32, 32)
+    assert torch.allclose(logits(loaded, x), logits(model, x), atol=1e-5)
+    assert {g["name"]: g["count"] for g in read_topology(path)["groups"]} == {
+        g.name: g.count for g in ctl.surgeon.groups}

@@ -421,10 +421,9 @@ class _Builder:
                         | {p.rpartition(".")[0] for p in self.producers(ut)})  # the layers that read or make them
         if not shared or len(layers) < 2:
             return [Refusal(self.home_of(k, ut), reasons, at_output)]
-        names = ", ".join(shared)
-        return [Refusal([m], [f"units tied to those of {', '.join(o for o in layers if o != m)} through "
-                              f"{names}, which all of them use: a parameter shared by layers cannot be sliced "
-                              "for one of them"])
+        return [Refusal([m], [f"units tied to those of {listed([o or '(model)' for o in layers if o != m])} through "
+                              f"{listed(shared)}, which all of them use: a parameter shared by layers cannot be "
+                              "sliced for one of them"])
                 for m in layers]
 
     def shared_members(self, ut: torch.Tensor) -> list[str]:
@@ -446,7 +445,7 @@ class _Builder:
         if len(names) != 1 and not (fanned_out and not self.head[ut].any()):
             if not names:
                 return Reason("no linear map reads these units")
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            shown = listed(names)
             if len(names) == len(sinks) and self.read_apart(sinks, ut):
                 return Reason(f"{', '.join(self.producers(ut))} produces the units of several layers in one "
                               f"tensor, read apart by {shown}: a fused projection of parallel layers cannot be sliced "
@@ -488,8 +487,9 @@ class _Builder:
     def cascade(self, sinks: list[Sink], ut: torch.Tensor) -> Reason | None:
         """Why heads that feed later heads are no units, or None: one map reads every head (their output
         projection) and other maps each read only some, at other values (a head's output added to the next head's
-        input, as in cascaded group attention). Removing a head would rewire what the heads after it read, which no
-        slice does, and masking it at the output projection alone leaves it feeding them."""
+        input, as in cascaded group attention). Masking a head is well defined (its output zeroed at both reads),
+        but a removal equal to it rewires what the heads after it read and a clone in the cascade reads another input
+        than the head it copies, which no slice of a tensor does."""
         read: dict[str, set[int]] = {}
         for sink in sinks:
             read.setdefault(sink.weight, set()).update(sink.columns[torch.isin(sink.columns, ut)].tolist())
@@ -500,9 +500,10 @@ class _Builder:
         first = later[0]
         more = f" (and {len(later) - 1} more maps, each at its own value)" if len(later) > 1 else ""
         return Reason(f"attention heads that feed later heads: {first.weight} reads some of them at {first.input}"
-                      f"{more}, besides their output projection {every[0]}; a head's removal would change what the "
-                      "heads after it read (a cascade), which no slice of a tensor does, and masking it at the output "
-                      "projection alone leaves it feeding them, so no head is a unit", node=first.input)
+                      f"{more}, besides their output projection {every[0]}; no head is a unit, because each head "
+                      "reads its own part of the input plus the previous head's output through maps of its own, so "
+                      "removing a head would rewire the cascade and a clone would read another input than the head "
+                      "it copies, edits that no slice of a tensor makes", node=first.input)
 
     def sinks_reading(self, ut: torch.Tensor) -> list[Sink]:
         """The sinks that read any of units ``ut`` (columns as classes), in recording order."""
@@ -640,6 +641,11 @@ class _Builder:
             consts += found
             notes += site.notes
         return consts, notes
+
+
+def listed(names: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``names`` and how many more: a reason stays one readable line at any model size."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _is_sum(node: Node) -> bool:

@@ -25,7 +25,8 @@ def _container(value: Any) -> bool:
 def value_signature(value: Any) -> Any:
     """What a graph captured on ``value`` depends on: a tensor's dtype and, per dim, whether it is empty, one or
     more (a capture specialises sizes 0 and 1: a batch of one is a call of its own), a Python constant itself
-    (with its type: True is not 1), the structure of a container; any other object only by its type."""
+    (with its type: True is not 1), the structure of a container (a ``torch.Size`` is the tuple of its sizes: an
+    installed caller passes the sizes it read as a plain tuple); any other object only by its type."""
     if isinstance(value, torch.Tensor):  # a symbolic size (a capture running through) stands for many
         return torch.Tensor, value.dtype, tuple(min(size, 2) if type(size) is int else 2 for size in value.shape)
     if value is None:
@@ -36,7 +37,7 @@ def value_signature(value: Any) -> Any:
         return type(value), id(type(value))
     if isinstance(value, dict):
         return dict, tuple((k, value_signature(v)) for k, v in value.items())
-    return type(value), tuple(value_signature(v) for v in value)
+    return (tuple if type(value) is torch.Size else type(value)), tuple(value_signature(v) for v in value)
 
 
 def call_signature(args: tuple, kwargs: dict, training: bool, hooked: tuple[str, ...] = ()) -> tuple:

@@ -260,3 +260,23 @@ def test_encoder_decoder_round_trip_after_transfers(tmp_path):
         cached = loaded.generate(example["input_ids"], use_cache=True, max_new_tokens=4, do_sample=False)
         assert torch.equal(cached, loaded.generate(example["input_ids"], use_cache=False, max_new_tokens=4,
                                                    do_sample=False))
+
+
+@pytest.mark.parametrize("name", ["Beit", "Data2VecVision"])
+def test_relative_position_bias_heads_round_trip(name, tmp_path):
+    """BEiT / Data2Vec vision with a relative-position bias table per layer (its layers called with the image's
+    resolution): the compact model after transfers reloads with the same groups and outputs."""
+    config = getattr(transformers, f"{name}Config")(num_labels=2, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=4, intermediate_size=64, image_size=32,
+                                                    patch_size=8, use_relative_position_bias=True)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForImageClassification")(config)
+    ctl = train_with_transfers(model, [((torch.randn(4, 3, 32, 32),), {}) for _ in range(3)],
+                               example_inputs=(torch.randn(4, 3, 32, 32),))
+    assert sum(g.kind == "head" for g in ctl.surgeon.groups) == 2
+    path = barter.export(model, tmp_path / "model", program=False)
+    loaded = barter.load(path)
+    x = torch.randn(4, 3, 32, 32)
+    assert torch.allclose(logits(loaded, x), logits(model, x), atol=1e-5)
+    assert {g["name"]: g["count"] for g in read_topology(path)["groups"]} == {
+        g.name: g.count for g in ctl.surgeon.groups}

@@ -68,7 +68,8 @@ UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"),
 
 def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
     """`kind: module` for every attention/FFN module of `model` with no group of that kind at or under it (or
-    slicing its tensors) and no left-out report at, under, or (below the root) above it."""
+    hosted above it and slicing its parameters: a block that holds the heads' position-bias table hosts them)
+    and no left-out report at, under, or (below the root) above it."""
     out, claimed = [], []
     for name, module in model.named_modules():
         for kind, pattern in UNIT_MODULES.items():

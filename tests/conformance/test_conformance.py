@@ -34,6 +34,12 @@ HEADS_REQUIRED |= {"vit_pytorch_pit", "vit_pytorch_cvt"}
 HEADS_REQUIRED |= {"vit_pwee_patch16_reg1_gap_256"}
 # and a relative-position bias computed in the first layer and added in every layer (T5): one head index over them
 HEADS_REQUIRED |= {"hf_t5"}
+# and a per-layer relative-position bias table (distances x heads) gathered and permuted to heads x N x N, whose
+# blocks are called with the image's resolution (a torch.Size analysed, a tuple from the installed caller)
+HEADS_REQUIRED |= {"hf_beit_relpos", "hf_data2vec_vision_relpos"}
+# and decomposed relative positions: tables of head_dim columns, shared by every head and gathered by a function
+# the tracer keeps whole, read through the query (heads folded into the batch)
+HEADS_REQUIRED |= {"samvit_base_patch16_224"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

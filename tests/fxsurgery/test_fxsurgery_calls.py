@@ -350,3 +350,15 @@ def test_decoders_at_their_default_configs_have_head_groups(name: str, config: C
         step = model(more, cache=first.cache)
         assert first.cache.get_seq_length() == 7  # the own forward updated the cache the call passed
         assert _rel_diff(step, original(more, cache=reference.cache)) <= 1e-5
+
+
+def test_a_size_read_off_a_tensor_is_the_same_call_as_the_tuple_an_installed_caller_passes() -> None:
+    """A block called with ``pixels.shape[2:]`` (a ``torch.Size``) is analysed on it, and the installed caller's
+    graph passes the same sizes as a plain tuple: one signature, so the analysed graph serves both (HF BEiT's
+    layers, called with the image's resolution, had no graph for their own caller's call)."""
+    from fxsurgery.runtime.call_signature import call_signature
+
+    x = torch.randn(2, 5, 16)
+    assert call_signature((x,), {"resolution": torch.Size([32, 32])}, True) == \
+        call_signature((x,), {"resolution": (32, 32)}, True)
+    assert call_signature((x,), {"resolution": (32, 32)}, True) != call_signature((x,), {"resolution": (32, 16)}, True)

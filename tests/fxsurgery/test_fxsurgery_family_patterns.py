@@ -329,6 +329,7 @@ def test_cascaded_heads_are_refused_naming_where_the_next_head_reads_them() -> N
     (reason,) = [r for lo in s.left_out if lo.module == "attn" for r in lo.reasons]
     assert reason.startswith("attention heads that feed later heads: attn.qkvs.1.weight reads some of them at "
                              "add, besides their output projection attn.proj.weight"), reason
+    assert "removing a head would rewire the cascade and a clone would read another input" in reason, reason
 
 
 GROUPS, CHANNELS, BLOCK = 2, 2, 2

@@ -1,8 +1,10 @@
 """Attention patterns beyond the plain product: locality self-attention (a diagonal ``masked_fill`` and a learned
 scalar temperature), batch norm over the projections' unit channels (module, functional and captured) with LeViT's
-per-head position bias from an ``nn.Embedding``, and Swin v2's cosine attention (``F.normalize``, a clamped
-per-head logit scale, a position-bias MLP per block). Each model's references come from its own layout (the output
-projection's columns of a head), never from fxsurgery's slices; a failing rule is a refusal naming its node."""
+per-head position bias from an ``nn.Embedding``, and Swin v2's cosine attention (``F.normalize``, a clamped per-head
+logit scale, a position-bias MLP per block) and SAM's decomposed relative positions (tables of head_dim columns
+shared by every head, gathered by a function the tracer cannot look into, read through the query). Each model's
+references come from its own layout (the output projection's columns of a head), never from fxsurgery's slices; a
+failing rule is a refusal naming its node."""
 from __future__ import annotations
 
 import copy
@@ -200,6 +202,45 @@ class ShiftedWindowAttention(Attention):
         return self.out(out.transpose(1, 2).reshape(b, n, INNER))
 
 
+def gathered_positions(size: int, table: torch.Tensor) -> torch.Tensor:
+    """Rows of a relative-position table (``2·size−1`` distances × head_dim) for every query/key pair: (size, size,
+    head_dim). Wrapped for the symbolic tracer (SAM's ``get_rel_pos``), so its output is a tensor with no
+    labels, read whole by every head."""
+    if table.shape[0] != 2 * size - 1:  # control flow on a size: the tracer cannot look inside
+        raise ValueError("a table for another size")
+    pos = torch.arange(size, device=table.device)
+    return table[pos[:, None] - pos[None, :] + size - 1]
+
+
+torch.fx.wrap("gathered_positions")
+
+
+class DecomposedRelPosAttention(Attention):
+    """SAM's attention: heads folded into the batch (``b·heads``), relative positions decomposed along the height
+    and width of a 2×2 token grid, tables of ``head_dim`` columns shared by every head, read through the query
+    (``einsum("bhwc,hkc->bhwk")``) and added to the logits as an attention mask."""
+
+    def __init__(self, sdpa: bool = True, captured: bool = False):
+        super().__init__(captured)
+        self.sdpa = sdpa
+        self.qkv, self.out = nn.Linear(DIM, 3 * INNER), nn.Linear(INNER, DIM)
+        self.rel_h, self.rel_w = (nn.Parameter(torch.randn(3, HEAD_DIM)) for _ in range(2))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        side = math.isqrt(TOKENS)
+        q, k, v = self.qkv(x).view(b, n, 3, HEADS, -1).permute(2, 0, 3, 1, 4).reshape(3, b * HEADS, n, -1).unbind(0)
+        grid = q.reshape(-1, side, side, HEAD_DIM)
+        rel_h = torch.einsum("bhwc,hkc->bhwk", grid, gathered_positions(side, self.rel_h))
+        rel_w = torch.einsum("bhwc,wkc->bhwk", grid, gathered_positions(side, self.rel_w))
+        bias = (rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]).reshape(-1, n, n)
+        if self.sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            out = ((q * HEAD_DIM ** -0.5) @ k.transpose(-2, -1) + bias).softmax(-1) @ v
+        return self.out(out.view(b, HEADS, n, -1).transpose(1, 2).reshape(b, n, -1))
+
+
 def _tokens() -> torch.Tensor:
     return torch.randn(2, TOKENS, 5, dtype=torch.double)
 
@@ -226,6 +267,11 @@ PATTERNS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor], s
     "shifted_window_eager": (lambda: Residual(ShiftedWindowAttention(sdpa=False)), _tokens, "attn.out.weight", False),
     "shifted_window_captured": (lambda: Residual(ShiftedWindowAttention(captured=True)), _tokens, "attn.out.weight",
                                 True),
+    "decomposed_rel_pos_sdpa": (lambda: Residual(DecomposedRelPosAttention()), _tokens, "attn.out.weight", False),
+    "decomposed_rel_pos_eager": (lambda: Residual(DecomposedRelPosAttention(sdpa=False)), _tokens, "attn.out.weight",
+                                 False),
+    "decomposed_rel_pos_captured": (lambda: Residual(DecomposedRelPosAttention(captured=True)), _tokens,
+                                    "attn.out.weight", True),
 }
 
 

@@ -3,6 +3,7 @@ parameters shared by every block, fused parallel blocks, tokens routed by a data
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -180,6 +181,15 @@ def test_shared_relative_position_mlp_is_one_group_and_heads_are_told_at_each_bl
     s.clone(s.groups[0], 3, noise_std=0.1)
     with torch.no_grad():
         assert (model(x) - y0).abs().max() <= 1e-6
+
+
+def test_heads_tied_through_a_module_every_block_calls_are_told_in_one_short_line() -> None:
+    """At any depth the refusal names three other blocks and the shared parameter and says how many more (CoaT's
+    stages, whose blocks all call one position convolution, named dozens of blocks and parameters in one line)."""
+    s = Surgeon(SharedRelativeBias(depth=6), (torch.randn(2, 6, 5),))
+    reasons = [r for lo in s.left_out if lo.module == "attns.0" for r in lo.reasons]
+    assert any(re.match(r"units tied to those of attns\.1, attns\.2, attns\.3 and \d more through ", r) and
+               "rel.fc2.weight" in r and len(r) < 250 for r in reasons), reasons
 
 
 @pytest.mark.parametrize("fused_out", [False, True])

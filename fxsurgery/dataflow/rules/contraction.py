@@ -48,7 +48,8 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
              out_sub: str) -> Label | None:
     """Einsum-style contraction on ids. A contracted letter that two activations carry ties all its
     coordinates (q·kᵀ makes a head); against a parameter it is a sink; shared batch letters tie
-    positions; against a plain tensor the letter may not be the unit axis."""
+    positions; against a plain tensor the letter may not be the unit axis (units kept on another axis fold
+    their coordinates along it, as against a parameter they share)."""
     letters = sorted(set("".join(subs)) | set(out_sub))
     pos = {c: i for i, c in enumerate(letters)}
     views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
@@ -81,16 +82,12 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
                 s.rec.contracted.append(reps[a])
             for p in params:
                 s.rec.tentative.append(pairs(reps[p], reps[a]))
-            if any(varies(reps[a], pos[k]) for k in out_sub):
-                # units kept on another axis (heads) contract their coordinates against a parameter they
-                # share (a relative-position table): each unit's coordinates go together and it stays a unit
-                reps[a], tie = fold(reps[a], [ax])
-                s.rec.tie(tie)
-            else:
+            if not _fold_unit_coordinates(s, reps, a, ax, [pos[k] for k in out_sub]):
                 consumed[a].add(ax)
         elif len(acts) == 1 and plain:
-            s.rec.pin(reps[acts[0]], f"{s.name}: contracted against a plain tensor", False, ax)
-            consumed[acts[0]].add(ax)
+            if not _fold_unit_coordinates(s, reps, acts[0], ax, [pos[k] for k in out_sub]):
+                s.rec.pin(reps[acts[0]], f"{s.name}: contracted against a plain tensor", False, ax)
+                consumed[acts[0]].add(ax)
         elif len(acts) == 1:
             mix(s, reps[acts[0]], [ax], "sum over a unit axis")
             consumed[acts[0]].add(ax)
@@ -103,6 +100,18 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
         if len(s.rec.contracted) == before:
             s.rec.applied.append(out.ids)
     return out
+
+
+def _fold_unit_coordinates(s: Step, reps: list[torch.Tensor | None], a: int, ax: int, kept: Sequence[int]) -> bool:
+    """Units kept on another axis (heads) that contract their coordinates along ``ax`` against a tensor they
+    share (a relative-position table, a parameter or a tensor computed from one): each unit's coordinates go
+    together and it stays a unit, so the shared tensor is read whole by every unit. False (nothing done) where
+    the activation's ids vary along no ``kept`` axis."""
+    if not any(varies(reps[a], k) for k in kept):
+        return False
+    reps[a], tie = fold(reps[a], [ax])
+    s.rec.tie(tie)
+    return True
 
 
 def _read_alike(views: list[Operand], letters: list[str], out_sub: str) -> dict[int, list[tuple[str, int]]]:

@@ -201,7 +201,7 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
             base = ("args", 1, places[k]) if isinstance(idx, tuple) else ("args", 1)  # its place in the index
             for part in ("start", "stop"):
                 v = getattr(e, part)
-                if v is None or v == 0:
+                if v is None or v == 0 or _to_the_end(part, v, site.in_shape[site.in_dim]):
                     continue
                 if isinstance(v, int) and v < 0:
                     raise Unsupported(f"{site.node.name}: negative slice bound on the unit axis")
@@ -209,6 +209,12 @@ def getitem_constants(site: Site) -> list[ConstantSpec]:
         elif e is not None:
             raise Unsupported(f"{site.node.name}: indexing picks single positions on the unit axis")
     return out
+
+
+def _to_the_end(part: str, bound: Any, size: int) -> bool:
+    """A stop past the axis's size (``torch.export``'s lowered ``x[:, :]`` stops at ``sys.maxsize``): the slice
+    runs to the end at every count, so it is no count constant."""
+    return part == "stop" and isinstance(bound, int) and bound > size
 
 
 @register_rule(operator.setitem)

@@ -6,7 +6,7 @@ time per block of the 8B shape at 8, 16 and 32 layers (the analysis should cost 
 transfer gathers under FSDP2, as a fraction of one rank's shard at 8 ranks.
 
     python benchmarks/scale.py [--rows vit_base,vit_large,vit_giant,llama_8b,llama_70b] [--depths 8,16,32]
-                               [--layers-70b 2,4]
+                               [--layers-70b 8,16]
 
 Each row runs in a fresh interpreter, so its peak RSS is its own (`resource.getrusage`, ru_maxrss). The 70B shape is
 analysed at the ``--layers-70b`` depths only, and its 80 layers extrapolated from them by the per-block cost (said
@@ -146,6 +146,9 @@ def extrapolated(rows: list[dict], blocks: int) -> str:
     which the depth leaves alike where the analysis is linear)."""
     a, b = [r for r in rows if "error" not in r][-2:]
     slope = (b["seconds"] - a["seconds"]) / (b["blocks"] - a["blocks"])
+    if slope <= 0:  # the fixed cost hides the blocks' at depths this shallow: no time to extrapolate from
+        return (f"{b['model']:10s} {blocks:3d} blocks  NOT EXTRAPOLATED: {a['seconds']:.1f} s at {a['blocks']} blocks, "
+                f"{b['seconds']:.1f} s at {b['blocks']}, no per-block cost to scale (give deeper --layers-70b)")
     seconds = b["seconds"] + slope * (blocks - b["blocks"])
     return (f"{b['model']:10s} {blocks:3d} blocks  EXTRAPOLATED from {a['blocks']} and {b['blocks']} blocks: "
             f"{seconds:7.1f} s ({slope:.2f} s per block; {seconds / (b['full_params'] / 1e9):.2f} s/B params), "
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="vit_base,vit_large,vit_giant,llama_8b,llama_70b")
     parser.add_argument("--depths", default="8,16,32", help="depths of the 8B shape for the per-block time")
-    parser.add_argument("--layers-70b", default="2,4", help="depths the 70B shape is analysed at, then extrapolated")
+    parser.add_argument("--layers-70b", default="8,16", help="depths the 70B shape is analysed at, then extrapolated")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--depth", type=int, default=0, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)

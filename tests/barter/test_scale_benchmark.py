@@ -64,3 +64,15 @@ def test_a_transfer_gathers_what_the_benchmark_counts(scale, build) -> None:
     assert memory.gathered == sum(counted.read.values()) > 0
     assert memory.shard == model_bytes * 3 // 8
     assert 0 < memory.fraction == memory.gathered / memory.shard
+
+
+def test_the_70b_time_is_extrapolated_from_a_per_block_cost_and_never_from_noise(scale):
+    """Two depths whose times fall (the fixed cost hides the blocks' at shallow depths) give no extrapolation, not a
+    negative time; rising times scale by the per-block cost."""
+    def rows(*times):
+        return [{"model": "llama_70b", "blocks": blocks, "seconds": seconds, "full_params": 70e9, "peak_rss_gib": 3.0}
+                for blocks, seconds in zip((8, 16), times)]
+
+    assert "NOT EXTRAPOLATED" in scale.extrapolated(rows(10.0, 9.5), 80)
+    line = scale.extrapolated(rows(10.0, 14.0), 80)
+    assert "EXTRAPOLATED from 8 and 16 blocks:    46.0 s (0.50 s per block" in line

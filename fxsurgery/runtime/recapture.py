@@ -34,6 +34,7 @@ from ..lru import LruCache
 from ..reason import Reason
 from ..taps import insert_tap_point
 from .call_signature import call_signature, differing_arguments, holds_objects, without_objects
+from .graph_forward import MAX_GRAPHS
 from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
 
 
@@ -65,7 +66,8 @@ class HostServer:
         self.groups = groups
         self.shared = shared
         self.fit: OwnForwardFit | None = None  # fitted on the analysed call, or a host alike's
-        self.fits: dict[tuple, OwnForwardFit] = {}  # by the signature of each call its own forward serves
+        # by the signature of each call its own forward serves, at most as many as the graphs a host keeps
+        self.fits: LruCache[tuple, OwnForwardFit] = LruCache(MAX_GRAPHS)
         self.analysed_reads: set[tuple[str, str]] | None = None  # the attributes the analysed call reads
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from projections import Projection, layer_groups, layers
 
 from fxsurgery import Surgeon, UnservedCall
+from fxsurgery.runtime.graph_forward import MAX_GRAPHS
 
 transformers = pytest.importorskip("transformers")
 
@@ -362,3 +363,24 @@ def test_a_size_read_off_a_tensor_is_the_same_call_as_the_tuple_an_installed_cal
     assert call_signature((x,), {"resolution": torch.Size([32, 32])}, True) == \
         call_signature((x,), {"resolution": (32, 32)}, True)
     assert call_signature((x,), {"resolution": (32, 32)}, True) != call_signature((x,), {"resolution": (32, 16)}, True)
+
+
+
+def test_a_host_keeps_its_own_forward_fits_within_the_graphs_bound() -> None:
+    """A host served with ever new call signatures (objects of a new type each time, which its own forward
+    serves, each fitted once) keeps at most ``MAX_GRAPHS`` fits and graphs; a call whose fit was forgotten is
+    fitted again and still equals the original with the removed head's columns zeroed."""
+    torch.manual_seed(0)
+    original = torch.nn.Sequential(_MaskedRepeatAttention())
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (torch.randn(2, 5, 16),))
+    s.remove(s.groups[0], 1)
+    forward = model[0].forward
+    x, mask = torch.randn(2, 5, 16), torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    recorders = [type(f"Recorder{i}", (_Recorder,), {}) for i in range(MAX_GRAPHS + 4)]
+    with torch.no_grad():
+        original[0].proj.weight[:, 4:8] = 0
+        for recorder in recorders:
+            assert torch.allclose(model[0](x, mask=mask, recorder=recorder()), original[0](x, mask=mask), atol=1e-6)
+        assert len(forward.server.fits) == MAX_GRAPHS and len(forward.graphs) <= MAX_GRAPHS + 2
+        assert torch.allclose(model[0](x, mask=mask, recorder=recorders[0]()), original[0](x, mask=mask), atol=1e-6)

@@ -170,19 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         if name in VITS or (name == "llama_8b" and not a.depths):
             print(show(row(name, None)), flush=True)
-        elif name == "llama_8b":
+        elif name in LLAMAS:  # the 8B shape at each depth for its per-block time; the 70B shape, then extrapolated
             rows = []
-            for depth in (int(d) for d in a.depths.split(",")):
+            for depth in (int(d) for d in (a.depths if name == "llama_8b" else a.layers_70b).split(",")):
                 rows.append(row(name, depth))
                 print(show(rows[-1]), flush=True)
             print("\n".join(per_block(rows)), flush=True)
-        elif name == "llama_70b":
-            rows = []
-            for depth in (int(d) for d in a.layers_70b.split(",")):
-                rows.append(row(name, depth))
-                print(show(rows[-1]), flush=True)
-            print("\n".join(per_block(rows)), flush=True)
-            if sum("error" not in r for r in rows) >= 2:
+            if name == "llama_70b" and sum("error" not in r for r in rows) >= 2:
                 print(extrapolated(rows, LLAMAS[name][4]), flush=True)
 
 

@@ -1,18 +1,15 @@
 """benchmarks/compress.py end to end in its --quick form: every method compressed to one budget and fine-tuned on
 every seed, and the table with its paired differences written."""
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("torch_pruning")
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compress.py"
 
 
 def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch):
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("compress", monkeypatch)
     assert module.main(["--quick", "--out", str(tmp_path)]) == 0
     table, printed = (tmp_path / "compress.md").read_text(), capsys.readouterr().out
     assert table in printed
@@ -30,17 +27,8 @@ def test_quick_compress_benchmark_writes_its_table(tmp_path, capsys, monkeypatch
     assert len(paired) == len(module.pairs_of(list(module.METHODS))) == 5
 
 
-def load_benchmark(monkeypatch):
-    """benchmarks/compress.py as a module (not a package's): its dataclasses look their module up in sys.modules."""
-    spec = importlib.util.spec_from_file_location("compress_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_budget_unreachable_at_one_seed_marks_its_row_and_keeps_the_others(tmp_path, monkeypatch):
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("compress", monkeypatch)
     real = module.compress_and_tune
 
     def tight_at_seed_1(method, dense, data, config, setup, seed, density, allocation, budget, kept_heads):
@@ -62,7 +50,7 @@ def test_a_budget_unreachable_at_one_seed_marks_its_row_and_keeps_the_others(tmp
 
 
 def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, monkeypatch):
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("compress", monkeypatch)
 
     def comparable(table):  # the command line and step times differ between runs
         return [line.split(" | ")[:6] for line in table.splitlines()[1:]]
@@ -91,7 +79,7 @@ def test_a_run_cut_after_one_seed_resumes_to_the_uninterrupted_table(tmp_path, m
 def test_a_budget_the_recipes_head_grid_steps_over_is_reached_with_the_finer_grid(monkeypatch):
     """Three layers of three heads and a target of three heads: the 4-point head grid keeps four heads at best
     (torch-pruning leaves a layer whole), too many for the budget at any channel ratio; the finer grid keeps three."""
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("compress", monkeypatch)
     from barter.rebuild import timm_with_models
 
     torch = pytest.importorskip("torch")
@@ -119,7 +107,7 @@ def test_a_budget_the_recipes_head_grid_steps_over_is_reached_with_the_finer_gri
 
 def test_resume_refuses_a_rerun_whose_settings_or_dense_model_differ_and_names_the_setting(tmp_path, monkeypatch,
                                                                                           capsys):
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("compress", monkeypatch)
     torch = pytest.importorskip("torch")
 
     def cut(*args):
@@ -152,7 +140,7 @@ def test_resume_refuses_a_rerun_whose_settings_or_dense_model_differ_and_names_t
 def test_variants_run_barter_under_their_named_options_each_paired_with_static(tmp_path, capsys, monkeypatch):
     """--methods static --variants paper count0.5 fade: no torch-pruning row; each variant's row wraps with its
     options (seen at the wrap and in the table: half the counts make fewer transfers) and is paired with Static."""
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("compress", monkeypatch)
     real, wrapped = module.barter.wrap, []
 
     def recording(*args, **kwargs):

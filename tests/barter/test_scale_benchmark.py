@@ -1,26 +1,18 @@
 """benchmarks/scale.py's memory of a transfer under FSDP2, against what a transfer reads: the bytes it counts for the
 two largest groups (their tensors and Adam moments) equal the bytes an edit gathers whole through its tensor access
 (as `barter.fsdp.ShardedAccess` gathers them) when the donor and the receiver are those groups, on tiny models."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 from tiny_vit import build_vit
 
 from fxsurgery import Surgeon, TensorAccess
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "scale.py"
-
 
 @pytest.fixture
 def scale(monkeypatch):
-    spec = importlib.util.spec_from_file_location("scale_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scale", monkeypatch)
 
 
 class Counted(TensorAccess):

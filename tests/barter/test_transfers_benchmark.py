@@ -1,25 +1,15 @@
 """benchmarks/transfers.py on a few fake images: each run appended to transfers.jsonl with its probe-loss jump, the
 table pairing the variant with Static, and --resume running only what transfers.jsonl lacks."""
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "transfers.py"
+from benchmark_scripts import load_benchmark
+
 TINY = ["--variants", "fade", "--densities", "0.3", "--epochs", "1", "--dataset", "fake", "--threads", "1"]
 
 
-def load_benchmark(monkeypatch):
-    spec = importlib.util.spec_from_file_location("transfers_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_study_writes_its_runs_and_table_and_resume_runs_only_the_missing(tmp_path, capsys, monkeypatch):
-    module = load_benchmark(monkeypatch)
+    module = load_benchmark("transfers", monkeypatch)
     out = tmp_path / "study"
     assert module.main([*TINY, "--seeds", "0", "--out", str(out)]) == 0
     lines = [json.loads(line) for line in (out / "transfers.jsonl").read_text().splitlines()]

@@ -321,20 +321,6 @@ class AliasAttention(nn.Module):
         return self.out(mixed.multiply(torch.sigmoid(self.gate(x))))
 
 
-def test_heads_are_found_through_the_numpy_style_aliases_and_removal_equals_masking() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(AliasAttention(), nn.Linear(12, 3))
-    masked = copy.deepcopy(model)
-    x = torch.randn(2, 4, 12)
-    s = Surgeon(model, (x,))
-    head = next(g for g in s.groups if g.kind == "head")
-    assert head.count == 3 and head.exact
-    s.remove(head, 1)
-    with torch.no_grad():
-        masked[0].out.weight[:, 4:8] = 0  # head 1's columns of the output projection
-    torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
-
-
 class MaxStabilisedAttention(nn.Module):
     """A softmax written out, stabilised by ``scores.max(dim=-1, keepdim=True).values`` and with ``torch.max`` of
     two tensors as a floor: heads are found through both forms of ``max``."""
@@ -354,17 +340,21 @@ class MaxStabilisedAttention(nn.Module):
         return self.out(mixed.transpose(1, 2).reshape(b, n, -1))
 
 
-def test_heads_are_found_through_max_over_a_dim_and_of_two_tensors_and_removal_equals_masking() -> None:
+@pytest.mark.parametrize("attention", [AliasAttention, MaxStabilisedAttention])
+@pytest.mark.parametrize("removed", [0, 2])
+def test_heads_are_found_through_aliases_and_max_and_removal_equals_masking(attention: type, removed: int) -> None:
+    """The NumPy-style aliases (multiply, subtract, divide) and both forms of ``max`` are elementwise or reduce
+    over the keys: the three heads are found, and removing one equals zeroing its output-projection columns."""
     torch.manual_seed(0)
-    model = nn.Sequential(MaxStabilisedAttention(), nn.Linear(12, 3))
+    model = nn.Sequential(attention(), nn.Linear(12, 3))
     masked = copy.deepcopy(model)
     x = torch.randn(2, 4, 12)
     s = Surgeon(model, (x,))
     head = next(g for g in s.groups if g.kind == "head")
     assert head.count == 3 and head.exact
-    s.remove(head, 2)
+    s.remove(head, removed)
     with torch.no_grad():
-        masked[0].out.weight[:, 8:] = 0  # head 2's columns of the output projection
+        masked[0].out.weight[:, 4 * removed:4 * removed + 4] = 0
     torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
 
 

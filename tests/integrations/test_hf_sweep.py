@@ -1,15 +1,12 @@
 """benchmarks/hf_sweep.py on a fixed slice of transformers' zoo: each class is built tiny from its config's defaults
 and analysed on the Trainer's keyword call, and finds groups or refuses with a reason, never a raw exception (the
 whole zoo runs in `make soak`)."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_sweep.py"
 SLOW = pytest.mark.slow  # 20 s and more each on 2 loaded cores: in `make soak` with the rest of the zoo
 SLICE = (  # the fastest of each kind: encoders (shared layers, a Fourier mixer, a captured one), decoders that return
     # a cache (ALiBi, rotary, a mixture of experts), an encoder-decoder, vision transformers, convolutional nets, and
@@ -29,13 +26,9 @@ SLICE = (  # the fastest of each kind: encoders (shared layers, a Fourier mixer,
 
 
 @pytest.fixture(scope="module")
-def sweep(request):
-    spec = importlib.util.spec_from_file_location("hf_sweep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    request.addfinalizer(lambda: sys.modules.pop(spec.name, None))
-    spec.loader.exec_module(module)
-    return module
+def sweep():
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield load_benchmark("hf_sweep", monkeypatch)
 
 
 @pytest.mark.parametrize("name", SLICE)

@@ -362,3 +362,61 @@ def test_a_size_read_off_a_tensor_is_the_same_call_as_the_tuple_an_installed_cal
     assert call_signature((x,), {"resolution": torch.Size([32, 32])}, True) == \
         call_signature((x,), {"resolution": (32, 32)}, True)
     assert call_signature((x,), {"resolution": (32, 32)}, True) != call_signature((x,), {"resolution": (32, 16)}, True)
+
+
+# MobileViT's hidden states after stages 2, 3 and 4 are the widths its fusion convolutions make and the next stage's
+# expansion (or the final 1x1 expansion) reads: channel groups. Each reader, by the model's own layout
+# (hidden_states index, reader weight, dim 1, one column per channel).
+_MOBILEVIT_HIDDEN_READERS = {
+    2: Projection("mobilevit.encoder.layer.3.downsampling_layer.expand_1x1.convolution.weight", 1, 1),
+    3: Projection("mobilevit.encoder.layer.4.downsampling_layer.expand_1x1.convolution.weight", 1, 1),
+    4: Projection("mobilevit.conv_1x1_exp.convolution.weight", 1, 1),
+}
+
+
+def _mobilevit() -> torch.nn.Module:
+    config = transformers.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32], num_labels=3,
+                                          neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 40], num_attention_heads=2)
+    return transformers.MobileViTForImageClassification(config).double().eval()
+
+
+def _group_reading(surgeon: Surgeon, p: Projection) -> object:
+    (group,) = [g for g in surgeon.groups if any(sl.name == p.weight and sl.dim == p.dim for sl in g.slices)]
+    return group
+
+
+def test_hidden_states_at_channel_widths_are_served_at_the_current_widths() -> None:
+    """Analysed on the plain call, MobileViT is called with ``output_hidden_states=True``: the call is captured,
+    and the hidden states at a channel group's width are returned at its current width, as the compact model
+    computes them. After removals they equal the original's, with the removed units' reader columns zeroed, at the
+    kept channels; after clones the logits are unchanged and each copy is its parent's channel."""
+    torch.manual_seed(0)
+    original = _mobilevit()
+    s = Surgeon(copy.deepcopy(original), (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert _rel_diff(s.model(x, output_hidden_states=True), original(x, output_hidden_states=True),
+                         every=True) == 0
+    masked = copy.deepcopy(original)
+    weights = dict(masked.named_parameters())
+    kept = {}
+    for index, p in _MOBILEVIT_HIDDEN_READERS.items():
+        group = _group_reading(s, p)
+        unit = group.count // 2
+        s.remove(group, unit)
+        weights[p.weight].data.narrow(p.dim, unit * p.width, p.width).zero_()
+        kept[index] = [k for k in range(group.max_count) if k != unit]
+    with torch.no_grad():
+        got, want = s.model(x, output_hidden_states=True), masked(x, output_hidden_states=True)
+    assert _rel_diff(got.logits, want.logits) <= 1e-9
+    for index, (hidden, reference) in enumerate(zip(got.hidden_states, want.hidden_states)):
+        assert _rel_diff(hidden, reference[:, kept[index]] if index in kept else reference) <= 1e-9, index
+    parents = {index: _group_reading(s, p) for index, p in _MOBILEVIT_HIDDEN_READERS.items()}
+    for group in parents.values():
+        s.clone(group, 0)
+    with torch.no_grad():
+        cloned = s.model(x, output_hidden_states=True)
+    assert _rel_diff(cloned.logits, got.logits) <= 1e-9
+    for index, (hidden, before) in enumerate(zip(cloned.hidden_states, got.hidden_states)):
+        after = torch.cat([before, before[:, :1]], 1) if index in parents else before
+        assert _rel_diff(hidden, after) <= 1e-9, index

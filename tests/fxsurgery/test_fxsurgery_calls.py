@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from projections import Projection, layer_groups, layers
 
-from fxsurgery import Surgeon, UnservedCall
+from fxsurgery import Surgeon, UnservedCall, analyse
 
 transformers = pytest.importorskip("transformers")
 
@@ -388,11 +388,13 @@ def _group_reading(surgeon: Surgeon, p: Projection) -> object:
 def test_hidden_states_at_channel_widths_are_served_at_the_current_widths() -> None:
     """Analysed on the plain call, MobileViT is called with ``output_hidden_states=True``: the call is captured,
     and the hidden states at a channel group's width are returned at its current width, as the compact model
-    computes them. After removals they equal the original's, with the removed units' reader columns zeroed, at the
-    kept channels; after clones the logits are unchanged and each copy is its parent's channel."""
+    computes them. After removals they equal, at the kept channels, the original's with the removed units' reader
+    columns zeroed, and the installed model's with the units zeroed at the tap points; after clones the logits are
+    unchanged and each copy is its parent's channel."""
     torch.manual_seed(0)
     original = _mobilevit()
-    s = Surgeon(copy.deepcopy(original), (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    analysis = analyse(original, (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    s, tapped = (Surgeon(copy.deepcopy(original), analysis) for _ in range(2))
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
     with torch.no_grad():
         assert _rel_diff(s.model(x, output_hidden_states=True), original(x, output_hidden_states=True),
@@ -405,12 +407,15 @@ def test_hidden_states_at_channel_widths_are_served_at_the_current_widths() -> N
         unit = group.count // 2
         s.remove(group, unit)
         weights[p.weight].data.narrow(p.dim, unit * p.width, p.width).zero_()
+        tapped.tap(_group_reading(tapped, p), lambda a, unit=unit: a.select(-2, unit).zero_())
         kept[index] = [k for k in range(group.max_count) if k != unit]
     with torch.no_grad():
-        got, want = s.model(x, output_hidden_states=True), masked(x, output_hidden_states=True)
-    assert _rel_diff(got.logits, want.logits) <= 1e-9
-    for index, (hidden, reference) in enumerate(zip(got.hidden_states, want.hidden_states)):
-        assert _rel_diff(hidden, reference[:, kept[index]] if index in kept else reference) <= 1e-9, index
+        got = s.model(x, output_hidden_states=True)
+        references = masked(x, output_hidden_states=True), tapped.model(x, output_hidden_states=True)
+    for want in references:
+        assert _rel_diff(got.logits, want.logits) <= 1e-9
+        for index, (hidden, reference) in enumerate(zip(got.hidden_states, want.hidden_states)):
+            assert _rel_diff(hidden, reference[:, kept[index]] if index in kept else reference) <= 1e-9, index
     parents = {index: _group_reading(s, p) for index, p in _MOBILEVIT_HIDDEN_READERS.items()}
     for group in parents.values():
         s.clone(group, 0)

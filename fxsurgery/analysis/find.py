@@ -26,9 +26,9 @@ def node_kind(lab: Labeller, node: torch.fx.Node) -> str:
     return "none" if node in lab.values and lab.values[node] is None else "other"
 
 
-def find_groups(gm: torch.fx.GraphModule, values: list, where: str) -> GraphGroups:
-    """The groups of the graph and the parts it refuses."""
-    return group_graph(_labelled(gm, values, where, locate=False))
+def find_groups(gm: torch.fx.GraphModule, values: list, where: str, *, returns_units: bool = False) -> GraphGroups:
+    """The groups of the graph and the parts it refuses (``returns_units``: see ``dataflow.grouping._Builder``)."""
+    return group_graph(_labelled(gm, values, where, locate=False), returns_units=returns_units)
 
 
 class TracedCall(NamedTuple):

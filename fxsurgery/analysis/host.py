@@ -84,14 +84,16 @@ def fingerprint(module: nn.Module, args: tuple, kwargs: dict) -> HostKey:
 
 
 def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
-                 modes: tuple[bool, ...] = (True, False)) -> HostAnalysis:
+                 modes: tuple[bool, ...] = (True, False), *, returns_units: bool = False) -> HostAnalysis:
     """Trace the host in train and eval mode (or in ``modes``) and find its groups in every graph. Where the
-    symbolic trace leaves units out, the concrete-shape capture is tried too and serves if it finds more groups."""
-    found = _analyse_with(record, module, host, args, kwargs, modes)
+    symbolic trace leaves units out, the concrete-shape capture is tried too and serves if it finds more groups.
+    ``returns_units``: channels the graphs return may be units (a call of a new signature: ``runtime.recapture``)."""
+    analyse_with = functools.partial(_analyse_with, returns_units=returns_units)
+    found = analyse_with(record, module, host, args, kwargs, modes)
     if found.refusals and found.front_end.front_end is FrontEnd.SYMBOLIC:
         why = f"the symbolic trace left out: {found.refusals[0].reasons[0]}"
         try:
-            captured = _analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs, modes)
+            captured = analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs, modes)
         except (TraceError, AnalysisError):
             return found
         if len(captured.groups) > len(found.groups):
@@ -120,7 +122,7 @@ def _name(node: torch.fx.Node) -> str:
 
 
 def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple,
-                  kwargs: dict, modes: tuple[bool, ...]) -> HostAnalysis:
+                  kwargs: dict, modes: tuple[bool, ...], *, returns_units: bool) -> HostAnalysis:
     graphs, results, tensors = {}, {}, {}
     for mode in modes:
         gm, values, used = front_end(module, host, args, kwargs, mode)
@@ -131,7 +133,7 @@ def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: 
             break
         graphs[mode] = gm.graph
         with training_mode(module, mode):
-            results[mode] = find_groups(gm, values, host)
+            results[mode] = find_groups(gm, values, host, returns_units=returns_units)
     first, last = results[modes[0]], results[modes[-1]]
     eval_specs = {(s.sink, s.kind): s for s in last.groups}  # a fused output projection reads heads and channels
     groups, refusals = [], list(first.refusals)

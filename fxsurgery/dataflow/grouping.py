@@ -96,9 +96,11 @@ class UnitAct(NamedTuple):
 
 
 class _Builder:
-    """Turns one labelling into group specs."""
+    """Turns one labelling into group specs. ``returns_units``: channels that reach the graph's outputs may still be
+    units (a call of a new signature, whose graph returns them at their group's current width); otherwise they are
+    no unit axis (the residual stream a caller reads)."""
 
-    def __init__(self, lab: Labeller):
+    def __init__(self, lab: Labeller, returns_units: bool = False):
         self.lab, self.rec = lab, lab.rec
         rec = self.rec
         self.rep = join_parameters(classes(rec.next_id, rec.ties + shared_uses(rec.members)), rec.tentative)
@@ -128,7 +130,7 @@ class _Builder:
                 self.hard.append((c[self.head[c]], pin.reason, False))
                 c = c[~self.head[c]]
             if pin.benign:
-                self.benign[c] = True
+                self.benign[c] = not (pin.at_output and returns_units) or self.benign[c]
             elif c.numel():
                 self.hard.append((c, pin.reason, False))
         self.acts = self.unit_acts(rec.acts)
@@ -725,7 +727,7 @@ def _components(units: torch.Tensor, rep: torch.Tensor, bound: int) -> list[torc
     return list(torch.split(units[order], sizes.tolist()))
 
 
-def group_graph(lab: Labeller, locate: bool = False) -> GraphGroups:
+def group_graph(lab: Labeller, locate: bool = False, *, returns_units: bool = False) -> GraphGroups:
     """Group specs and refusals of a graph that ``lab`` has run; with ``locate``, only where the
-    candidate groups are."""
-    return _Builder(lab).build(locate)
+    candidate groups are; with ``returns_units``, channels the graph returns may be units (see ``_Builder``)."""
+    return _Builder(lab, returns_units).build(locate)

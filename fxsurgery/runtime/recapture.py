@@ -95,7 +95,7 @@ class HostServer:
         if key not in self.shared:
             try:
                 with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):
-                    self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,))
+                    self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,), returns_units=True)
             except (TraceError, AnalysisError) as err:
                 self.shared[key] = Reason(str(err), module=self.host)
         analysis = self.shared[key]

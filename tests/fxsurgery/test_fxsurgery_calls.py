@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from projections import Projection, layer_groups, layers
 
-from fxsurgery import Surgeon, UnservedCall
+from fxsurgery import Surgeon, UnservedCall, analyse
 from fxsurgery.runtime.graph_forward import MAX_GRAPHS
 
 transformers = pytest.importorskip("transformers")
@@ -384,3 +384,66 @@ def test_a_host_keeps_its_own_forward_fits_within_the_graphs_bound() -> None:
             assert torch.allclose(model[0](x, mask=mask, recorder=recorder()), original[0](x, mask=mask), atol=1e-6)
         assert len(forward.server.fits) == MAX_GRAPHS and len(forward.graphs) <= MAX_GRAPHS + 2
         assert torch.allclose(model[0](x, mask=mask, recorder=recorders[0]()), original[0](x, mask=mask), atol=1e-6)
+
+
+# MobileViT's hidden states after stages 2, 3 and 4 are the widths its fusion convolutions make and the next stage's
+# expansion (or the final 1x1 expansion) reads: channel groups. Each reader, by the model's own layout
+# (hidden_states index, reader weight, dim 1, one column per channel).
+_MOBILEVIT_HIDDEN_READERS = {
+    2: Projection("mobilevit.encoder.layer.3.downsampling_layer.expand_1x1.convolution.weight", 1, 1),
+    3: Projection("mobilevit.encoder.layer.4.downsampling_layer.expand_1x1.convolution.weight", 1, 1),
+    4: Projection("mobilevit.conv_1x1_exp.convolution.weight", 1, 1),
+}
+
+
+def _mobilevit() -> torch.nn.Module:
+    config = transformers.MobileViTConfig(image_size=32, patch_size=2, hidden_sizes=[16, 24, 32], num_labels=3,
+                                          neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 40], num_attention_heads=2)
+    return transformers.MobileViTForImageClassification(config).double().eval()
+
+
+def _group_reading(surgeon: Surgeon, p: Projection) -> object:
+    (group,) = [g for g in surgeon.groups if any(sl.name == p.weight and sl.dim == p.dim for sl in g.slices)]
+    return group
+
+
+def test_hidden_states_at_channel_widths_are_served_at_the_current_widths() -> None:
+    """Analysed on the plain call, MobileViT is called with ``output_hidden_states=True``: the call is captured,
+    and the hidden states at a channel group's width are returned at its current width, as the compact model
+    computes them. After removals they equal, at the kept channels, the original's with the removed units' reader
+    columns zeroed, and the installed model's with the units zeroed at the tap points; after clones the logits are
+    unchanged and each copy is its parent's channel."""
+    torch.manual_seed(0)
+    original = _mobilevit()
+    analysis = analyse(original, (torch.randn(2, 3, 32, 32, dtype=torch.float64),))
+    s, tapped = (Surgeon(copy.deepcopy(original), analysis) for _ in range(2))
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert _rel_diff(s.model(x, output_hidden_states=True), original(x, output_hidden_states=True),
+                         every=True) == 0
+    masked = copy.deepcopy(original)
+    weights = dict(masked.named_parameters())
+    kept = {}
+    for index, p in _MOBILEVIT_HIDDEN_READERS.items():
+        group = _group_reading(s, p)
+        unit = group.count // 2
+        s.remove(group, unit)
+        weights[p.weight].data.narrow(p.dim, unit * p.width, p.width).zero_()
+        tapped.tap(_group_reading(tapped, p), lambda a, unit=unit: a.select(-2, unit).zero_())
+        kept[index] = [k for k in range(group.max_count) if k != unit]
+    with torch.no_grad():
+        got = s.model(x, output_hidden_states=True)
+        references = masked(x, output_hidden_states=True), tapped.model(x, output_hidden_states=True)
+    for want in references:
+        assert _rel_diff(got.logits, want.logits) <= 1e-9
+        for index, (hidden, reference) in enumerate(zip(got.hidden_states, want.hidden_states)):
+            assert _rel_diff(hidden, reference[:, kept[index]] if index in kept else reference) <= 1e-9, index
+    parents = {index: _group_reading(s, p) for index, p in _MOBILEVIT_HIDDEN_READERS.items()}
+    for group in parents.values():
+        s.clone(group, 0)
+    with torch.no_grad():
+        cloned = s.model(x, output_hidden_states=True)
+    assert _rel_diff(cloned.logits, got.logits) <= 1e-9
+    for index, (hidden, before) in enumerate(zip(cloned.hidden_states, got.hidden_states)):
+        after = torch.cat([before, before[:, :1]], 1) if index in parents else before
+        assert _rel_diff(hidden, after) <= 1e-9, index

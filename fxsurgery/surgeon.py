@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
@@ -9,7 +10,9 @@ import torch.nn as nn
 
 from .analysis.install import install_model, installs_on
 from .analysis.value import Analysis, analyse, run_once, structure, structure_difference
+from .capture.calls import materialize
 from .clone_state import StateAtClone
+from .compat import tree_leaves, tree_map
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
 from .report import explain
@@ -36,6 +39,7 @@ class Surgeon:
             if now != analysis.structure:
                 raise ValueError(f"the analysis is of another model than this {type(model).__name__}: "
                                  f"{structure_difference(analysis.structure, now)}")
+            analysis = _called_where_it_lives(model, analysis)
             run_once(model, analysis.example_inputs, analysis.example_kwargs)  # its first-call state, as analysed
             if analysis._plan is None or not installs_on(model, analysis._plan):
                 analysis = _analysed_again(model, analysis)  # unpickled or copied, or its hosts have changed since
@@ -194,3 +198,15 @@ def _analysed_again(model: nn.Module, analysis: Analysis) -> Analysis:
                          f"{[g.name for g in fresh.groups]} against {[g.name for g in analysis.groups]}")
     fresh._plan.shared.hand_keys_to(model)
     return fresh
+
+
+def _called_where_it_lives(model: nn.Module, analysis: Analysis) -> Analysis:
+    """The analysis with its example call on the model's device: an analysis of the model built on the meta device
+    (``barter.wrap`` before materialising) given a real model holds meta inputs, which stand in as real values of
+    their shapes (the call's values matter to neither the install nor the first call, only its shapes)."""
+    device = next((t.device for t in model.state_dict().values() if not t.is_meta), None)
+    call = (analysis.example_inputs, analysis.example_kwargs)
+    if device is None or not any(torch.is_tensor(t) and t.is_meta for t in tree_leaves(call)):
+        return analysis
+    inputs, kwargs = tree_map(lambda t: t.to(device) if torch.is_tensor(t) else t, materialize(call))
+    return dataclasses.replace(analysis, example_inputs=inputs, example_kwargs=kwargs)

@@ -3,6 +3,7 @@ same groups, counts, constants and refusals as the same model built on the CPU, 
 of its hosts' shapes; the self-check still fails a group built to be wrong, and the model stays on meta."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -83,3 +84,20 @@ def test_a_meta_hf_llama_analyses_as_on_the_cpu() -> None:
     on_cpu = analyse(transformers.LlamaModel(config), (), {"input_ids": ids})
     assert [g.name for g in on_meta.groups] == [g.name for g in on_cpu.groups]
     assert len(on_meta.groups) == 4 and _described(on_meta)[0] == _described(on_cpu)[0]
+
+
+def test_an_analysis_of_the_meta_model_installs_on_the_model_built_real() -> None:
+    """The analysis of the meta-built model (its example call on meta) installs on the same model built on the
+    CPU, whose first call runs on real values of the example's shapes: removing a head there equals zeroing its
+    columns of the output projection (16 per head) in a copy of the real model."""
+    on_meta = analyse(_built("meta"), (torch.zeros(2, 3, 32, 32, device="meta"),))
+    model = _built("cpu").eval()
+    masked = copy.deepcopy(model)
+    surgeon = Surgeon(model, on_meta)
+    assert [(g.name, g.count) for g in surgeon.groups] == [(g.name, g.count) for g in on_meta.groups]
+    assert not surgeon.example_inputs[0].is_meta and on_meta.example_inputs[0].is_meta  # the analysis stays as it was
+    surgeon.remove(surgeon.group("blocks.1.attn:head"), 2)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        masked.blocks[1].attn.proj.weight[:, 32:48] = 0
+        torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)

@@ -28,7 +28,8 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reas
     rows). A host on the meta device (a model built without memory) is checked with random values of its tensors'
     shapes, on the CPU, standing in for its meta ones (``real_values``), at a few units (``twin``): the properties hold
     for any values and any count. Returns what went wrong, or None."""
-    with twin(editor, g), real_values(editor.host(g)):
+    host = editor.host(g)
+    with twin(editor, g, host), real_values(host):
         trial = _Trial(editor, g, inputs)
         try:
             with training_mode(trial.module, False), forked_rng(tree_leaves((trial.args, trial.kwargs))):
@@ -43,14 +44,13 @@ TWIN_UNITS = 4  # a meta host's group is checked at this many units (or its mini
 
 
 @contextmanager
-def twin(editor: Editor, g: UnitGroup) -> Iterator[None]:
+def twin(editor: Editor, g: UnitGroup, host: torch.nn.Module) -> Iterator[None]:
     """A host on the meta device with the group cut to its first few units by the group's own edit (shapes only, no
     memory), so that the values standing in for it are a few MB, not a block of a large model at full width; then
-    the host's tensors and the group's count as they were. A host with real tensors is left as it is."""
-    host = editor.host(g)
+    the host's tensors and the group's count as they were. A host (the group's) with real tensors is left as it is."""
     tensors = list(itertools.chain(host.parameters(), host.buffers()))
-    units = min(g.count, max(TWIN_UNITS, g.min_count + 2))
-    if not any(t.is_meta for t in tensors) or units == g.count:
+    units = min(g.count, max(TWIN_UNITS, g.min_count + 2)) if any(t.is_meta for t in tensors) else None
+    if units is None or units == g.count:
         yield
         return
     saved, count = [(t, t.data) for t in tensors], g.count

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -24,9 +26,10 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reas
     removal is compared (an inexact group, or one at its minimum count, such as a single FFN channel), the tap is
     compared with masking unit 0 at every output slice instead (the projection's columns, a head-mixing map's read
     rows). A host on the meta device (a model built without memory) is checked with random values of its tensors'
-    shapes, on the CPU, standing in for its meta ones (``real_values``): the properties hold for any values, and one
-    host is small. Returns what went wrong, or None."""
-    with real_values(editor.host(g)):
+    shapes, on the CPU, standing in for its meta ones (``real_values``), at a few units (``twin``): the properties hold
+    for any values and any count. Returns what went wrong, or None."""
+    host = editor.host(g)
+    with twin(editor, g, host), real_values(host):
         trial = _Trial(editor, g, inputs)
         try:
             with training_mode(trial.module, False), forked_rng(tree_leaves((trial.args, trial.kwargs))):
@@ -35,6 +38,29 @@ def self_check(editor: Editor, g: UnitGroup, inputs: tuple[tuple, dict]) -> Reas
             return Reason(f"{type(e).__name__}: {e}", module=g.module)
         finally:
             trial.restore()
+
+
+TWIN_UNITS = 4  # a meta host's group is checked at this many units (or its minimum and two more)
+
+
+@contextmanager
+def twin(editor: Editor, g: UnitGroup, host: torch.nn.Module) -> Iterator[None]:
+    """A host on the meta device with the group cut to its first few units by the group's own edit (shapes only, no
+    memory), so that the values standing in for it are a few MB, not a block of a large model at full width; then
+    the host's tensors and the group's count as they were. A host (the group's) with real tensors is left as it is."""
+    tensors = list(itertools.chain(host.parameters(), host.buffers()))
+    units = min(g.count, max(TWIN_UNITS, g.min_count + 2)) if any(t.is_meta for t in tensors) else None
+    if units is None or units == g.count:
+        yield
+        return
+    saved, count = [(t, t.data) for t in tensors], g.count
+    editor.edit(g, units, lambda sl, t: sl.keep(t, count, torch.arange(units)), None)
+    try:
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+        editor.settle(g, count)
 
 
 class _Trial:

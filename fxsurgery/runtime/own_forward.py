@@ -131,6 +131,8 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
                 continue  # one attribute follows one group
             why = next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
             if not why:
+                checks.clear()  # the trials' copies of the host freed before the empty trial makes its two
+                trials.clear()
                 empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups])
                 return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
             fault = fault or why

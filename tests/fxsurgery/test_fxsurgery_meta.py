@@ -101,3 +101,27 @@ def test_an_analysis_of_the_meta_model_installs_on_the_model_built_real() -> Non
     with torch.no_grad():
         masked.blocks[1].attn.proj.weight[:, 32:48] = 0
         torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
+def test_a_meta_group_is_checked_on_a_few_unit_twin_that_still_fails_when_wrong(monkeypatch) -> None:
+    """The stand-ins of a wide group are made at a few units (a block of a large model would be GBs at full width);
+    the twin still catches a wrong group, and the meta model keeps its count and shapes."""
+    from fxsurgery.analysis import verify
+    from fxsurgery.capture import calls as capture_calls
+    x = torch.zeros(2, 3, 32, 32, device="meta")
+    s = Surgeon(_built("meta"), (x,))
+    g = s.group("blocks.0.mlp:channel")
+    calls = []
+    handle = s.model.get_submodule(g.module).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    s.model(x)
+    handle.remove()
+    made = []
+    materialize = capture_calls.materialize
+    monkeypatch.setattr(capture_calls, "materialize", lambda t, seed=0: made.append(tuple(t.shape)) or
+                        materialize(t, seed))
+    assert g.count == 64 and self_check(s._editor, g, calls[0]) is None
+    assert (verify.TWIN_UNITS, 64) in made and (64, 64) not in made  # fc1's weight at 4 units, not 64
+    set_slices(g, tuple(dataclasses.replace(sl, output=False) for sl in g.slices))  # the columns copied, not split
+    assert self_check(s._editor, g, calls[0]).text.startswith("a clone changed the outputs by")
+    fc1 = s.model.get_submodule("blocks.0.mlp.fc1")
+    assert g.count == 64 and fc1.weight.shape == (64, 64) and fc1.out_features == 64
+    assert all(t.is_meta for t in s.model.parameters())

@@ -64,6 +64,7 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch._C._len_torch_function_stack": "outside_traces",
     "torch.overrides._pop_mode_temporarily": "outside_traces",
     "torch.utils._python_dispatch._disable_current_modes": "outside_traces",
+    "torch.export._trace": "outside_traces",
     "torch.utils._pytree.SUPPORTED_NODES": "is_pytree_node",
     "torch.utils._pytree.register_pytree_node": "register_pytree_node",
     "torch.utils._pytree.GetAttrKey": "register_pytree_node",
@@ -187,12 +188,25 @@ def outside_traces() -> Iterator[None]:
     """Run what follows as plain eager code, neither recorded nor faked by a trace that is running (the
     torch-function and dispatch modes of ``torch.export``, ``make_fx`` or a fake tensor mode are set aside, then
     put back in order; ``torch.overrides._pop_mode_temporarily`` and
-    ``torch.utils._python_dispatch._disable_current_modes``, torch >= 2.1)."""
+    ``torch.utils._python_dispatch._disable_current_modes``, torch >= 2.1). A capture run inside (a call of a new
+    signature met while ``torch.export`` runs) sets and clears the running export's module globals
+    (``torch.export._trace``'s ``_EXPORT_FLAGS`` and ``_EXPORT_MODULE_HIERARCHY``, torch >= 2.3): they are put back."""
+    import torch.export._trace as export_trace
+
+    running_export = {name: getattr(export_trace, name) for name in _EXPORT_GLOBALS if hasattr(export_trace, name)}
     with contextlib.ExitStack() as stack:
         for _ in range(torch._C._len_torch_function_stack()):
             stack.enter_context(torch.overrides._pop_mode_temporarily())
         stack.enter_context(torch.utils._python_dispatch._disable_current_modes())
-        yield
+        try:
+            yield
+        finally:
+            for name, value in running_export.items():
+                setattr(export_trace, name, value)
+
+
+#: The module globals of ``torch.export._trace`` that hold the state of the export running.
+_EXPORT_GLOBALS = ("_EXPORT_FLAGS", "_EXPORT_MODULE_HIERARCHY")
 
 
 #: The logger by which non-strict ``torch.export`` reports each dim it specialises (torch >= 2.3).

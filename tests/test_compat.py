@@ -324,6 +324,23 @@ def test_outside_traces(trace):
     assert [str(n.target) for n in graph.nodes if n.op == "call_function"] == ["aten.add.Tensor"]
 
 
+def test_an_export_run_outside_a_running_export_leaves_it_running():
+    """A capture inside the block (a call of a new signature met while exporting is captured on its own) sets and
+    clears torch.export's globals; the running export finds them as it left them and completes."""
+    class Inner(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Outer(nn.Module):
+        def forward(self, x):
+            with compat.outside_traces():
+                torch.export.export(Inner(), (torch.zeros(2),))
+            return x + 1
+
+    program = torch.export.export(Outer(), (torch.zeros(2),))
+    assert torch.equal(program.module()(torch.ones(2)), torch.full((2,), 2.0))
+
+
 def test_module_hooks():
     module = nn.Linear(2, 2)
     assert compat.module_hooks(module) == []

@@ -186,6 +186,12 @@ def _to(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_method", "to", (args[0], *args[1:1 + leading]), kept
 
 
+@lowers(aten.numpy_T)
+def _numpy_t(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
+    """``Tensor.T``: every dim reversed, a permute."""
+    return "call_method", "permute", (args[0], *reversed(range(args[0].meta["val"].dim()))), {}
+
+
 @lowers(aten.alias, aten.lift_fresh_copy, aten.detach)
 def _alias(args: tuple, kwargs: dict, node: torch.fx.Node) -> Call:
     return "call_method", "detach" if _opname(node) == "detach" else "clone", (args[0],), {}

@@ -26,7 +26,7 @@ from .constants import ConstantSpec, Site, Unsupported
 from .gates import silent_softmaxes
 from .ids import NO_ID, align, compact, varies
 from .labeller import Labeller
-from .paths import common_module, module_of, tensor_at
+from .paths import common_module, module_of, tensor_at, within
 from .records import Act, Member, Sink, Space, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
@@ -248,12 +248,28 @@ class _Builder:
         if locate:  # each region is located once; its hosts' analyses would tell it again
             told = silent_softmaxes(self, torch.cat(offered))
             out.refusals += [Refusal([module_of(t.node)], [t.reason]) for t in told]
+        if not locate:  # told once the groups are built, where none is
+            out.refusals += self.unstarted_refusals(out)
         for opaque in self.rec.opaque:  # unless its module already tells of it (units it refused)
             where = module_of(opaque.node)
             told = [w for r in out.refusals if common_module(r.modules) == where for w in r.reasons]
             if not any(w.startswith(f"{opaque.node.name}:") for w in told):
                 out.refusals.append(Refusal([where], [opaque.reason]))
         return out
+
+    def unstarted_refusals(self, out: GraphGroups) -> list[Refusal]:
+        """Each module that multiplies by a parameter laying out the output (``x @ W.T``) and ends with no group at,
+        under or (below the root) above it, nor a refusal of its own: why its units are not found."""
+        grouped = [m for spec in out.groups for m in spec.modules]
+        told = {common_module(r.modules) for r in out.refusals}
+        refusals: dict[str, Refusal] = {}
+        for note in self.rec.unstarted:
+            where = module_of(note.node)
+            if where in refusals or where in told or any(within(m, where) or (m and within(where, m))
+                                                          for m in grouped):
+                continue
+            refusals[where] = Refusal([where], [note.reason])
+        return list(refusals.values())
 
     @staticmethod
     def refuse_overlaps(out: GraphGroups) -> None:

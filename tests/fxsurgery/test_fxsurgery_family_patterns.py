@@ -607,3 +607,21 @@ def test_a_size_computed_from_a_literal_for_several_views_is_copied_per_view() -
                                                  for s in literal_sizes)
     assert {view.args[2] for view in views} == {by_sizes}
     graph.lint()
+
+
+def test_a_transpose_of_every_dim_is_lowered_to_the_permute_it_is() -> None:
+    """``W.T`` (Falcon's linear layers: ``x @ self.weight.T``) is ``aten.numpy_T`` in an exported graph: lowered to
+    the permute reversing every dim, which the view rules read (it had no rule, and hid the weight's units)."""
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2, 3, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.T.reshape(4, 6)
+
+    graph = torch.export.export(Transposed(), (torch.randn(5, 4),)).graph_module.graph
+    assert any(n.target is torch.ops.aten.numpy_T.default for n in graph.nodes)
+    lower(graph)
+    (permute,) = [n for n in graph.nodes if n.target == "permute"]
+    assert permute.args[1:] == (2, 1, 0)

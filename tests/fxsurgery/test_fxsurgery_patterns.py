@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from zoo import Style, TinyTransformer, train_steps
 
+import fxsurgery
 from fxsurgery import Surgeon
 
 
@@ -411,3 +412,50 @@ def test_heads_whose_weights_blocks_hand_on_are_found_where_a_caller_drops_them(
     with torch.no_grad():
         masked.blocks[1].attn.out.weight[:, :4] = 0  # head 0's columns of the second block's output projection
     torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
+
+
+class ProductAttention(nn.Module):
+    """Attention whose maps are products with parameters (``x @ W``, einops-style code): its heads start in no
+    linear map the analysis reads; ``table``, an einsum with a parameter inside an attention whose heads are
+    found (a relative-position table read through the query), lays out the keys' positions."""
+
+    def __init__(self, dim: int = 12, heads: int = 3, products: bool = True):
+        super().__init__()
+        self.h, self.d, self.products = heads, dim // heads, products
+        self.w_q, self.w_k, self.w_v, self.w_o = (nn.Parameter(torch.randn(dim, dim) / dim ** 0.5) for _ in range(4))
+        self.table = nn.Parameter(torch.randn(4, dim // heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        maps = (self.w_q, self.w_k, self.w_v)
+        q, k, v = ((x @ w if self.products else F.linear(x, w)).view(b, n, self.h, self.d).transpose(1, 2)
+                   for w in maps)
+        scores = q @ k.transpose(-1, -2) + torch.einsum("bhnd,md->bhnm", q, self.table)
+        mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1)
+        return mixed @ self.w_o if self.products else F.linear(mixed, self.w_o)
+
+
+class ProductBlock(nn.Module):
+    def __init__(self, products: bool):
+        super().__init__()
+        self.embed, self.attn = nn.Linear(3, 12), ProductAttention(products=products)
+        self.fc1, self.fc2 = nn.Linear(12, 24), nn.Linear(24, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        x = x + self.attn(x)
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def test_a_linear_map_written_as_a_product_with_a_parameter_is_told_where_no_group_is_found() -> None:
+    """``x @ W`` starts no unit space: the attention's heads are not found, and its module says why, naming the
+    product and the parameter (not a silent miss); the same attention through F.linear has its heads, and its
+    einsum with the position table, which lays out positions, is told nowhere."""
+    x = torch.randn(2, 4, 3)
+    products = fxsurgery.analyse(ProductBlock(products=True), (x,))
+    assert [g.kind for g in products.groups] == ["channel"]
+    (left,) = [lo for lo in products.left_out if lo.module == "attn"]
+    assert "multiplies by the parameter attn.w_" in left.reasons[0] and "starts no unit space" in left.reasons[0]
+    linear = fxsurgery.analyse(ProductBlock(products=False), (x,))
+    assert sorted(g.kind for g in linear.groups) == ["channel", "head"]
+    assert not [r for lo in linear.left_out for r in lo.reasons if "starts no unit space" in r]

@@ -11,7 +11,7 @@ from torch.fx.node import Node
 
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
-from ..records import Note, SharedRead
+from ..records import Note, Opaque, SharedRead
 from .base import defer_pins, elementwise_labels, head_axis, mix, mixing_map, pin_all, register_rule
 
 
@@ -56,6 +56,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     shared = _share(s, views, letters, out_sub)
     reps = [v.ids for v in views]
     consumed: list[set[int]] = [set() for _ in views]
+    read: set[int] = set()  # the parameters an activation is contracted against
     before = len(s.rec.contracted)
     for c in letters:
         if c in out_sub:
@@ -78,6 +79,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
             reps[acts[0]] = mixed
         elif len(acts) == 1 and params:
             a = acts[0]
+            read.update(params)
             if shared.keys() & set(params):  # contracted against an activation all the same: a head
                 s.rec.contracted.append(reps[a])
             for p in params:
@@ -94,12 +96,44 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
         else:
             s.rec.pin(reps[labelled[0]], f"{s.name}: contraction of parameters")
             return None
+    _note_unstarted(s, views, reps, read, letters, out_sub)
     out = _output_label(s, views, reps, consumed, letters, out_sub)
     if out is not None and sum(v.activation for v in views) + len(shared) >= 2:
         s.rec.products.append(out.ids)
         if len(s.rec.contracted) == before:
             s.rec.applied.append(out.ids)
     return out
+
+
+def _note_unstarted(s: Step, views: list[Operand], reps: list[torch.Tensor | None], read: set[int],
+                    letters: list[str], out_sub: str) -> None:
+    """A parameter an activation is contracted against that lays out output dims of its own is a linear map
+    written as a product (``x @ W.T``, ``einsum("bnd,de->bne", x, W)``): it starts no unit space here (only
+    linear maps by name, convolutions and embeddings do), so what it makes is noted, to be told if no group
+    is found where it runs."""
+    if s.lab.nested:
+        return
+    for p in sorted(read):
+        v = views[p]
+        own = [c for c in v.subs if c in out_sub and v.shape[v.subs.index(c)] > 1
+               and all(reps[i].shape[letters.index(c)] == 1 for i, w in enumerate(views) if w.activation)]
+        if own:
+            name = _parameter_name(_node_of(s, v.label))
+            s.rec.unstarted.append(Opaque(s.node, f"{s.name}: multiplies by the parameter {name}, whose own dims make "
+                                                  "the output's: a linear map written as a product starts no unit "
+                                                  "space (nn.Linear, F.linear, convolutions and embeddings do), so "
+                                                  "the heads or channels it makes are not found"))
+            return
+
+
+def _parameter_name(node: Node | None) -> str:
+    """The parameter an operand reads, through the views taken of it (``W.T``); "" if there is none."""
+    for _ in range(4):
+        if node is None or node.op == "get_attr":
+            break
+        inputs = node.all_input_nodes
+        node = inputs[0] if len(inputs) == 1 else None
+    return node.target if node is not None else "(computed from parameters)"
 
 
 def _fold_unit_coordinates(s: Step, reps: list[torch.Tensor | None], a: int, ax: int, kept: Sequence[int]) -> bool:

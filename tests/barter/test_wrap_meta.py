@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from meta_checks import assert_meta_path_equals_materialised
 from tiny_vit import build_vit, vit_batch
 
 import barter
@@ -54,12 +55,4 @@ def test_the_meta_path_chooses_as_the_materialised_path() -> None:
     direct = barter.wrap(build_vit(), total_steps=12, density=0.5, example_inputs=(X,), head_ratio=0.5,
                          channel_ratio=0.5)
     on_meta = _wrapped_on_meta(init="first", head_ratio=0.5, channel_ratio=0.5)
-    on_meta.model.to_empty(device="cpu")
-    on_meta.model.load_state_dict(direct.model.state_dict())
-    assert {g.name: g.count for g in on_meta.surgeon.groups} == {g.name: g.count for g in direct.surgeon.groups}
-    _train(direct, 12)
-    _train(on_meta, 12)
-    assert [e.record() for e in on_meta.events] == [e.record() for e in direct.events]
-    assert any(e.skipped is None for e in direct.events)
-    after, expected = on_meta.model.state_dict(), direct.model.state_dict()
-    assert after.keys() == expected.keys() and all(torch.equal(after[k], expected[k]) for k in expected)
+    assert_meta_path_equals_materialised(direct, on_meta, lambda ctl: _train(ctl, 12))

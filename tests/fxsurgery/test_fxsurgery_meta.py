@@ -20,6 +20,16 @@ def _built(device: str) -> torch.nn.Module:
         return build_vit()
 
 
+def _host_call(surgeon: Surgeon, group, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The call the group's host gets when the model runs on ``x`` (what the self-check replays)."""
+    calls = []
+    handle = surgeon.model.get_submodule(group.module).register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    surgeon.model(x)
+    handle.remove()
+    return calls[0]
+
+
 def _described(analysis) -> tuple:
     groups = [(g.name, g.kind, g.count, g.max_count, g.min_count, g.exact, tuple((sl.name, sl.dim, sl.output)
                for sl in g.slices)) for g in analysis.groups]
@@ -59,11 +69,7 @@ def test_the_self_check_fails_a_wrong_group_on_a_meta_model() -> None:
     x = torch.zeros(2, 3, 32, 32, device="meta")
     s = Surgeon(_built("meta"), (x,))
     g = s.group("blocks.0.attn:head")
-    calls = []
-    handle = s.model.get_submodule(g.module).register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
-    s.model(x)
-    handle.remove()
+    calls = [_host_call(s, g, x)]
     assert self_check(s._editor, g, calls[0]) is None
     set_slices(g, tuple(dataclasses.replace(sl, output=False) for sl in g.slices))  # the columns copied, not split
     assert self_check(s._editor, g, calls[0]).text.startswith("a clone changed the outputs by")
@@ -101,6 +107,8 @@ def test_an_analysis_of_the_meta_model_installs_on_the_model_built_real() -> Non
     with torch.no_grad():
         masked.blocks[1].attn.proj.weight[:, 32:48] = 0
         torch.testing.assert_close(model(x), masked(x), rtol=1e-5, atol=1e-6)
+
+
 def test_a_meta_group_is_checked_on_a_few_unit_twin_that_still_fails_when_wrong(monkeypatch) -> None:
     """The stand-ins of a wide group are made at a few units (a block of a large model would be GBs at full width);
     the twin still catches a wrong group, and the meta model keeps its count and shapes."""
@@ -109,11 +117,7 @@ def test_a_meta_group_is_checked_on_a_few_unit_twin_that_still_fails_when_wrong(
     x = torch.zeros(2, 3, 32, 32, device="meta")
     s = Surgeon(_built("meta"), (x,))
     g = s.group("blocks.0.mlp:channel")
-    calls = []
-    handle = s.model.get_submodule(g.module).register_forward_pre_hook(
-        lambda module, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
-    s.model(x)
-    handle.remove()
+    calls = [_host_call(s, g, x)]
     made = []
     materialize = capture_calls.materialize
     monkeypatch.setattr(capture_calls, "materialize", lambda t, seed=0: made.append(tuple(t.shape)) or

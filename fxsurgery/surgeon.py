@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -204,7 +205,7 @@ def _called_where_it_lives(model: nn.Module, analysis: Analysis) -> Analysis:
     """The analysis with its example call on the model's device: an analysis of the model built on the meta device
     (``barter.wrap`` before materialising) given a real model holds meta inputs, which stand in as real values of
     their shapes (the call's values matter to neither the install nor the first call, only its shapes)."""
-    device = next((t.device for t in model.state_dict().values() if not t.is_meta), None)
+    device = next((t.device for t in itertools.chain(model.parameters(), model.buffers()) if not t.is_meta), None)
     call = (analysis.example_inputs, analysis.example_kwargs)
     if device is None or not any(torch.is_tensor(t) and t.is_meta for t in tree_leaves(call)):
         return analysis

@@ -129,10 +129,11 @@ class _Builder:
             elif pin.benign and self.head[c].any():  # heads meet a tensor that cannot be sliced: told, not dropped
                 self.hard.append((c[self.head[c]], pin.reason, False))
                 c = c[~self.head[c]]
-            if pin.benign:
-                self.benign[c] = not (pin.at_output and returns_units) or self.benign[c]
-            elif c.numel():
-                self.hard.append((c, pin.reason, False))
+            if not pin.benign:
+                if c.numel():
+                    self.hard.append((c, pin.reason, False))
+            elif not (pin.at_output and returns_units):  # channels a recaptured call returns stay candidates
+                self.benign[c] = True
         self.acts = self.unit_acts(rec.acts)
         self.sinks = [sink._replace(columns=self.cls(sink.columns)) for sink in rec.sinks]  # columns as classes
         self.acts_of: dict[int, list[UnitAct]] = {}  # group index -> the values that carry its units

@@ -127,7 +127,7 @@ def _note_unstarted(s: Step, views: list[Operand], reps: list[torch.Tensor | Non
 
 
 def _parameter_name(node: Node | None) -> str:
-    """The parameter an operand reads, through the views taken of it (``W.T``); "" if there is none."""
+    """The parameter an operand reads, through the views taken of it (``W.T``), or a phrase saying it is computed."""
     for _ in range(4):
         if node is None or node.op == "get_attr":
             break

@@ -14,10 +14,16 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode as DispatchRecorder  # sees every ATen op (torch >= 1.13)
+from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map since torch 1.10, tree_leaves 2.1)
+    tree_leaves,  # the leaves of a nested structure
+    tree_map,  # the structure with a function applied to every leaf
+)
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["PRIVATE_TORCH_NAMES", "dynamo_config", "foreach_mul_", "device_scale", "fsdp_records", "reshard_resized",
-           "hold_empty", "copy_with", "copy_plainly", "hooks_set_aside"]
+           "hold_empty", "copy_with", "copy_plainly", "hooks_set_aside", "DispatchRecorder", "tree_leaves", "tree_map",
+           "written_arguments"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object) -> the name of this module
 # that reaches it
@@ -34,6 +40,10 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "._unsharded_param": "reshard_resized",
     "._unsharded_inner_tensors": "reshard_resized",
     "._local_tensor": "hold_empty",
+    "torch.utils._python_dispatch.TorchDispatchMode": "DispatchRecorder",
+    "torch.utils._pytree.tree_leaves": "tree_leaves",
+    "torch.utils._pytree.tree_map": "tree_map",
+    "._schema": "written_arguments",
 }
 
 
@@ -66,6 +76,18 @@ def hooks_set_aside(handles: Iterable[RemovableHandle]) -> Iterator[None]:
         for key, d in hook_dicts.items():
             d.clear()
             d.update(saved[key])
+
+
+def written_arguments(op: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensor arguments an ATen op writes in place (``x.mul_(2)``'s ``x``, an ``out=``), as its schema marks them
+    (``OpOverload._schema``, ``Argument.alias_info.is_write``, torch >= 1.12)."""
+    written = []
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
 
 
 def dynamo_config() -> Any:

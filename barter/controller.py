@@ -426,6 +426,10 @@ class Controller:
         """
         if sd["method"] != self.method or sd["schedule"] != self.schedule or sd["initial"] != self.initial:
             raise ValueError("state_dict comes from a wrap with another method, schedule or initial topology")
+        self._follow_materialised()  # a model wrapped on meta: its tables and noise move first, then take the state
+        if self.noise_seeded_on_meta:
+            raise ValueError("the model is on the meta device: its saved scores and generators have nowhere to go; "
+                             "materialise it (to_empty) before ctl.load_state_dict")
         self._prepare_edits()
         for g in self.surgeon.groups:
             target = sd["topology"][g.name]

@@ -163,3 +163,31 @@ def test_hold_empty(one_process_group):
         torch.testing.assert_close(y, bias.expand(4, 2))
         y.sum().backward()
         assert m[1].bias.grad.full_tensor().tolist() == [4.0, 4.0] and m[0].weight.grad is None
+
+
+def test_dispatchrecorder():
+    seen = []
+
+    class Seen(compat.DispatchRecorder):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2).mul_(3)
+    assert seen == ["aten::ones", "aten::mul_.Tensor"]
+
+
+def test_tree_leaves():
+    assert compat.tree_leaves(((1, [2]), {"a": 3})) == [1, 2, 3]
+
+
+def test_tree_map():
+    assert compat.tree_map(lambda v: v * 2, ((1, [2]), {"a": 3})) == ((2, [4]), {"a": 6})
+
+
+def test_written_arguments():
+    x, y = torch.ones(2), torch.ones(2)
+    assert compat.written_arguments(torch.ops.aten.mul_.Tensor, (x, y), {}) == [x]
+    assert compat.written_arguments(torch.ops.aten.mul.Tensor, (x, y), {}) == []
+    assert compat.written_arguments(torch.ops.aten.add.out, (x, y), {"out": y}) == [y]

@@ -91,7 +91,7 @@ class CCT(nn.Module):
         self.global_pool = global_pool
         self.tokenizer = ConvTokenizer(in_chans, embed_dim, kernel_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, self.tokenizer.num_tokens(in_chans, img_size), embed_dim))
-        drop_path_rates = torch.linspace(0, drop_path_rate, depth).tolist()
+        drop_path_rates = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # also built on meta
         self.blocks = nn.Sequential(*[
             CCTBlock(embed_dim, num_heads, mlp_ratio, attn_drop_rate, dpr) for dpr in drop_path_rates
         ])

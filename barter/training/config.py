@@ -47,7 +47,10 @@ class TrainConfig:
     or "fp16" autocast with loss scaling (`barter.training.precision`). `compile`: training steps run through
     `torch.compile` (`barter.compiling.compile_model`; one process only). `fsdp`: under torchrun the model is
     sharded with FSDP2 after the wrap (`barter.fsdp`), and checkpoints are written by every process through
-    `torch.distributed.checkpoint` beside rank 0's export of the whole model. `model_ema`: the decay of a timm
+    `torch.distributed.checkpoint` beside rank 0's export of the whole model; `fsdp_on_meta` (the default) builds
+    and wraps it on the meta device and writes each process's shards of the values the whole build would have
+    drawn (`barter.meta_build`: no process holds the whole model; the same numbers), False builds it whole on
+    every process first (as does a start from `init_from`). `model_ema`: the decay of a timm
     `ModelEmaV3` of the weights, updated after every optimizer step, evaluated beside the model, selecting the
     best checkpoint and exported in the checkpoints (timm train.py's `--model-ema`).
     """
@@ -85,6 +88,7 @@ class TrainConfig:
     amp: str = "fp32"
     compile: bool = False
     fsdp: bool = False
+    fsdp_on_meta: bool = True
     model_ema: float | None = None
     flop_budget: float | None = None
     continue_from: str | None = None
@@ -209,6 +213,7 @@ FIELD_HELP: dict[str, str] = {
     "seed": "random seed of model, data order and method",
     "device": "auto (default), cpu, cuda, cuda:1, ...",
     "fsdp": "shard the model with FSDP2 under torchrun (after the wrap); sharded checkpoints",
+    "fsdp_on_meta": "with fsdp: build and wrap on the meta device, each process writing only its shards (default)",
     "model_ema": "decay of an EMA of the weights that is evaluated, selects the best checkpoint and is exported",
     "flop_budget": "stop at this cumulative F_total (FLOPs), or at the final F_total of the run directory given",
     "continue_from": "finished run to continue with its topology fixed (matched compute)",

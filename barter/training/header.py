@@ -26,12 +26,17 @@ def describe_run(config: TrainConfig, data: Data, session: Session, run: Path, *
     parameters = sum(p.numel() for p in session.model.parameters())
     method = "dense" if config.method == "dense" else f"{config.method}, density {config.density:g}"
     widths = widths_text(session.method.topology())
+    built = ""
+    if session.replayed is not None:
+        replayed, mib = session.replayed, 2 ** 20
+        built = (f"; built on the meta device, each process writing only its shards ({replayed.ops} ops replayed, "
+                 f"at most {replayed.peak_bytes / mib:.1f} of {replayed.model_bytes / mib:.1f} MiB held whole)")
     start = f", resumed at epoch {session.epoch:g} (step {session.step})" if resumed else ""
     return "\n".join([
         f"data:    {_source(config)}: {', '.join(sets)} and {len(data.test)} test images",
         f"classes: {data.num_classes}{shown}",
         f"images:  {images}" + (f"; {note}" if note else ""),
-        f"model:   {config.model}, {parameters:,} parameters",
+        f"model:   {config.model}, {parameters:,} parameters{built}",
         f"method:  {method}" + (f"; {'widths' if resumed else 'starting widths'} per layer{widths}" if widths else ""),
         f"run:     {run}{start}",
     ])

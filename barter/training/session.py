@@ -14,6 +14,7 @@ from ..compiling import compile_model
 from ..controller import Controller
 from ..ddp import DistributedModel
 from ..fsdp import shard
+from ..meta_build import BuildRecord, MetaBuildError, Replayed, kept_positions, materialise, record_build
 from ..method import Dense, TrainingMethod
 from ..wrapping import wrap
 from . import processes
@@ -61,6 +62,7 @@ class Session:
     precision: Precision = field(default_factory=Precision)
     compiled: nn.Module | None = None  # what training steps run through under --compile
     ema: ModelEmaV3 | None = None  # the weights' moving average under --model-ema
+    replayed: Replayed | None = None  # how a model built on the meta device was given its values (fsdp_on_meta)
     epoch: float = 0
     step: int = 0
     finished: bool = False
@@ -103,7 +105,16 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     is also followed by the EMA, the DistributedDataParallel wrapper and the compiled model, as its transfers
     resize the model."""
     reload = pretrained or reloads_on_resume(config)
-    model = build_model(config.model, model_arguments(config, data), config.init_from if reload else None).to(device)
+    record = None
+    if config.fsdp and config.fsdp_on_meta and not (reload and config.init_from is not None):
+        try:
+            model, record = record_build(lambda: build_model(config.model, model_arguments(config, data), None))
+        except MetaBuildError as e:
+            raise ConfigError(f"{config.model}: {e} (--no-fsdp-on-meta)") from e
+    else:
+        model = build_model(config.model, model_arguments(config, data), config.init_from if reload else None)
+        model = model.to(device)
+    built_on = torch.device("meta") if record is not None else device
     # under FSDP2 the optimizer is built on the parameters fully_shard makes, after the wrap
     optimizer = None if config.fsdp else build_optimizer(model.parameters(), lr=config.lr,
                                                          weight_decay=config.weight_decay, decay=config.decay)
@@ -116,7 +127,8 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     if config.method in WRAP_METHODS:
         warn_of_transfers_from_trained(config)
         method = controller = wrap(model, optimizer, total_steps=total_steps, density=config.density,
-                                   method=config.method, seed=config.seed, example_inputs=example_batch(data, device),
+                                   method=config.method, seed=config.seed,
+                                   example_inputs=example_batch(data, built_on),
                                    auto=False, scaler=precision.scaler,
                                    calibration=calibration_batches(config, data.train, device), **wrap_options(config))
     elif config.method in BASELINE_METHODS:
@@ -127,8 +139,11 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     # its source run's record: no transfer of its own, and the loss after them measured under another schedule)
     if controller is not None and not config.fsdp and config.continue_from is None:
         controller.watch_transfers(*probe_batch(data, device), build_criterion(config.label_smoothing, mixed=False))
+    replayed = None
     if config.fsdp:
         shard(model)
+        if record is not None:
+            replayed = _materialise(model, record, device, controller)
         optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                     decay=config.decay)
         method.attach_optimizer(optimizer)
@@ -143,7 +158,18 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
         raise ConfigError("compile runs in one process only")
     compiled = compile_model(model, controller) if config.compile else None
     return Session(model, optimizer, method, FlopMeter(), schedule, ddp, precision=precision, compiled=compiled,
-                   ema=ema)
+                   ema=ema, replayed=replayed)
+
+
+def _materialise(model: nn.Module, record: BuildRecord, device: torch.device,
+                 controller: Controller | None) -> Replayed:
+    """Give a model built and wrapped on the meta device, then sharded, the values of its build on the CPU at the
+    units the wrap kept, each process writing its own shards (`barter.meta_build`)."""
+    positions = None
+    if controller is not None:
+        shapes = {name: view.shape for name, view in record.tensors.items()}
+        positions = kept_positions(controller.surgeon.analysis.groups, controller.initial_units, shapes)
+    return materialise(model, record, device, positions)
 
 
 def build_ema(model: nn.Module, controller: Controller | None, decay: float | None) -> ModelEmaV3 | None:

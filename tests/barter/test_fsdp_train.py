@@ -24,6 +24,7 @@ from barter.training.runlog import RunDir, load_checkpoint
 
 pytest.importorskip("timm")
 ROOT = Path(__file__).resolve().parents[2]
+BUILT_ON_META = "built on the meta device, each process writing only its shards"  # in the header of such a run
 
 
 def fsdp_config(out_dir, name):
@@ -49,6 +50,19 @@ def worker(rank, ports, out_dir, make_config):
                       MASTER_PORT=str(ports[0]))
     train(make_config(out_dir, "whole"))
     cut_at_second_epoch_and_resume(make_config(out_dir, "cut"), ports[1:])
+
+
+def built_both_ways_worker(rank, ports, out_dir):
+    """The run built on the meta device (the default) and the run built whole on every process first."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(ports[0]))
+    headers = []
+    train(fsdp_config(out_dir, "meta"), header=headers.append)
+    os.environ["MASTER_PORT"] = str(ports[1])
+    train(replace(fsdp_config(out_dir, "whole"), fsdp_on_meta=False), header=headers.append)
+    if rank == 0:
+        (out_dir / "headers.txt").write_text("\n".join(headers))
 
 
 def fine_tune_worker(rank, init_file, export, out_dir):
@@ -91,6 +105,24 @@ def test_fsdp_pipeline_checkpoints_resume_and_export(tmp_path):
     assert {k: v.shape for k, v in compact.state_dict().items()} == {k: v.shape for k, v in whole["model"].items()}
 
 
+def test_a_run_built_on_meta_equals_the_run_built_whole(tmp_path):
+    fork_processes(built_both_ways_worker, free_ports(2), tmp_path)
+    on_meta_header, whole_header = (tmp_path / "headers.txt").read_text().split("\ndata:")
+    assert BUILT_ON_META in on_meta_header and BUILT_ON_META not in whole_header
+    on_meta, whole = load_checkpoint(RunDir(tmp_path / "meta").last), load_checkpoint(RunDir(tmp_path / "whole").last)
+    events = whole["controller"]["events"]
+    done = [e for e in events if e["skipped"] is None]
+    assert done and all(e["donor_D"] > 0 and e["parent_S"] > 0 for e in done)
+    assert on_meta["controller"]["events"] == events
+    assert on_meta["controller"]["topology"] == whole["controller"]["topology"]
+    assert on_meta["model"].keys() == whole["model"].keys()
+    for name, p in whole["model"].items():
+        torch.testing.assert_close(on_meta["model"][name], p, rtol=0, atol=0, msg=name)
+    measured = ("loss", "train_acc", "test_loss", "acc")
+    assert [[m[k] for k in measured] for m in RunDir(tmp_path / "meta").metrics()] == \
+        [[m[k] for k in measured] for m in RunDir(tmp_path / "whole").metrics()]
+
+
 def test_fsdp_pipeline_with_a_layer_emptied_of_heads(tmp_path):
     whole, resumed = run_cut_and_whole(tmp_path, emptying_config)
     emptied = [e for e in whole["controller"]["events"] if e["kind"] == "head" and e["skipped"] is None]
@@ -123,6 +155,8 @@ def test_barter_train_fsdp_under_torchrun_on_the_default_preset(tmp_path):
     command = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_ports(1)[0]), "-m", "barter", "train",
                "--fsdp", "--device", "cpu", "--dataset", "fake", "--fake-size", "32", "--batch-size", "16",
                "--epochs", "2", "--density", "0.5", "--out-dir", str(tmp_path), "--name", "run", "--no-progress"]
-    subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    done = subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+                          capture_output=True, text=True)
+    assert BUILT_ON_META in done.stdout
     last = load_checkpoint(tmp_path / "run" / "last")
     assert last["finished"] and any(e["skipped"] is None for e in last["controller"]["events"])

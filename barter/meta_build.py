@@ -1,0 +1,285 @@
+"""A model built on the meta device, and later given the very values its build on the CPU would have drawn, at the
+wrap's compact widths and in each process's own shards: FSDP2 training of a model no process could hold whole.
+
+`record_build(build)` runs `build()` under `torch.device("meta")` and records every op on meta tensors (the
+parameters' creation and initialisation, random draws included) with the CPU generator's state at the start.
+After `barter.wrap` (on meta) and `fully_shard`, `materialise` allocates the model on its device (`to_empty`) and
+replays the record on the CPU from that generator state: the same draws in the same order, so the same numbers.
+Each parameter and buffer is written as soon as its last op has run (the units the wrap kept, then the process's
+own shard) and its values are dropped; values that a later op overwrites whole are never held (a random draw still
+runs, on scratch, for the generator's sake). A process so holds about one tensor at full width at a time, not the
+model.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .compat import DispatchRecorder, tree_leaves, tree_map, written_arguments
+
+# in-place ops whose result ignores the values they write over
+OVERWRITES = (torch.ops.aten.fill_, torch.ops.aten.zero_, torch.ops.aten.copy_)
+
+
+@dataclass(frozen=True)
+class MetaView:
+    """A meta tensor as an op saw it: its storage (held, so that its key stays its own) and where in it the tensor
+    lies. A frozen record, as the wrap later resizes the tensors themselves."""
+
+    storage: torch.UntypedStorage
+    key: StorageWeakRef
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @classmethod
+    def of(cls, t: Tensor) -> MetaView:
+        storage = t.untyped_storage()
+        return cls(storage, StorageWeakRef(storage), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+    def whole(self) -> bool:
+        """Whether the tensor covers its storage, element by element in order."""
+        contiguous = torch.empty(0, device="meta").set_(self.storage, 0, self.shape, self.stride).is_contiguous()
+        size = math.prod(self.shape) * self.dtype.itemsize
+        return self.offset == 0 and contiguous and size == self.storage.nbytes()
+
+
+@dataclass(frozen=True)
+class RecordedOp:
+    """One op of the build on meta tensors: its arguments (meta tensors as `MetaView`s, real ones as they were
+    then), the meta tensors it returned, those it wrote in place, and whether it fills one of them whole without
+    reading what it held (a random draw, a fill, a copy)."""
+
+    func: Any  # the ATen op (an OpOverload)
+    args: tuple
+    kwargs: dict
+    outputs: tuple[MetaView, ...]
+    writes: tuple[MetaView, ...]
+    overwrites: bool
+
+    @property
+    def views(self) -> list[MetaView]:
+        return [v for v in tree_leaves((self.args, self.kwargs)) if isinstance(v, MetaView)] + list(self.outputs)
+
+    def made(self) -> set[StorageWeakRef]:
+        """The storages the op writes: those of the arguments it writes in place and of the tensors it makes."""
+        inputs = {v.key for v in tree_leaves((self.args, self.kwargs)) if isinstance(v, MetaView)}
+        return {v.key for v in self.outputs} - inputs | {v.key for v in self.writes}
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What `materialise` did: the ops it replayed, the most bytes of values it held at once (a whole tensor and
+    its scratch, not the model) and the bytes of the model's values at full width."""
+
+    ops: int
+    peak_bytes: int
+    model_bytes: int
+
+
+@dataclass
+class BuildRecord:
+    """What `record_build` saw: the ops, the CPU generator's state before them, and where the build left each
+    parameter and buffer (by name, at full width)."""
+
+    ops: list[RecordedOp]
+    rng_state: Tensor
+    tensors: dict[str, MetaView] = field(default_factory=dict)
+
+
+class _Recorder(DispatchRecorder):
+    """Runs each op as it is and keeps those that touch a meta tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[RecordedOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        metas = [t for t in (*tree_leaves((args, kwargs)), *tree_leaves(out)) if isinstance(t, Tensor) and t.is_meta]
+        if metas:
+            writes = tuple(MetaView.of(t) for t in written_arguments(func, args, kwargs) if t.is_meta)
+            frozen = tree_map(_frozen, (args, kwargs))
+            outputs = tuple(MetaView.of(t) for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta)
+            self.ops.append(RecordedOp(func, frozen[0], frozen[1], outputs, writes,
+                                       _overwrites(func, writes, [v for v in tree_leaves(frozen)
+                                                                  if isinstance(v, MetaView)])))
+        return out
+
+
+def _frozen(value: Any) -> Any:
+    """An argument as the op saw it: a meta tensor's view, a copy of a real one."""
+    if isinstance(value, Tensor):
+        return MetaView.of(value) if value.is_meta else value.clone()
+    return value
+
+
+def _overwrites(func: Any, writes: tuple[MetaView, ...], inputs: list[MetaView]) -> bool:
+    """Whether an op fills the one tensor it writes whole without reading what it held."""
+    if len(writes) != 1 or not (func.overloadpacket in OVERWRITES or is_seeded_op(func)) or not writes[0].whole():
+        return False
+    return sum(v.key == writes[0].key for v in inputs) == 1
+
+
+class MetaBuildError(RuntimeError):
+    """A build that cannot run on the meta device (it reads a value of a tensor it made)."""
+
+
+def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord]:
+    """`build()` on the meta device, and the record `materialise` replays."""
+    rng_state = torch.get_rng_state()
+    recorder = _Recorder()
+    try:
+        with torch.device("meta"), recorder:
+            model = build()
+    except (NotImplementedError, RuntimeError) as e:
+        raise MetaBuildError(f"the model cannot be built on the meta device (its build reads a value of a tensor it "
+                             f"made: {str(e).splitlines()[0]}); build it whole on every process instead") from e
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)),
+               **dict(model.named_buffers(remove_duplicate=False))}
+    return model, BuildRecord(recorder.ops, rng_state, {name: MetaView.of(t) for name, t in tensors.items()})
+
+
+def kept_positions(groups: Sequence[Any], kept: Mapping[str, Sequence[int]],
+                   shapes: Mapping[str, Sequence[int]]) -> dict[str, list[Tensor | None]]:
+    """For each tensor a group slices, the positions along each dim that the wrap's compact initialisation kept
+    (None: the whole dim), from the groups as analysed (full width) and `kept`, the units each kept (in order; a
+    group not named keeps all)."""
+    masks: dict[str, list[Tensor | None]] = {}
+    for group in groups:
+        if group.name not in kept:
+            continue
+        if list(kept[group.name]) != sorted(kept[group.name]):
+            raise ValueError(f"{group.name}: the units kept, {list(kept[group.name])}, are not in order")
+        dropped = torch.tensor(sorted(set(range(group.count)) - set(kept[group.name])), dtype=torch.long)
+        for sl in group.slices:
+            if sl.name not in shapes:
+                continue
+            dims = masks.setdefault(sl.name, [None] * len(shapes[sl.name]))
+            if dims[sl.dim] is None:
+                dims[sl.dim] = torch.ones(shapes[sl.name][sl.dim], dtype=torch.bool)
+            probe = dims[sl.dim].view([-1 if d == sl.dim else 1 for d in range(len(shapes[sl.name]))])
+            sl.units(probe, group.count).index_fill_(sl.dim + 1, dropped, False)
+    return {name: [None if m is None else m.nonzero().flatten() for m in dims] for name, dims in masks.items()}
+
+
+def materialise(model: nn.Module, record: BuildRecord, device: torch.device,
+                positions: Mapping[str, list[Tensor | None]] | None = None) -> Replayed:
+    """Allocate `model` on `device` (`to_empty`) and write into each of its parameters and buffers (each process
+    its own shard of a sharded one) the values of the build `record` holds, replayed on the CPU from its generator
+    state, keeping the positions `kept_positions` gives (all where it names none). The generator is left as the
+    build on the CPU would have left it."""
+    model.to_empty(device=device)
+    live = {**dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False))}
+    missing = sorted(set(record.tensors) - set(live))
+    if missing:
+        raise ValueError(f"the model has lost {missing} since its build was recorded")
+    torch.set_rng_state(record.rng_state)
+    replay = _Replay(record, lambda name, full: _write(live[name], _keep(full, (positions or {}).get(name))))
+    replay.run()
+    model_bytes = sum(math.prod(view.shape) * view.dtype.itemsize
+                      for view in {view.key: view for view in record.tensors.values()}.values())
+    return Replayed(len(record.ops), replay.peak_bytes, model_bytes)
+
+
+class _Replay:
+    """The record's ops run again on CPU tensors that stand in for the meta ones, storage by storage."""
+
+    def __init__(self, record: BuildRecord, write: Callable[[str, Tensor], None]) -> None:
+        self.record = record
+        self.write = write
+        self.storages: dict[StorageWeakRef, torch.UntypedStorage] = {}
+        self.finals: dict[StorageWeakRef, list[str]] = {}
+        for name, view in record.tensors.items():
+            self.finals.setdefault(view.key, []).append(name)
+        self.last_use: dict[StorageWeakRef, int] = {}
+        self.live_from: dict[StorageWeakRef, int] = {}  # where a storage's values start to matter
+        self.peak_bytes = 0
+        for i, op in enumerate(record.ops):
+            self.last_use.update((view.key, i) for view in op.views)
+            if op.overwrites:
+                self.live_from[op.writes[0].key] = i
+
+    def run(self) -> None:
+        for key in set(self.finals) - set(self.last_use):  # made by no recorded op: as the build left it, unset
+            self._finish(key)
+        for i, op in enumerate(self.record.ops):
+            if not op.func.is_view:
+                self._step(i, op)
+            for key in {view.key for view in op.views}:
+                if self.last_use[key] == i:
+                    self._finish(key)
+
+    def _step(self, i: int, op: RecordedOp) -> None:
+        made = op.made()
+        dead = bool(made) and all(i < self.live_from.get(key, -1) for key in made)
+        if dead and not is_seeded_op(op.func):
+            return  # its values are overwritten whole before anything reads them
+        scratch: dict[StorageWeakRef, torch.UntypedStorage] = {}
+        args, kwargs = tree_map(lambda v: self._stand_in(v, scratch if dead else self.storages), (op.args, op.kwargs))
+        result = op.func(*args, **kwargs)
+        self._held(sum(storage.nbytes() for storage in scratch.values()))
+        if dead:
+            return  # run for the generator's sake only
+        for view, real in zip(op.outputs, (t for t in tree_leaves(result) if isinstance(t, Tensor))):
+            if view.key not in self.storages:
+                self.storages[view.key] = real.untyped_storage()
+                self._held(0)
+
+    def _stand_in(self, value: Any, storages: dict[StorageWeakRef, torch.UntypedStorage]) -> Any:
+        """The CPU tensor for a meta one (its storage's, allocated unset on first use), the CPU for the meta
+        device; anything else as recorded."""
+        if isinstance(value, torch.device) and value.type == "meta":
+            return torch.device("cpu")
+        if not isinstance(value, MetaView):
+            return value
+        if value.key not in storages:
+            storages[value.key] = self.storages.get(value.key) or torch.UntypedStorage(value.storage.nbytes())
+            self._held(0)
+        return torch.empty(0, dtype=value.dtype).set_(storages[value.key], value.offset, value.shape, value.stride)
+
+    def _held(self, scratch_bytes: int) -> None:
+        """Note the bytes held now: the stand-ins' and `scratch_bytes` more."""
+        held = sum(storage.nbytes() for storage in self.storages.values())
+        self.peak_bytes = max(self.peak_bytes, held + scratch_bytes)
+
+    def _finish(self, key: StorageWeakRef) -> None:
+        """Write the parameters and buffers on storage `key`, then drop its values."""
+        for name in self.finals.get(key, []):
+            self.write(name, self._stand_in(self.record.tensors[name], self.storages))
+        self.storages.pop(key, None)
+
+
+def _keep(full: Tensor, positions: list[Tensor | None] | None) -> Tensor:
+    """The positions kept along each dim of `full`."""
+    for dim, index in enumerate(positions or []):
+        if index is not None:
+            full = full.index_select(dim, index)
+    return full
+
+
+@torch.no_grad()
+def _write(target: Tensor, values: Tensor) -> None:
+    """`values` into `target`, a plain tensor or this process's shard of a sharded one."""
+    if tuple(target.shape) != tuple(values.shape):
+        raise ValueError(f"the model holds a {tuple(target.shape)} tensor where its build made {tuple(values.shape)}")
+    if isinstance(target, DTensor):
+        shard = distribute_tensor(values.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(values)
+
+
+def is_seeded_op(op: Any) -> bool:
+    """Whether an ATen op draws from a random generator."""
+    return torch.Tag.nondeterministic_seeded in op.tags

@@ -64,6 +64,7 @@ class RecordedOp:
     outputs: tuple[MetaView, ...]
     writes: tuple[MetaView, ...]
     overwrites: bool
+    rng_state: Tensor | None  # a random op's: the CPU generator's state as the build reached it (seeded in it, say)
 
     @property
     def views(self) -> list[MetaView]:
@@ -87,11 +88,12 @@ class Replayed:
 
 @dataclass
 class BuildRecord:
-    """What `record_build` saw: the ops, the CPU generator's state before them, and where the build left each
-    parameter and buffer (by name, at full width)."""
+    """What `record_build` saw: the ops, the CPU generator's state before and after them, and where the build left
+    each parameter and buffer (by name, at full width)."""
 
     ops: list[RecordedOp]
     rng_state: Tensor
+    end_rng_state: Tensor
     tensors: dict[str, MetaView] = field(default_factory=dict)
 
 
@@ -110,9 +112,9 @@ class _Recorder(DispatchRecorder):
             writes = tuple(MetaView.of(t) for t in written_arguments(func, args, kwargs) if t.is_meta)
             frozen = tree_map(_frozen, (args, kwargs))
             outputs = tuple(MetaView.of(t) for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta)
-            self.ops.append(RecordedOp(func, frozen[0], frozen[1], outputs, writes,
-                                       _overwrites(func, writes, [v for v in tree_leaves(frozen)
-                                                                  if isinstance(v, MetaView)])))
+            overwrites = _overwrites(func, writes, [v for v in tree_leaves(frozen) if isinstance(v, MetaView)])
+            rng_state = torch.get_rng_state() if is_seeded_op(func) else None
+            self.ops.append(RecordedOp(func, frozen[0], frozen[1], outputs, writes, overwrites, rng_state))
         return out
 
 
@@ -146,7 +148,8 @@ def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord
                              f"made: {str(e).splitlines()[0]}); build it whole on every process instead") from e
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
-    return model, BuildRecord(recorder.ops, rng_state, {name: MetaView.of(t) for name, t in tensors.items()})
+    return model, BuildRecord(recorder.ops, rng_state, torch.get_rng_state(),
+                              {name: MetaView.of(t) for name, t in tensors.items()})
 
 
 def kept_positions(groups: Sequence[Any], kept: Mapping[str, Sequence[int]],
@@ -178,13 +181,17 @@ def materialise(model: nn.Module, record: BuildRecord, device: torch.device,
     its own shard of a sharded one) the values of the build `record` holds, replayed on the CPU from its generator
     state, keeping the positions `kept_positions` gives (all where it names none). The generator is left as the
     build on the CPU would have left it."""
+    ties = _ties(model)
     model.to_empty(device=device)
+    for holders in ties:
+        first = getattr(*holders[0])
+        for module, name in holders[1:]:
+            setattr(module, name, first)  # `to_empty` gives each holder of a tied parameter its own
     live = {**dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False))}
     missing = sorted(set(record.tensors) - set(live))
     if missing:
         raise ValueError(f"the model has lost {missing} since its build was recorded")
-    torch.set_rng_state(record.rng_state)
     replay = _Replay(record, lambda name, full: _write(live[name], _keep(full, (positions or {}).get(name))))
     replay.run()
     model_bytes = sum(math.prod(view.shape) * view.dtype.itemsize
@@ -211,6 +218,8 @@ class _Replay:
                 self.live_from[op.writes[0].key] = i
 
     def run(self) -> None:
+        torch.set_rng_state(self.record.rng_state)
+        self.seen_rng_state = self.record.rng_state
         for key in set(self.finals) - set(self.last_use):  # made by no recorded op: as the build left it, unset
             self._finish(key)
         for i, op in enumerate(self.record.ops):
@@ -219,11 +228,21 @@ class _Replay:
             for key in {view.key for view in op.views}:
                 if self.last_use[key] == i:
                     self._finish(key)
+        self._follow_generator(self.record.end_rng_state)
+
+    def _follow_generator(self, recorded: Tensor) -> None:
+        """Where the build changed the generator between two draws (seeded it), change it alike: a draw on meta
+        leaves it as it was, so a state other than the last one recorded came from the build itself."""
+        if not torch.equal(recorded, self.seen_rng_state):
+            torch.set_rng_state(recorded)
+            self.seen_rng_state = recorded
 
     def _step(self, i: int, op: RecordedOp) -> None:
         made = op.made()
         dead = bool(made) and all(i < self.live_from.get(key, -1) for key in made)
-        if dead and not is_seeded_op(op.func):
+        if op.rng_state is not None:
+            self._follow_generator(op.rng_state)
+        elif dead:
             return  # its values are overwritten whole before anything reads them
         scratch: dict[StorageWeakRef, torch.UntypedStorage] = {}
         args, kwargs = tree_map(lambda v: self._stand_in(v, scratch if dead else self.storages), (op.args, op.kwargs))
@@ -258,6 +277,15 @@ class _Replay:
         for name in self.finals.get(key, []):
             self.write(name, self._stand_in(self.record.tensors[name], self.storages))
         self.storages.pop(key, None)
+
+
+def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The modules and attribute names that hold one parameter, for each parameter held by more than one."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            holders.setdefault(id(param), []).append((module, name))
+    return [held for held in holders.values() if len(held) > 1]
 
 
 def _keep(full: Tensor, positions: list[Tensor | None] | None) -> Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..method_names import REGISTRY, Family, named
-from ..options import Options
+from ..options import RANKED_INITS, Options
 from .fieldtypes import FieldValueError, coerce
 from .specs import DATASETS, FOLDER, READS_NO_FILES, RECIPES, is_folder_tree
 
@@ -131,6 +131,10 @@ class TrainConfig:
              f"fsdp shards BARTER's compact model or a dense one, not the masks of {self.method}"),
             (not self.fsdp or not (self.compile or self.model_ema is not None or self.amp == "fp16"),
              "fsdp runs without compile, model_ema and fp16 loss scaling"),
+            (not (self.fsdp and self.fsdp_on_meta and self.init_from is None)
+             or self.barter_options.get("init", "first") not in RANKED_INITS,
+             f"init {self.barter_options.get('init')!r} ranks units by their weights, which a model built on the meta "
+             "device does not have yet: with fsdp use init first or random, or --no-fsdp-on-meta"),
         ]
         for ok, message in checks:
             if not ok:

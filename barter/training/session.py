@@ -104,16 +104,7 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     `barter.training.pretrained.reloads_on_resume`), optimizer, and the training method; BARTER's controller
     is also followed by the EMA, the DistributedDataParallel wrapper and the compiled model, as its transfers
     resize the model."""
-    reload = pretrained or reloads_on_resume(config)
-    record = None
-    if config.fsdp and config.fsdp_on_meta and not (reload and config.init_from is not None):
-        try:
-            model, record = record_build(lambda: build_model(config.model, model_arguments(config, data), None))
-        except MetaBuildError as e:
-            raise ConfigError(f"{config.model}: {e} (--no-fsdp-on-meta)") from e
-    else:
-        model = build_model(config.model, model_arguments(config, data), config.init_from if reload else None)
-        model = model.to(device)
+    model, record = _build_model(config, data, device, reload=pretrained or reloads_on_resume(config))
     built_on = torch.device("meta") if record is not None else device
     # under FSDP2 the optimizer is built on the parameters fully_shard makes, after the wrap
     optimizer = None if config.fsdp else build_optimizer(model.parameters(), lr=config.lr,
@@ -159,6 +150,19 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     compiled = compile_model(model, controller) if config.compile else None
     return Session(model, optimizer, method, FlopMeter(), schedule, ddp, precision=precision, compiled=compiled,
                    ema=ema, replayed=replayed)
+
+
+def _build_model(config: TrainConfig, data: Data, device: torch.device, *,
+                 reload: bool) -> tuple[nn.Module, BuildRecord | None]:
+    """The model, with `init_from` weights when `reload`; under `fsdp_on_meta` (and no weights to load) built on the
+    meta device, with the record of its build that gives its values once it is sharded."""
+    if config.fsdp and config.fsdp_on_meta and not (reload and config.init_from is not None):
+        try:
+            return record_build(lambda: build_model(config.model, model_arguments(config, data), None))
+        except MetaBuildError as e:
+            raise ConfigError(f"{config.model}: {e} (--no-fsdp-on-meta)") from e
+    model = build_model(config.model, model_arguments(config, data), config.init_from if reload else None)
+    return model.to(device), None
 
 
 def _materialise(model: nn.Module, record: BuildRecord, device: torch.device,

@@ -21,9 +21,11 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 
 from .compat import DispatchRecorder, tree_leaves, tree_map, written_arguments
 
+IS_META = torch.Tensor.is_meta.__get__  # the getter a build asks before it skips an initialiser on meta tensors
 # in-place ops whose result ignores the values they write over
 OVERWRITES = (torch.ops.aten.fill_, torch.ops.aten.zero_, torch.ops.aten.copy_)
 
@@ -97,6 +99,22 @@ class BuildRecord:
     tensors: dict[str, MetaView] = field(default_factory=dict)
 
 
+class _SeenAsReal(TorchFunctionMode):
+    """Answers "no" when the build asks whether a tensor is on the meta device: an initialiser that skips meta
+    tensors (torch's `nn.init.trunc_normal_`) then runs, so that its draws are recorded, or fails where it reads
+    the values it drew."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func == IS_META:
+            return False
+        return func(*args, **(kwargs or {}))
+
+
+def _on_meta(value: Any) -> bool:
+    """Whether `value` is a tensor on the meta device (asked of its device: `is_meta` is seen as False here)."""
+    return isinstance(value, Tensor) and value.device.type == "meta"
+
+
 class _Recorder(DispatchRecorder):
     """Runs each op as it is and keeps those that touch a meta tensor."""
 
@@ -107,11 +125,10 @@ class _Recorder(DispatchRecorder):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        metas = [t for t in (*tree_leaves((args, kwargs)), *tree_leaves(out)) if isinstance(t, Tensor) and t.is_meta]
-        if metas:
-            writes = tuple(MetaView.of(t) for t in written_arguments(func, args, kwargs) if t.is_meta)
+        if any(_on_meta(t) for t in (*tree_leaves((args, kwargs)), *tree_leaves(out))):
+            writes = tuple(MetaView.of(t) for t in written_arguments(func, args, kwargs) if _on_meta(t))
             frozen = tree_map(_frozen, (args, kwargs))
-            outputs = tuple(MetaView.of(t) for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta)
+            outputs = tuple(MetaView.of(t) for t in tree_leaves(out) if _on_meta(t))
             overwrites = _overwrites(func, writes, [v for v in tree_leaves(frozen) if isinstance(v, MetaView)])
             rng_state = torch.get_rng_state() if is_seeded_op(func) else None
             self.ops.append(RecordedOp(func, frozen[0], frozen[1], outputs, writes, overwrites, rng_state))
@@ -121,7 +138,7 @@ class _Recorder(DispatchRecorder):
 def _frozen(value: Any) -> Any:
     """An argument as the op saw it: a meta tensor's view, a copy of a real one."""
     if isinstance(value, Tensor):
-        return MetaView.of(value) if value.is_meta else value.clone()
+        return MetaView.of(value) if _on_meta(value) else value.clone()
     return value
 
 
@@ -141,11 +158,12 @@ def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord
     rng_state = torch.get_rng_state()
     recorder = _Recorder()
     try:
-        with torch.device("meta"), recorder:
+        with torch.device("meta"), _SeenAsReal(), recorder:
             model = build()
     except (NotImplementedError, RuntimeError) as e:
         raise MetaBuildError(f"the model cannot be built on the meta device (its build reads a value of a tensor it "
-                             f"made: {str(e).splitlines()[0]}); build it whole on every process instead") from e
+                             f"made, as a draw by rejection does: {str(e).splitlines()[0]}); build it whole on every "
+                             "process instead") from e
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
     return model, BuildRecord(recorder.ops, rng_state, torch.get_rng_state(),

@@ -49,7 +49,8 @@ def test_a_meta_build_materialised_equals_the_cpu_build_at_the_units_kept(init: 
 
 class Built(nn.Module):
     """A build that aliases, ties, copies from one parameter into another, fills a tensor in pieces through views,
-    draws into a tensor it later overwrites whole, and makes a buffer from a factory."""
+    draws into a tensor it later overwrites whole, makes a buffer from a factory, and initialises with torch's
+    initialisers that skip meta tensors (`orthogonal_`, `dirac_`): made to run, they are replayed too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,6 +59,10 @@ class Built(nn.Module):
         self.tied = nn.Linear(6, 4, bias=False)
         self.tied.weight = self.first.weight
         self.table = nn.Parameter(torch.empty(5, 3))
+        self.rotation = nn.Parameter(torch.empty(4, 4))
+        self.conv = nn.Conv1d(3, 3, 3)
+        nn.init.orthogonal_(self.rotation)
+        nn.init.dirac_(self.conv.weight)
         self.register_buffer("positions", torch.arange(10).float().reshape(2, 5) / 3, persistent=False)
         with torch.no_grad():
             self.table.normal_()  # drawn, then overwritten whole: still drawn on replay
@@ -114,3 +119,18 @@ def test_fsdp_on_meta_refuses_an_init_that_ranks_units_by_weights() -> None:
     with pytest.raises(ConfigError, match="meta device does not have yet.*--no-fsdp-on-meta"):
         TrainConfig(fsdp=True, barter_options={"init": "magnitude"}).validate()
     TrainConfig(fsdp=True, fsdp_on_meta=False, barter_options={"init": "magnitude"}).validate()
+
+
+def test_the_readme_states_the_meta_build_benchmark_as_measured(monkeypatch, capsys) -> None:
+    """`python benchmarks/meta_build.py` over the timm conformance list: every build replays bit for bit or is
+    refused with its reason, and the README states its count."""
+    import re
+    from pathlib import Path
+
+    from benchmark_scripts import load_benchmark
+
+    assert load_benchmark("meta_build", monkeypatch).main([]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert re.search(r"`meta build: \d+/\d+ bit-equal, \d+ refused`", readme)
+    assert f"`{last}`" in readme

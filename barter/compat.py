@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils._device import _device_constructors as device_constructors  # the factories a device context sets
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchRecorder  # sees every ATen op (torch >= 1.13)
 from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map since torch 1.10, tree_leaves 2.1)
     tree_leaves,  # the leaves of a nested structure
@@ -23,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["PRIVATE_TORCH_NAMES", "dynamo_config", "foreach_mul_", "device_scale", "fsdp_records", "reshard_resized",
            "hold_empty", "copy_with", "copy_plainly", "hooks_set_aside", "DispatchRecorder", "tree_leaves", "tree_map",
-           "written_arguments"]
+           "written_arguments", "device_constructors"]
 
 # each private name as the check spells it (``._name``: an attribute of a torch object) -> the name of this module
 # that reaches it
@@ -44,6 +45,7 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "torch.utils._pytree.tree_leaves": "tree_leaves",
     "torch.utils._pytree.tree_map": "tree_map",
     "._schema": "written_arguments",
+    "torch.utils._device._device_constructors": "device_constructors",
 }
 
 

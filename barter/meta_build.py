@@ -1,8 +1,9 @@
 """A model built on the meta device, and later given the very values its build on the CPU would have drawn, at the
 wrap's compact widths and in each process's own shards: FSDP2 training of a model no process could hold whole.
 
-`record_build(build)` runs `build()` under `torch.device("meta")` and records every op on meta tensors (the
-parameters' creation and initialisation, random draws included) with the CPU generator's state at the start.
+`record_build(build)` runs `build()` as it runs on the CPU, except that every tensor with elements it makes is on
+the meta device, and records every op on meta tensors (the parameters' creation and initialisation, random draws
+included) with the CPU generator's state at the start and at each draw (a build may seed it).
 After `barter.wrap` (on meta) and `fully_shard`, `materialise` allocates the model on its device (`to_empty`) and
 replays the record on the CPU from that generator state: the same draws in the same order, so the same numbers.
 Each parameter and buffer is written as soon as its last op has run (the units the wrap kept, then the process's
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from .compat import DispatchRecorder, tree_leaves, tree_map, written_arguments
+from .compat import DispatchRecorder, device_constructors, tree_leaves, tree_map, written_arguments
 
 IS_META = torch.Tensor.is_meta.__get__  # the getter a build asks before it skips an initialiser on meta tensors
 # in-place ops whose result ignores the values they write over
@@ -99,15 +100,20 @@ class BuildRecord:
     tensors: dict[str, MetaView] = field(default_factory=dict)
 
 
-class _SeenAsReal(TorchFunctionMode):
-    """Answers "no" when the build asks whether a tensor is on the meta device: an initialiser that skips meta
-    tensors (torch's `nn.init.trunc_normal_`) then runs, so that its draws are recorded, or fails where it reads
-    the values it drew."""
+class _AsOnTheCpu(TorchFunctionMode):
+    """The build runs as it runs on the CPU, but every tensor with elements that it makes is on the meta device.
+    Asked whether a tensor is on meta, or which device it builds on (a tensor with no elements, made where the
+    build makes its tensors: transformers asks so), it hears "no" and "the CPU": an initialiser that skips meta
+    tensors (torch's `nn.init.orthogonal_`) then runs and is recorded, or fails where it reads what it drew."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func == IS_META:
             return False
-        return func(*args, **(kwargs or {}))
+        if func in device_constructors() and kwargs.get("device") is None:
+            made = func(*args, **{**kwargs, "device": torch.device("meta")})
+            return made if made.numel() else func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def _on_meta(value: Any) -> bool:
@@ -154,11 +160,12 @@ class MetaBuildError(RuntimeError):
 
 
 def record_build(build: Callable[[], nn.Module]) -> tuple[nn.Module, BuildRecord]:
-    """`build()` on the meta device, and the record `materialise` replays."""
+    """`build()` on the meta device, and the record `materialise` replays; MetaBuildError for a build that reads a
+    value of a tensor it made."""
     rng_state = torch.get_rng_state()
     recorder = _Recorder()
     try:
-        with torch.device("meta"), _SeenAsReal(), recorder:
+        with _AsOnTheCpu(), recorder:
             model = build()
     except (NotImplementedError, RuntimeError) as e:
         raise MetaBuildError(f"the model cannot be built on the meta device (its build reads a value of a tensor it "
@@ -193,12 +200,17 @@ def kept_positions(groups: Sequence[Any], kept: Mapping[str, Sequence[int]],
     return {name: [None if m is None else m.nonzero().flatten() for m in dims] for name, dims in masks.items()}
 
 
-def materialise(model: nn.Module, record: BuildRecord, device: torch.device,
-                positions: Mapping[str, list[Tensor | None]] | None = None) -> Replayed:
+def materialise(model: nn.Module, record: BuildRecord, device: torch.device | str, *,
+                controller: Any = None) -> Replayed:
     """Allocate `model` on `device` (`to_empty`) and write into each of its parameters and buffers (each process
     its own shard of a sharded one) the values of the build `record` holds, replayed on the CPU from its generator
-    state, keeping the positions `kept_positions` gives (all where it names none). The generator is left as the
-    build on the CPU would have left it."""
+    state, at the units `controller` (the `barter.wrap` of the model on meta, if any) kept. The generator is left as
+    the build on the CPU would have left it where nothing has used it since the build on meta, else as it is."""
+    positions = {}
+    if controller is not None:
+        shapes = {name: view.shape for name, view in record.tensors.items()}
+        positions = kept_positions(controller.surgeon.analysis.groups, controller.initial_units, shapes)
+    found = torch.get_rng_state()
     ties = _ties(model)
     model.to_empty(device=device)
     for holders in ties:
@@ -210,8 +222,10 @@ def materialise(model: nn.Module, record: BuildRecord, device: torch.device,
     missing = sorted(set(record.tensors) - set(live))
     if missing:
         raise ValueError(f"the model has lost {missing} since its build was recorded")
-    replay = _Replay(record, lambda name, full: _write(live[name], _keep(full, (positions or {}).get(name))))
+    replay = _Replay(record, lambda name, full: _write(live[name], _keep(full, positions.get(name))))
     replay.run()
+    if not torch.equal(found, record.end_rng_state):
+        torch.set_rng_state(found)  # used since the build (seeded again, say): as it was
     model_bytes = sum(math.prod(view.shape) * view.dtype.itemsize
                       for view in {view.key: view for view in record.tensors.values()}.values())
     return Replayed(len(record.ops), replay.peak_bytes, model_bytes)

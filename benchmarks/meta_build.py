@@ -1,8 +1,8 @@
 """Builds on the meta device replayed (`barter.meta_build`) against the same builds on the CPU, over the timm
 conformance list: one row per model, ending `meta build: <equal>/<total> bit-equal, <refused> refused`.
 
-A row builds the model on the CPU from seed 0, then on meta from seed 0 (recorded), materialises it from another
-generator state, and compares every parameter and buffer bit for bit, and the generator's state after. A build
+A row builds the model on the CPU from seed 0, then on meta from seed 0 (recorded), materialises it, and compares
+every parameter and buffer bit for bit, and the generator's state after (the replay draws what the build drew). A build
 that cannot run on meta is refused with its reason (it reads a value it drew); a replay that differs is a failure.
 
     python benchmarks/meta_build.py [--models vit_tiny_patch16_224,hiera_tiny_224]
@@ -44,7 +44,6 @@ def replayed_row(name: str, kwargs: dict) -> Row:
         model, record = record_build(lambda: timm.create_model(name, **kwargs))
     except MetaBuildError as e:
         return Row(name, "refused", str(e), time.perf_counter() - start)
-    torch.manual_seed(12345)
     materialise(model, record, torch.device("cpu"))
     values = model.state_dict()
     unequal = [key for key, value in expected.items() if not torch.equal(values[key], value)]

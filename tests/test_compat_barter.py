@@ -191,3 +191,7 @@ def test_written_arguments():
     assert compat.written_arguments(torch.ops.aten.mul_.Tensor, (x, y), {}) == [x]
     assert compat.written_arguments(torch.ops.aten.mul.Tensor, (x, y), {}) == []
     assert compat.written_arguments(torch.ops.aten.add.out, (x, y), {"out": y}) == [y]
+
+
+def test_device_constructors():
+    assert {torch.empty, torch.zeros, torch.tensor, torch.arange} <= compat.device_constructors()

@@ -14,7 +14,7 @@ from ..compiling import compile_model
 from ..controller import Controller
 from ..ddp import DistributedModel
 from ..fsdp import shard
-from ..meta_build import BuildRecord, MetaBuildError, Replayed, kept_positions, materialise, record_build
+from ..meta_build import BuildRecord, MetaBuildError, Replayed, materialise, record_build
 from ..method import Dense, TrainingMethod
 from ..wrapping import wrap
 from . import processes
@@ -134,7 +134,7 @@ def build_session(config: TrainConfig, data: Data, device: torch.device, total_s
     if config.fsdp:
         shard(model)
         if record is not None:
-            replayed = _materialise(model, record, device, controller)
+            replayed = materialise(model, record, device, controller=controller)
         optimizer = build_optimizer(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
                                     decay=config.decay)
         method.attach_optimizer(optimizer)
@@ -163,17 +163,6 @@ def _build_model(config: TrainConfig, data: Data, device: torch.device, *,
             raise ConfigError(f"{config.model}: {e} (--no-fsdp-on-meta)") from e
     model = build_model(config.model, model_arguments(config, data), config.init_from if reload else None)
     return model.to(device), None
-
-
-def _materialise(model: nn.Module, record: BuildRecord, device: torch.device,
-                 controller: Controller | None) -> Replayed:
-    """Give a model built and wrapped on the meta device, then sharded, the values of its build on the CPU at the
-    units the wrap kept, each process writing its own shards (`barter.meta_build`)."""
-    positions = None
-    if controller is not None:
-        shapes = {name: view.shape for name, view in record.tensors.items()}
-        positions = kept_positions(controller.surgeon.analysis.groups, controller.initial_units, shapes)
-    return materialise(model, record, device, positions)
 
 
 def build_ema(model: nn.Module, controller: Controller | None, decay: float | None) -> ModelEmaV3 | None:

@@ -12,7 +12,7 @@ from tiny_vit import build_vit
 from torch import nn
 
 import barter
-from barter.meta_build import MetaBuildError, kept_positions, materialise, record_build
+from barter.meta_build import MetaBuildError, materialise, record_build
 
 pytest.importorskip("timm")
 X = torch.zeros(2, 3, 32, 32)
@@ -25,11 +25,9 @@ def _wrapped_on_cpu_and_on_meta(init: str, density: float):
     barter.wrap(direct, total_steps=12, density=density, example_inputs=(X,), init=init)
     after_direct = torch.get_rng_state()
     torch.manual_seed(7)  # whatever ran before: the replay draws from the state the build started in
-    model, record = record_build(build_vit)
+    model, record = record_build(build_vit)  # seeds the generator itself
     ctl = barter.wrap(model, total_steps=12, density=density, example_inputs=(X.to("meta"),), init=init)
-    shapes = {name: view.shape for name, view in record.tensors.items()}
-    replayed = materialise(model, record, torch.device("cpu"),
-                           kept_positions(ctl.surgeon.analysis.groups, ctl.initial_units, shapes))
+    replayed = materialise(model, record, "cpu", controller=ctl)
     return direct, after_direct, model, replayed
 
 
@@ -79,9 +77,8 @@ def test_aliases_ties_copies_and_pieces_replay_as_they_ran() -> None:
     torch.manual_seed(3)
     model, record = record_build(Built)
     assert all(t.is_meta for t in model.state_dict().values())
-    torch.manual_seed(99)
     materialise(model, record, torch.device("cpu"))
-    assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(torch.get_rng_state(), after)  # nothing used it since the build: as the CPU build left it
     assert model.tied.weight is model.first.weight
     for name, value in direct.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
@@ -134,3 +131,27 @@ def test_the_readme_states_the_meta_build_benchmark_as_measured(monkeypatch, cap
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert re.search(r"`meta build: \d+/\d+ bit-equal, \d+ refused`", readme)
     assert f"`{last}`" in readme
+
+
+def test_a_transformers_build_is_recorded_with_the_initialisation_it_skips_on_meta() -> None:
+    """transformers skips its weight initialisation when it finds itself built on meta (it asks where an empty
+    tensor is made): the build runs as on the CPU, so its initialisation is recorded and replayed. A ViT, which draws
+    by rejection (torch's trunc_normal_), is refused by that reason."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=50)
+    torch.manual_seed(0)
+    direct = transformers.LlamaForCausalLM(config)
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    model, record = record_build(lambda: transformers.LlamaForCausalLM(config))
+    torch.manual_seed(1)  # used since the build (a trainer seeds it again): the replay leaves it as it was
+    found = torch.get_rng_state()
+    materialise(model, record, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), found) and not torch.equal(found, after)
+    for name, value in direct.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    vit = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                 image_size=16, patch_size=8)
+    with pytest.raises(MetaBuildError, match="draw by rejection"):
+        record_build(lambda: transformers.ViTForImageClassification(vit))

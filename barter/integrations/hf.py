@@ -37,6 +37,11 @@ analyses the whole model, so the callback wraps at the end of the Trainer's `__i
 dataloader: pass `example_kwargs` (the keyword arguments of one training call). The optimizer the Trainer then
 builds on the sharded parameters is attached in `on_train_begin`, and the transfers edit the sharded model
 (`barter.fsdp`). FSDP1 and DeepSpeed are refused; resuming an FSDP2 run is not supported.
+
+A model too large for one process is built on the meta device with `barter.meta_build.record_build` and handed to the
+Trainer with its record, `BarterCallback(build_record=record, ...)`: the callback wraps it there (init "first" or
+"random"), accelerate shards it, and in `on_train_begin` every process writes its own shards of the values the build
+on the CPU would have drawn, at the units the wrap kept (`barter.meta_build.materialise`).
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..ddp import rebuild_reducer, world_size
 from ..files import ExportError
 from ..fsdp import SUPPORTED, UnsupportedSharding
+from ..meta_build import BuildRecord, materialise
 from ..packed_state import pack_state, unpack_state
 from .base import WrappingCallback
 
@@ -66,9 +72,11 @@ class BarterCallback(WrappingCallback, TrainerCallback):
     """Wrap the Trainer's model (or its submodule `module`, an attribute path) with `barter.wrap(**wrap_options)`."""
 
     def __init__(self, *, module: str | None = None, total_steps: int | None = None,
-                 resume_from: str | os.PathLike | None = None, **wrap_options: Any) -> None:
+                 resume_from: str | os.PathLike | None = None, build_record: BuildRecord | None = None,
+                 **wrap_options: Any) -> None:
         super().__init__(module=module, total_steps=total_steps, wrap_options=wrap_options)
         self.resume_from = resume_from
+        self.build_record = build_record  # of a model built on meta: materialised once the Trainer has sharded it
         self.example_batch: dict[str, Any] | None = None  # the first batch, when it is the example call
 
     @property
@@ -117,6 +125,8 @@ class BarterCallback(WrappingCallback, TrainerCallback):
                        model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: DataLoader,
                        **kwargs: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        if self.build_record is not None and any(p.is_meta for p in model.parameters()):
+            materialise(model, self.build_record, args.device, controller=self.controller)
         if self.controller is None:
             if state.global_step > 0:
                 raise ValueError("resuming a BARTER run: pass the checkpoint as BarterCallback(resume_from=...)")

@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from barter.fsdp import UnsupportedSharding, gathered_state_dict  # noqa: E402
 from barter.integrations import hf  # noqa: E402
 from barter.integrations.hf import BarterCallback  # noqa: E402
+from barter.meta_build import record_build  # noqa: E402
 
 VOCAB, TOKENS, STEPS = 64, 12, 6
 
@@ -93,7 +94,7 @@ def present_fsdp2_to_accelerate(args: TrainingArguments) -> None:
     state.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
 
 
-def trainer_worker(rank, port, out_dir):
+def trainer_worker(rank, port, out_dir, on_meta=False):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
@@ -103,10 +104,11 @@ def trainer_worker(rank, port, out_dir):
                              disable_tqdm=True, fsdp=True, fsdp_config=fsdp_config, ddp_backend="gloo", ddp_timeout=120)
     present_fsdp2_to_accelerate(args)
     try:
+        model, record = record_build(tiny_llama) if on_meta else (tiny_llama(), None)
         callback = BarterCallback(density=0.5, total_steps=STEPS, example_kwargs=Tokens()[0:2], window=(0.1, 0.9),
-                                  head_ratio=0.5, channel_ratio=0.05)
+                                  head_ratio=0.5, channel_ratio=0.05, build_record=record)
         scores = ScoresBeforeEachStep(callback)
-        trainer = Trainer(model=tiny_llama(), args=args, train_dataset=Tokens(), callbacks=[scores, callback])
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[scores, callback])
         trainer.train()
         ctl = callback.controller
         torch.save({"events": ctl.events, "schedule": ctl.schedule, "scores": scores.scores,
@@ -124,3 +126,19 @@ def test_the_trainer_under_accelerates_fsdp2_transfers_on_the_sharded_model(tmp_
     assert first["sharded"] and first["controls"] and first["steps"] == (STEPS, STEPS)
     assert_sharded_ranks_agree(ranks)
     assert sum(p.numel() for p in first["params"].values()) < sum(p.numel() for p in tiny_llama().parameters())
+
+
+def test_a_model_built_on_meta_trains_under_the_trainers_fsdp2_as_the_model_built_whole(tmp_path):
+    """Built on meta with its record, wrapped there, sharded by accelerate, then given each rank's shards of the
+    values the whole build draws: the same transfers on the same scores, the same parameters bit for bit."""
+    for name, on_meta in (("whole", False), ("meta", True)):
+        (tmp_path / name).mkdir()
+        fork_processes(trainer_worker, free_ports(1)[0], str(tmp_path / name), on_meta)
+    whole, on_meta = load_ranks(tmp_path / "whole"), load_ranks(tmp_path / "meta")
+    assert_sharded_ranks_agree(on_meta)
+    assert on_meta[0]["sharded"] and on_meta[0]["steps"] == (STEPS, STEPS)
+    done = [e for e in on_meta[0]["events"] if e.skipped is None]
+    assert done and all(e.donor_D > 0 and e.parent_S > 0 for e in done)
+    assert on_meta[0]["events"] == whole[0]["events"] and on_meta[0]["scores"] == whole[0]["scores"]
+    for name, p in whole[0]["params"].items():
+        assert torch.equal(on_meta[0]["params"][name], p), name

@@ -125,7 +125,10 @@ class BarterCallback(WrappingCallback, TrainerCallback):
                        model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: DataLoader,
                        **kwargs: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
-        if self.build_record is not None and any(p.is_meta for p in model.parameters()):
+        if any(p.is_meta for p in model.parameters()):
+            if self.build_record is None:
+                raise ValueError("the Trainer's model is on the meta device and nothing gives it values: build it "
+                                 "with barter.meta_build.record_build and pass BarterCallback(build_record=record)")
             materialise(model, self.build_record, args.device, controller=self.controller)
         if self.controller is None:
             if state.global_step > 0:

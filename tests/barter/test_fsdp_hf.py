@@ -60,6 +60,15 @@ def test_under_fsdp2_the_callback_asks_for_the_call_and_steps_it_wraps_on(monkey
         BarterCallback(density=0.5, example_kwargs=Tokens()[0:2]).on_init_end(args, None, None, model=tiny_llama())
 
 
+def test_a_model_on_meta_without_its_build_record_is_refused():
+    with torch.device("meta"):
+        model = tiny_llama()
+    state = SimpleNamespace(global_step=0, max_steps=4)
+    with pytest.raises(ValueError, match="on the meta device and nothing gives it values.*build_record=record"):
+        BarterCallback(density=0.5).on_train_begin(SimpleNamespace(device=torch.device("cpu")), state, None,
+                                                   model=model, optimizer=None, train_dataloader=None)
+
+
 @pytest.mark.parametrize("state, message", [
     (SimpleNamespace(deepspeed_plugin=object(), fsdp_plugin=None), "DeepSpeed partitions the parameters"),
     (SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=SimpleNamespace(fsdp_version=1)), "the Trainer's FSDP1"),

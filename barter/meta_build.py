@@ -242,12 +242,10 @@ class _Replay:
         for name, view in record.tensors.items():
             self.finals.setdefault(view.key, []).append(name)
         self.last_use: dict[StorageWeakRef, int] = {}
-        self.live_from: dict[StorageWeakRef, int] = {}  # where a storage's values start to matter
-        self.peak_bytes = 0
         for i, op in enumerate(record.ops):
             self.last_use.update((view.key, i) for view in op.views)
-            if op.overwrites:
-                self.live_from[op.writes[0].key] = i
+        self.dead = _dead_ops(record.ops)
+        self.peak_bytes = 0
 
     def run(self) -> None:
         torch.set_rng_state(self.record.rng_state)
@@ -270,8 +268,7 @@ class _Replay:
             self.seen_rng_state = recorded
 
     def _step(self, i: int, op: RecordedOp) -> None:
-        made = op.made()
-        dead = bool(made) and all(i < self.live_from.get(key, -1) for key in made)
+        dead = i in self.dead
         if op.rng_state is not None:
             self._follow_generator(op.rng_state)
         elif dead:
@@ -309,6 +306,25 @@ class _Replay:
         for name in self.finals.get(key, []):
             self.write(name, self._stand_in(self.record.tensors[name], self.storages))
         self.storages.pop(key, None)
+
+
+def _dead_ops(ops: list[RecordedOp]) -> set[int]:
+    """The ops whose every write is overwritten whole before anything reads it (found backwards: a storage's values
+    matter before an op that reads them, not before one that fills the storage whole without reading it)."""
+    overwritten: set[StorageWeakRef] = set()  # storages whose values, at this point, nothing will read
+    dead = set()
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if op.func.is_view:
+            continue
+        made = op.made()
+        if made and made <= overwritten:
+            dead.add(i)
+            continue
+        filled = op.writes[0].key if op.overwrites else None
+        read = {v.key for v in tree_leaves((op.args, op.kwargs)) if isinstance(v, MetaView)} - {filled}
+        overwritten = (overwritten | ({filled} if filled is not None else set()) | (made - {filled})) - read
+    return dead
 
 
 def _ties(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

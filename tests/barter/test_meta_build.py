@@ -47,8 +47,9 @@ def test_a_meta_build_materialised_equals_the_cpu_build_at_the_units_kept(init: 
 
 class Built(nn.Module):
     """A build that aliases, ties, copies from one parameter into another, fills a tensor in pieces through views,
-    draws into a tensor it later overwrites whole, makes a buffer from a factory, and initialises with torch's
-    initialisers that skip meta tensors (`orthogonal_`, `dirac_`): made to run, they are replayed too."""
+    draws into a tensor it later overwrites whole, reads a tensor before drawing it again whole, makes a buffer from
+    a factory, and initialises with torch's initialisers that skip meta tensors (`orthogonal_`, `dirac_`): made to
+    run, they are replayed too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,6 +69,8 @@ class Built(nn.Module):
             self.table[:, 0].fill_(2.0)
             self.table.data[1:3].mul_(self.first.weight[:2, :3])
             self.second.bias.copy_(self.first.weight[0, :6] * 2 + 1)
+            self.early = nn.Parameter(self.table * 1)  # reads the table as it is now, before it is drawn again
+            self.table.normal_()
 
 
 def test_aliases_ties_copies_and_pieces_replay_as_they_ran() -> None:

@@ -222,13 +222,20 @@ def materialise(model: nn.Module, record: BuildRecord, device: torch.device | st
     missing = sorted(set(record.tensors) - set(live))
     if missing:
         raise ValueError(f"the model has lost {missing} since its build was recorded")
-    replay = _Replay(record, lambda name, full: _write(live[name], _keep(full, positions.get(name))))
-    replay.run()
+    replayed = replay(record, lambda name, full: _write(live[name], _keep(full, positions.get(name))))
     if not torch.equal(found, record.end_rng_state):
         torch.set_rng_state(found)  # used since the build (seeded again, say): as it was
+    return replayed
+
+
+def replay(record: BuildRecord, write: Callable[[str, Tensor], None]) -> Replayed:
+    """Run the build `record` holds again on the CPU, from its generator state, calling `write(name, values)` with
+    each parameter's and buffer's values at full width as soon as they are final (then dropped)."""
+    replaying = _Replay(record, write)
+    replaying.run()
     model_bytes = sum(math.prod(view.shape) * view.dtype.itemsize
                       for view in {view.key: view for view in record.tensors.values()}.values())
-    return Replayed(len(record.ops), replay.peak_bytes, model_bytes)
+    return Replayed(len(record.ops), replaying.peak_bytes, model_bytes)
 
 
 class _Replay:

@@ -204,12 +204,16 @@ def materialise(model: nn.Module, record: BuildRecord, device: torch.device | st
                 controller: Any = None) -> Replayed:
     """Allocate `model` on `device` (`to_empty`) and write into each of its parameters and buffers (each process
     its own shard of a sharded one) the values of the build `record` holds, replayed on the CPU from its generator
-    state, at the units `controller` (the `barter.wrap` of the model on meta, if any) kept. The generator is left as
-    the build on the CPU would have left it where nothing has used it since the build on meta, else as it is."""
+    state, at the units `controller` (the `barter.wrap` of the model, or of a submodule, on meta, if any) kept. The
+    generator is left as the build on the CPU would have left it where nothing has used it since the build on meta,
+    else as it is."""
     positions = {}
-    if controller is not None:
-        shapes = {name: view.shape for name, view in record.tensors.items()}
-        positions = kept_positions(controller.surgeon.analysis.groups, controller.initial_units, shapes)
+    if controller is not None:  # its groups name tensors from the module it wrapped, which may be a submodule
+        prefix = next(f"{path}." if path else "" for path, module in model.named_modules()
+                      if module is controller.model)
+        shapes = {name[len(prefix):]: view.shape for name, view in record.tensors.items() if name.startswith(prefix)}
+        kept = kept_positions(controller.surgeon.analysis.groups, controller.initial_units, shapes)
+        positions = {prefix + name: index for name, index in kept.items()}
     found = torch.get_rng_state()
     ties = _ties(model)
     model.to_empty(device=device)

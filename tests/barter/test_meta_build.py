@@ -158,3 +158,22 @@ def test_a_transformers_build_is_recorded_with_the_initialisation_it_skips_on_me
                                  image_size=16, patch_size=8)
     with pytest.raises(MetaBuildError, match="draw by rejection"):
         record_build(lambda: transformers.ViTForImageClassification(vit))
+
+
+class Holding(nn.Module):
+    """A model whose wrapped part is a submodule (as `BarterCallback(module="vit")` wraps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vit = build_vit()
+        self.extra = nn.Linear(5, 2)
+
+
+def test_a_wrapped_submodule_keeps_its_units_in_the_whole_models_values() -> None:
+    direct = Holding()
+    barter.wrap(direct.vit, total_steps=12, density=0.5, example_inputs=(X,))
+    model, record = record_build(Holding)
+    ctl = barter.wrap(model.vit, total_steps=12, density=0.5, example_inputs=(X,))
+    materialise(model, record, "cpu", controller=ctl)
+    for name, value in direct.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

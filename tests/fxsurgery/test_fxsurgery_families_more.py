@@ -1,7 +1,7 @@
 """Heads of transformers' families whose attention the sweep (benchmarks/hf_sweep.py) found without heads, built
 tiny from their configs: Doge (each key/value head's values also read by ``dt_proj``, which makes every head's
-dynamic mask) and CpmAnt (a position bias made once and added to every layer's scores, one head index over the
-layers as T5's). Removal of a head equals zeroing the columns of every map that reads it and equals zeroing it at
+dynamic mask), CpmAnt and MPNet (a position bias made once and added to every layer's scores: one head index over
+the layers, as T5's). Removal of a head equals zeroing the columns of every map that reads it and equals zeroing it at
 its tap; a clone leaves the outputs unchanged."""
 from __future__ import annotations
 
@@ -85,19 +85,34 @@ def test_doge_heads_whose_values_make_the_dynamic_mask_are_a_group_per_layer() -
     assert_head_1_removal_equals_masking(model, lambda s: s.group("model.layers.0.self_attn:head"), zero_head_1)
 
 
-def test_cpmant_heads_share_the_position_bias_of_every_layer() -> None:
-    """CpmAnt adds one relative-position bias, made once, to every layer's scores: a head index over the layers."""
-    model = tiny_cpmant()
+def tiny_mpnet() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                      num_attention_heads=HEADS, intermediate_size=48, max_position_embeddings=32)
+    return transformers.MPNetForMaskedLM(config).double().eval()
+
+
+SHARED_BIAS = {  # family -> (tiny model, the output projection of layer i)
+    "cpmant": (tiny_cpmant, "cpmant.encoder.layers.{}.self_att.self_attention.attention_out.weight"),
+    "mpnet": (tiny_mpnet, "mpnet.encoder.layer.{}.attention.attn.o.weight"),
+}
+
+
+@pytest.mark.parametrize("family", list(SHARED_BIAS))
+def test_heads_that_share_the_position_bias_of_every_layer_are_one_group(family: str) -> None:
+    """CpmAnt and MPNet add one relative-position bias, made once, to every layer's scores (a sum before the
+    attention's product, no stream): one head index over the layers is a unit."""
+    build, projection = SHARED_BIAS[family]
+    projections = [projection.format(i) for i in range(2)]
 
     def zero_head_1(copied: nn.Module) -> None:
-        for layer in copied.cpmant.encoder.layers:
-            layer.self_att.self_attention.attention_out.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
+        for name in projections:
+            copied.get_parameter(name)[:, HEAD_DIM:2 * HEAD_DIM] = 0
 
     def heads(s: Surgeon) -> UnitGroup:
         (group,) = [g for g in s.groups if g.kind == "head"]
         assert (group.count, group.exact) == (HEADS, True), s.explain()
-        assert sorted(sl.name for sl in group.slices if sl.name.endswith("attention_out.weight")) == \
-            [f"cpmant.encoder.layers.{i}.self_att.self_attention.attention_out.weight" for i in range(2)]
+        assert sorted(sl.name for sl in group.slices if sl.name in projections) == projections
         return group
 
-    assert_head_1_removal_equals_masking(model, heads, zero_head_1)
+    assert_head_1_removal_equals_masking(build(), heads, zero_head_1)

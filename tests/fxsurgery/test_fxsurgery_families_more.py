@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fxsurgery import Surgeon, UnitGroup
+from fxsurgery import AnalysisError, Surgeon, UnitGroup
 
 transformers = pytest.importorskip("transformers")
 HIDDEN, HEADS, HEAD_DIM, VOCAB, LENGTH = 32, 4, 8, 64, 7
@@ -116,3 +116,30 @@ def test_heads_that_share_the_position_bias_of_every_layer_are_one_group(family:
         return group
 
     assert_head_1_removal_equals_masking(build(), heads, zero_head_1)
+
+
+class Routed(nn.Module):
+    """A router's logits, one per expert, pick the top two experts whose outputs (an expert's map each) are mixed by
+    the routing weights: which experts the data picks depends on all of them."""
+
+    def __init__(self, dim: int = 6, experts: int = 3):
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.router(x).topk(2, dim=-1)
+        outputs = torch.stack([expert(x) for expert in self.experts], dim=-2)  # [.., experts, dim]
+        picked = outputs.gather(-2, chosen.unsqueeze(-1).expand(*chosen.shape, x.shape[-1]))
+        return x + (weights.softmax(-1).unsqueeze(-1) * picked).sum(-2)
+
+
+def test_units_a_router_chooses_among_by_top_k_are_refused_saying_why() -> None:
+    """The router's top-k (JetMoE's mixture of attention heads, a mixture of experts) is told as the data's choice among
+    units, which no removal can equal masking, not as an op without a rule."""
+    torch.manual_seed(0)
+    with pytest.raises(AnalysisError) as refused:
+        Surgeon(Routed(), (torch.randn(2, 5, 6),))
+    assert "router: topk_2: a top-k choice among units that the data makes (a router picking experts): removing one " \
+        "would change which of the others are picked, so no removal equals masking it" in str(refused.value)
+    assert "no rule for topk" not in str(refused.value)

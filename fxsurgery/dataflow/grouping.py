@@ -483,8 +483,9 @@ class _Builder:
     def own_reads(self, k: int, sinks: list[Sink], ut: torch.Tensor) -> bool:
         """Heads read by several maps at values of their own layer (bilinear attention: the map that makes every
         head's transform reads the heads' channels, and the output projection reads them transformed): every map
-        reads every head, and no value of theirs is summed with another that carries them (a residual stream,
-        whose width they would be). Masking a head at each read equals removing it; the tap point sees it at each."""
+        reads every head, and no sum of two values that carry them is what a map reads (a residual stream, whose width
+        they would be; a score bias or a rotary embedding summed before the attention's product is no stream).
+        Masking a head at each read equals removing it; the tap point sees it at each."""
         if any(sink.input is None for sink in sinks):
             return False
         read: dict[str, set[int]] = {}
@@ -493,7 +494,7 @@ class _Builder:
         if any(len(units) != len(ut) for units in read.values()):
             return False
         carriers = {act.node for act in self.acts_of.get(k, []) if not act.param}
-        return not any(_is_sum(node) and sum(arg in carriers for arg in node.all_input_nodes) > 1 for node in carriers)
+        return not _sum_read(carriers, readers={sink.node for sink in sinks})
 
     def read_apart(self, sinks: list[Sink], ut: torch.Tensor) -> bool:
         """No unit of ``ut`` is read by two of ``sinks`` (columns as classes): one pass over all their columns."""
@@ -671,6 +672,25 @@ def _is_sum(node: Node) -> bool:
     """An addition or subtraction (function or method call)."""
     return (node.op == "call_function" and node.target in _SUM_FUNCTIONS) or \
         (node.op == "call_method" and node.target in _SUM_METHODS)
+
+
+def _sum_read(carriers: set[Node], readers: set[str]) -> bool:
+    """Whether a sum of two ``carriers`` reaches a map of ``readers`` (node names) through values made of one carrier
+    each (a norm, a view, an activation): a stream the units are summed into and read from. A product of carriers on
+    the way (the attention's, after a score bias or a rotary embedding is summed) ends the search."""
+    def one_carrier(node: Node) -> bool:
+        return sum(arg in carriers for arg in node.all_input_nodes) == 1
+
+    todo = [node for node in carriers if _is_sum(node) and not one_carrier(node)]
+    seen: set[Node] = set()
+    while todo:
+        node = todo.pop()
+        if node.name in readers:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo += [user for user in node.users if user.name in readers or (user in carriers and one_carrier(user))]
+    return False
 
 
 def _layout(t: torch.Tensor) -> tuple:

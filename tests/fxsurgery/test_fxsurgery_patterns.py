@@ -167,30 +167,80 @@ class ParallelModel(nn.Module):
         return self.head(self.blocks(self.embed(x)).mean(1))
 
 
-def test_shared_relative_position_mlp_is_one_group_and_heads_are_told_at_each_block() -> None:
+def test_heads_biased_by_a_module_every_block_calls_are_one_head_index_over_the_blocks() -> None:
+    """A per-head score bias from one MLP that every block calls ties head h of every block to row h of its last
+    map: one group whose unit is that head index in every block (as T5's shared bias). Removing head 1 equals
+    zeroing its output-projection columns in every block and equals zeroing it at the tap; the MLP's hidden channels
+    are a group of their own; a clone leaves the outputs unchanged."""
     torch.manual_seed(0)
-    model = SharedRelativeBias()
-    x = torch.randn(2, 6, 5)
+    model, x = SharedRelativeBias(), torch.randn(2, 6, 5)  # the MLP reads float32 positions
+    zeroed, original = copy.deepcopy(model), copy.deepcopy(model)
     s = Surgeon(model, (x,))
-    assert [(g.kind, g.count) for g in s.groups] == [("channel", 16)]  # the MLP's hidden channels, sliced once
-    assert {sl.name for sl in s.groups[0].slices} == {"rel.fc1.weight", "rel.fc1.bias", "rel.fc2.weight"}
-    told = {lo.module: lo.reasons for lo in s.left_out}
-    for i, other in ((0, 1), (1, 0)):
-        assert any(f"attns.{other}" in r and "rel.fc2.weight" in r for r in told[f"attns.{i}"])
+    assert sorted((g.kind, g.count, g.exact) for g in s.groups) == [("channel", 16, True), ("head", 3, True)]
+    heads = next(g for g in s.groups if g.kind == "head")
+    channels = next(g for g in s.groups if g.kind == "channel")
+    assert {sl.name for sl in channels.slices} == {"rel.fc1.weight", "rel.fc1.bias", "rel.fc2.weight"}
+    assert {"attns.0.proj.weight", "attns.1.proj.weight", "rel.fc2.weight", "rel.fc2.bias"} <= \
+        {sl.name for sl in heads.slices}
     with torch.no_grad():
-        y0 = model(x)
-    s.clone(s.groups[0], 3, noise_std=0.1)
+        for attn in zeroed.attns:
+            attn.proj.weight[:, 4:8] = 0
+        handle = s.tap(heads, lambda a: a.select(-2, 1).zero_())
+        tapped = model(x)
+        handle.remove()
+        s.remove(heads, 1)
+        removed = model(x)
+        assert (removed - zeroed(x)).abs().max() <= 1e-6 and (removed - tapped).abs().max() <= 1e-6
+        assert not torch.allclose(removed, original(x), atol=1e-4)
+        assert model.rel.fc2.weight.shape == (2, 16) and model.attns[1].proj.weight.shape == (12, 8)
+    s.clone(heads, 0, noise_std=0.1)
+    s.clone(channels, 3, noise_std=0.1)
     with torch.no_grad():
-        assert (model(x) - y0).abs().max() <= 1e-6
+        assert (model(x) - removed).abs().max() <= 1e-5
 
 
-def test_heads_tied_through_a_module_every_block_calls_are_told_in_one_short_line() -> None:
+class PositionConvBlock(nn.Module):
+    """A block that adds a depthwise convolution of the stream, a module every block calls (CoaT's position
+    convolution), before its attention and FFN."""
+
+    def __init__(self, dim: int, position: nn.Module):
+        super().__init__()
+        self.position = [position]
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 8), nn.Linear(8, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.position[0](x.transpose(1, 2)).transpose(1, 2)
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 3, c // 3).permute(2, 0, 3, 1, 4).unbind(0)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class SharedPositionConv(nn.Module):
+    def __init__(self, dim: int = 12, depth: int = 6):
+        super().__init__()
+        self.embed, self.position = nn.Linear(5, dim), nn.Conv1d(dim, dim, 3, padding=1, groups=dim)
+        self.blocks = nn.ModuleList(PositionConvBlock(dim, self.position) for _ in range(depth))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+def test_units_tied_through_a_module_every_block_calls_are_told_in_one_short_line() -> None:
     """At any depth the refusal names three other blocks and the shared parameter and says how many more (CoaT's
     stages, whose blocks all call one position convolution, named dozens of blocks and parameters in one line)."""
-    s = Surgeon(SharedRelativeBias(depth=6), (torch.randn(2, 6, 5),))
-    reasons = [r for lo in s.left_out if lo.module == "attns.0" for r in lo.reasons]
-    assert any(re.match(r"units tied to those of attns\.1, attns\.2, attns\.3 and \d more through ", r) and
-               "rel.fc2.weight" in r and len(r) < 250 for r in reasons), reasons
+    torch.manual_seed(0)
+    s = Surgeon(SharedPositionConv(), (torch.randn(2, 6, 5),))
+    assert sorted(g.name for g in s.groups) == sorted(f"blocks.{i}:{kind}" for i in range(6)
+                                                      for kind in ("head", "channel"))
+    reasons = [r for lo in s.left_out if lo.module == "blocks.0" for r in lo.reasons]
+    assert any(re.match(r"units tied to those of \(model\), blocks\.1, blocks\.2 and \d more through ", r) and
+               "position.weight" in r and len(r) < 250 for r in reasons), reasons
 
 
 @pytest.mark.parametrize("fused_out", [False, True])

@@ -11,7 +11,7 @@ from ..constants import ConstantSpec, Site
 from ..ids import align, varies
 from ..labeller import Label, Step
 from ..records import NonEmpty, Weighing
-from .base import RULES, elementwise_labels, first_tensor, mix, param_label, register_rule, wrap_dim
+from .base import RULES, elementwise_labels, first_tensor, mix, param_label, pin_all, register_rule, wrap_dim
 
 
 def _normalise(s: Step, x: torch.Tensor, xl: Label | None, dims: Sequence[int], what: str,
@@ -154,6 +154,18 @@ def _reduce(s: Step, out: torch.Tensor) -> Label | None:
     keep = out.dim() == x.dim()
     out_ids = ids if keep else ids.reshape([n for k, n in enumerate(ids.shape) if k not in dims])
     return Label(out_ids, xl.param)
+
+
+@register_rule(torch.topk, "topk")
+def top_k(s: Step) -> None:
+    """``topk`` picks coordinates by their values. Where coordinates of units compete along ``dim`` (a router's
+    logits, one per expert) the data chooses among them: removing one changes which the others are picked with, so no
+    removal equals masking it, and they are pinned saying so; elsewhere (top-k positions) as an op with no rule."""
+    x, xl = s.arg(0, "input")
+    dim = wrap_dim(s.arg(2, "dim", -1)[0], x.dim())
+    competing = xl is not None and varies(xl.ids, dim)
+    pin_all(s, "a top-k choice among units that the data makes (a router picking experts): removing one would change "
+               "which of the others are picked, so no removal equals masking it" if competing else "no rule for topk")
 
 
 @register_rule(torch.max, torch.min, "max", "min")

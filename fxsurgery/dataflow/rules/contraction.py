@@ -192,10 +192,10 @@ def _weight_dim(weight: MapWeight, elements: torch.Tensor, ax: int) -> int:
 
 def _note_unstarted(s: Step, views: list[Operand], reps: list[torch.Tensor | None], read: set[int],
                     letters: list[str], out_sub: str) -> None:
-    """A parameter an activation is contracted against that lays out output dims of its own is a linear map
-    written as a product (``x @ W.T``, ``einsum("bnd,de->bne", x, W)``): it starts no unit space here (only
-    linear maps by name, convolutions and embeddings do), so what it makes is noted, to be told if no group
-    is found where it runs."""
+    """A parameter an activation is contracted against that lays out output dims of its own, where the product is
+    no linear map of the input's features (``_weight_of_map``: the weight is computed from parameters, or the
+    input's units lie along dims the product keeps): it starts no unit space, so what it makes is noted, to be told
+    if no group is found where it runs."""
     if s.lab.nested:
         return
     for p in sorted(read):
@@ -205,9 +205,10 @@ def _note_unstarted(s: Step, views: list[Operand], reps: list[torch.Tensor | Non
         if own:
             name = _parameter_name(_node_of(s, v.label))
             s.rec.unstarted.append(Opaque(s.node, f"{s.name}: multiplies by the parameter {name}, whose own dims make "
-                                                  "the output's: a linear map written as a product starts no unit "
-                                                  "space (nn.Linear, F.linear, convolutions and embeddings do), so "
-                                                  "the heads or channels it makes are not found"))
+                                                  "the output's, but not as a linear map of its input's features (a "
+                                                  "weight computed from parameters, or an input whose units lie "
+                                                  "along dims the product keeps): it starts no unit space, so the "
+                                                  "heads or channels it makes are not found"))
             return
 
 

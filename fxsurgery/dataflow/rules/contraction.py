@@ -47,19 +47,17 @@ def _operand(shape: Sequence[int], lab: Label | None, sub: str, letters: list[st
 
 def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: list[str],
              out_sub: str) -> Label | None:
-    """Einsum-style contraction on ids. A contracted letter that two activations carry ties all its
-    coordinates (q·kᵀ makes a head); against a parameter it is a sink; shared batch letters tie
-    positions; against a plain tensor the letter may not be the unit axis (units kept on another axis fold
-    their coordinates along it, as against a parameter they share)."""
+    """Einsum-style contraction on ids. A linear map written as a product (``_weight_of_map``) starts a space.
+    Otherwise a contracted letter that two activations carry ties all its coordinates (q·kᵀ makes a head); against a
+    parameter it is a sink; shared batch letters tie positions; against a plain tensor the letter may not be the unit
+    axis (units kept on another axis fold their coordinates along it, as against a parameter they share)."""
     letters = sorted(set("".join(subs)) | set(out_sub))
     pos = {c: i for i, c in enumerate(letters)}
     views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
-    weight = _weight_of_map(s, views, letters, out_sub)
-    if weight is not None:
+    if (weight := _weight_of_map(s, views, letters, out_sub)) is not None:
         return _linear_product(s, views, weight, letters, out_sub)
     shared = _share(s, views, letters, out_sub)
-    reps = [v.ids for v in views]
-    consumed: list[set[int]] = [set() for _ in views]
+    reps, consumed = [v.ids for v in views], [set() for _ in views]  # consumed: the axes a sink reads, per operand
     read: set[int] = set()  # the parameters an activation is contracted against
     before = len(s.rec.contracted)
     for c in letters:

@@ -259,8 +259,9 @@ class _Builder:
         return out
 
     def unstarted_refusals(self, out: GraphGroups) -> list[Refusal]:
-        """Each module that multiplies by a parameter laying out the output (``x @ W.T``) and ends with no group at,
-        under or (below the root) above it, nor a refusal of its own: why its units are not found."""
+        """Each module that multiplies by a parameter laying out the output, as no linear map (``x @ (W * mask)``), and
+        ends with no group at, under or (below the root) above it, nor a refusal of its own: why its units are not
+        found."""
         grouped = [m for spec in out.groups for m in spec.modules]
         told = {common_module(r.modules) for r in out.refusals}
         refusals: dict[str, Refusal] = {}

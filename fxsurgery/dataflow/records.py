@@ -143,8 +143,9 @@ class Records:
     acts: list[Act] = field(default_factory=list)
     size_reads: set[Node] = field(default_factory=set)
     opaque: list[Opaque] = field(default_factory=list)
-    # maps that multiply by a parameter whose own dims make the output's (``x @ W.T``, an einsum over a weight):
-    # they start no unit space, which is told where their module ends with no group
+    # products with a parameter whose own dims make the output's but that are no linear map of the input's features
+    # (a weight computed from parameters): they start no unit space, which is told where their module ends with no
+    # group
     unstarted: list[Opaque] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
     products: list[torch.Tensor] = field(default_factory=list)  # ids of products of two activations (q·kᵀ)

@@ -465,30 +465,35 @@ def test_heads_whose_weights_blocks_hand_on_are_found_where_a_caller_drops_them(
 
 
 class ProductAttention(nn.Module):
-    """Attention whose maps are products with parameters (``x @ W``, einops-style code): its heads start in no
-    linear map the analysis reads; ``table``, an einsum with a parameter inside an attention whose heads are
-    found (a relative-position table read through the query), lays out the keys' positions."""
+    """Attention whose maps are products with parameters (``x @ W``, einops-style code), or through F.linear, or
+    products with a weight the code computes (``x @ (W * mask)``, which no edit can slice); ``table``, an einsum with
+    a parameter inside the attention (a relative-position table read through the query, its heads kept apart),
+    lays out the keys' positions."""
 
-    def __init__(self, dim: int = 12, heads: int = 3, products: bool = True):
+    def __init__(self, dim: int = 12, heads: int = 3, style: str = "products"):
         super().__init__()
-        self.h, self.d, self.products = heads, dim // heads, products
+        self.h, self.d, self.style = heads, dim // heads, style
         self.w_q, self.w_k, self.w_v, self.w_o = (nn.Parameter(torch.randn(dim, dim) / dim ** 0.5) for _ in range(4))
         self.table = nn.Parameter(torch.randn(4, dim // heads))
+        self.gate = nn.Parameter(torch.rand(dim, dim))
+
+    def map(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.style == "linear":
+            return F.linear(x, w)
+        return x @ (w * self.gate) if self.style == "computed" else x @ w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        maps = (self.w_q, self.w_k, self.w_v)
-        q, k, v = ((x @ w if self.products else F.linear(x, w)).view(b, n, self.h, self.d).transpose(1, 2)
-                   for w in maps)
+        q, k, v = (self.map(x, w).view(b, n, self.h, self.d).transpose(1, 2) for w in (self.w_q, self.w_k, self.w_v))
         scores = q @ k.transpose(-1, -2) + torch.einsum("bhnd,md->bhnm", q, self.table)
         mixed = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1)
-        return mixed @ self.w_o if self.products else F.linear(mixed, self.w_o)
+        return self.map(mixed, self.w_o)
 
 
 class ProductBlock(nn.Module):
-    def __init__(self, products: bool):
+    def __init__(self, style: str):
         super().__init__()
-        self.embed, self.attn = nn.Linear(3, 12), ProductAttention(products=products)
+        self.embed, self.attn = nn.Linear(3, 12), ProductAttention(style=style)
         self.fc1, self.fc2 = nn.Linear(12, 24), nn.Linear(24, 12)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -497,15 +502,42 @@ class ProductBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
-def test_a_linear_map_written_as_a_product_with_a_parameter_is_told_where_no_group_is_found() -> None:
-    """``x @ W`` starts no unit space: the attention's heads are not found, and its module says why, naming the
-    product and the parameter (not a silent miss); the same attention through F.linear has its heads, and its
-    einsum with the position table, which lays out positions, is told nowhere."""
-    x = torch.randn(2, 4, 3)
-    products = fxsurgery.analyse(ProductBlock(products=True), (x,))
-    assert [g.kind for g in products.groups] == ["channel"]
-    (left,) = [lo for lo in products.left_out if lo.module == "attn"]
-    assert "multiplies by the parameter attn.w_" in left.reasons[0] and "starts no unit space" in left.reasons[0]
-    linear = fxsurgery.analyse(ProductBlock(products=False), (x,))
-    assert sorted(g.kind for g in linear.groups) == ["channel", "head"]
-    assert not [r for lo in linear.left_out for r in lo.reasons if "starts no unit space" in r]
+def test_a_linear_map_written_as_a_product_with_a_parameter_starts_its_space_as_f_linear_does() -> None:
+    """``x @ W`` is the linear map F.linear is: the attention's heads are found alike, slicing W's columns (its own
+    dim) for the heads the product makes and W's rows where it reads them; removal equals zeroing the head's rows
+    of the output map (``mixed @ w_o``) and equals zeroing the head through the tap, a clone keeps the outputs. The
+    einsum with the position table, whose query heads are kept apart, is read by every head and starts nothing. A
+    product with a weight the code computes starts no space and is told at its module, naming the product."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 3, dtype=torch.double)
+    found = {style: fxsurgery.analyse(ProductBlock(style).double(), (x,)) for style in ("products", "linear")}
+    for analysis in found.values():
+        assert [(g.kind, g.count, g.exact) for g in analysis.groups] == [("head", 3, True), ("channel", 24, True)]
+        assert not [r for lo in analysis.left_out for r in lo.reasons if "starts no unit space" in r]
+    (heads, _) = found["products"].groups
+    assert {(sl.name, sl.dim) for sl in heads.slices} >= {("attn.w_q", 1), ("attn.w_o", 0)}
+    original = ProductBlock("products").double()
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (x,))
+    group = next(g for g in s.groups if g.kind == "head")
+    masked = copy.deepcopy(original)
+    with torch.no_grad():
+        masked.attn.w_o[4:8] = 0  # head 1's rows of the output map
+
+        def zero_head(a: torch.Tensor) -> None:
+            a[..., 1, :] = 0  # (*lead, count, per_unit)
+        tap = s.tap(group, zero_head)
+        by_tap = model(x)
+        tap.remove()
+        s.remove(group, 1)
+        removed = model(x)
+        torch.testing.assert_close(removed, masked(x), rtol=0, atol=1e-12)
+        torch.testing.assert_close(removed, by_tap, rtol=0, atol=1e-12)
+        s.clone(group, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(model(x), removed, rtol=0, atol=1e-12)
+    computed = fxsurgery.analyse(ProductBlock("computed"), (x.float(),))
+    assert [g.kind for g in computed.groups] == ["channel"]
+    told = [r for lo in computed.left_out if lo.module == "attn" for r in lo.reasons]
+    assert any(r.startswith("matmul: multiplies by the parameter") and "starts no unit space" in r for r in told), told
+
+

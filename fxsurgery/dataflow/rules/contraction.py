@@ -1,6 +1,7 @@
 """Contractions (matmul, einsum, attention) on ids: what two activations contract is a head."""
 from __future__ import annotations
 
+import math
 import operator
 import string
 from typing import NamedTuple, Sequence
@@ -11,7 +12,7 @@ from torch.fx.node import Node
 
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
-from ..records import Note, Opaque, SharedRead
+from ..records import Member, Note, Opaque, SharedRead, Sink, Space
 from .base import defer_pins, elementwise_labels, head_axis, mix, mixing_map, pin_all, register_rule
 
 
@@ -46,16 +47,17 @@ def _operand(shape: Sequence[int], lab: Label | None, sub: str, letters: list[st
 
 def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: list[str],
              out_sub: str) -> Label | None:
-    """Einsum-style contraction on ids. A contracted letter that two activations carry ties all its
-    coordinates (q·kᵀ makes a head); against a parameter it is a sink; shared batch letters tie
-    positions; against a plain tensor the letter may not be the unit axis (units kept on another axis fold
-    their coordinates along it, as against a parameter they share)."""
+    """Einsum-style contraction on ids. A linear map written as a product (``_weight_of_map``) starts a space.
+    Otherwise a contracted letter that two activations carry ties all its coordinates (q·kᵀ makes a head); against a
+    parameter it is a sink; shared batch letters tie positions; against a plain tensor the letter may not be the unit
+    axis (units kept on another axis fold their coordinates along it, as against a parameter they share)."""
     letters = sorted(set("".join(subs)) | set(out_sub))
     pos = {c: i for i, c in enumerate(letters)}
     views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
+    if (weight := _weight_of_map(s, views, letters, out_sub)) is not None:
+        return _linear_product(s, views, weight, letters, out_sub)
     shared = _share(s, views, letters, out_sub)
-    reps = [v.ids for v in views]
-    consumed: list[set[int]] = [set() for _ in views]
+    reps, consumed = [v.ids for v in views], [set() for _ in views]  # consumed: the axes a sink reads, per operand
     read: set[int] = set()  # the parameters an activation is contracted against
     before = len(s.rec.contracted)
     for c in letters:
@@ -105,12 +107,93 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     return out
 
 
+class MapWeight(NamedTuple):
+    """The parameter of a linear map written as a product: its operand's position, its name, and the listing of its
+    elements' ids (which the operand's ids lay out)."""
+
+    index: int
+    name: str
+    elements: Member
+
+
+def _weight_of_map(s: Step, views: list[Operand], letters: list[str], out_sub: str) -> MapWeight | None:
+    """The parameter that makes this contraction a linear map (``x @ W.T``, ``einsum("ibh,hnd->ibnd", h, W)``), or
+    None: two operands, a parameter read whole (through views) and an activation or plain tensor, that share only
+    the letters they contract; the parameter's other letters are the output's own dims. The activation's ids vary
+    along the contracted letters only (units kept on another axis read a table, ``_fold_unit_coordinates``), and
+    those are no heads axis of attention weights (a map over heads mixes them, ``_mixed_heads``)."""
+    params = [i for i, v in enumerate(views) if v.parameter]
+    if len(views) != 2 or len(params) != 1 or s.lab.nested:
+        return None
+    w, x = views[params[0]], views[1 - params[0]]
+    contracted = [c for c in w.subs if c in x.subs]
+    own = [c for c in w.subs if c not in x.subs]
+    if not contracted or not own or any(c in out_sub for c in contracted) or any(c not in out_sub for c in own):
+        return None
+    pos = {c: i for i, c in enumerate(letters)}
+    if x.activation and (any(varies(x.ids, pos[c]) for c in out_sub) or any(
+            head_axis(s, x.ids, pos[c]) is not None for c in contracted)):
+        return None
+    node = _node_of(s, w.label)
+    name = _parameter_name(node) if node is not None else None
+    elements = torch.sort(w.ids.flatten()).values
+    listing = next((m for m in s.rec.members if m.name == name and m.ids.numel() == elements.numel()
+                    and torch.equal(m.ids.flatten(), elements)), None) if elements.numel() else None
+    return None if listing is None else MapWeight(params[0], name, listing)
+
+
+def _linear_product(s: Step, views: list[Operand], weight: MapWeight, letters: list[str], out_sub: str) -> Label:
+    """A linear map written as a product, labelled as ``linear_labels`` labels ``F.linear``: the output's own dims
+    (the weight's dims the input lacks) are a new space, whose coordinates own the weight's elements along them; an
+    activation's coordinates along the contracted dims are consumed, read by the weight's elements along those
+    (its sink: the weight dim of the first contracted letter, its input's dim of that letter)."""
+    pos = {c: i for i, c in enumerate(letters)}
+    w, x = views[weight.index], views[1 - weight.index]
+    full = w.ids.shape
+    own = [c for c in w.subs if c not in x.subs]
+    own_shape = [full[pos[c]] for c in own]
+    space = s.rec.fresh(tuple(own_shape))
+    s.rec.spaces.append(Space(int(space.flatten()[0]) if space.numel() else s.rec.next_id, s.rec.next_id, s.name))
+    laid = space.permute([own.index(c) for c in letters if c in own]).reshape(
+        [full[i] if c in own else 1 for i, c in enumerate(letters)])
+    s.rec.member(weight.name, _by_element(weight, w.ids, laid))
+    if x.activation:
+        contracted = [c for c in w.subs if c in x.subs]
+        columns = x.ids.expand([full[i] if c in contracted else 1 for i, c in enumerate(letters)])
+        s.rec.member(weight.name, _by_element(weight, w.ids, columns))
+        first = next((c for c in contracted if varies(x.ids, pos[c])), contracted[0])
+        read = columns.permute([pos[c] for c in contracted] + [pos[c] for c in letters if c not in contracted])
+        source = _node_of(s, x.label)
+        s.rec.sinks.append(Sink(weight.name, s.name, read.flatten(), x.subs.index(first),
+                                _weight_dim(weight, w.ids, pos[first]), None if source is None else source.name))
+    out = laid.permute([pos[c] for c in out_sub] + [pos[c] for c in letters if c not in out_sub])
+    return Label(compact(out.reshape(out.shape[:len(out_sub)])))
+
+
+def _by_element(weight: MapWeight, elements: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` (laid out as the weight's ``elements`` are in the contraction) in the weight's own layout: the ids a
+    member listing of it gives its elements."""
+    first = int(weight.elements.ids.flatten()[0])
+    flat = torch.empty(elements.numel(), dtype=torch.long)
+    flat[elements.flatten() - first] = torch.broadcast_to(ids, elements.shape).flatten()
+    return compact(flat.reshape(weight.elements.ids.shape))
+
+
+def _weight_dim(weight: MapWeight, elements: torch.Tensor, ax: int) -> int:
+    """The weight's own dim along which its elements change where the contraction's axis ``ax`` does."""
+    shape = weight.elements.ids.shape
+    step = (elements.narrow(ax, 1, 1) - elements.narrow(ax, 0, 1)).flatten()[0] if elements.shape[ax] > 1 else 0
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return next((d for d, stride in enumerate(strides) if shape[d] > 1 and stride == int(step)),
+                next(d for d, n in enumerate(shape) if n > 1))
+
+
 def _note_unstarted(s: Step, views: list[Operand], reps: list[torch.Tensor | None], read: set[int],
                     letters: list[str], out_sub: str) -> None:
-    """A parameter an activation is contracted against that lays out output dims of its own is a linear map
-    written as a product (``x @ W.T``, ``einsum("bnd,de->bne", x, W)``): it starts no unit space here (only
-    linear maps by name, convolutions and embeddings do), so what it makes is noted, to be told if no group
-    is found where it runs."""
+    """A parameter an activation is contracted against that lays out output dims of its own, where the product is
+    no linear map of the input's features (``_weight_of_map``: the weight is computed from parameters, or the
+    input's units lie along dims the product keeps): it starts no unit space, so what it makes is noted, to be told
+    if no group is found where it runs."""
     if s.lab.nested:
         return
     for p in sorted(read):
@@ -120,9 +203,10 @@ def _note_unstarted(s: Step, views: list[Operand], reps: list[torch.Tensor | Non
         if own:
             name = _parameter_name(_node_of(s, v.label))
             s.rec.unstarted.append(Opaque(s.node, f"{s.name}: multiplies by the parameter {name}, whose own dims make "
-                                                  "the output's: a linear map written as a product starts no unit "
-                                                  "space (nn.Linear, F.linear, convolutions and embeddings do), so "
-                                                  "the heads or channels it makes are not found"))
+                                                  "the output's, but not as a linear map of its input's features (a "
+                                                  "weight computed from parameters, or an input whose units lie "
+                                                  "along dims the product keeps): it starts no unit space, so the "
+                                                  "heads or channels it makes are not found"))
             return
 
 

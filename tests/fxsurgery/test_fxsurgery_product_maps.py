@@ -1,0 +1,114 @@
+"""Hugging Face attentions whose linear maps are products with parameters: XLNet's einsums over (d_model, heads,
+head_dim) weights (``einsum("ibh,hnd->ibnd", h, q)``, read back by ``einsum("ibnd,hnd->ibh", v, o)``) and Falcon's
+``x @ self.weight.T``. Each head group is checked against two oracles built without fxsurgery's slices: removing
+heads equals zeroing their columns of the output weight on a copy of the dense model, and equals zeroing their
+activations through ``Surgeon.tap``; a clone leaves the outputs unchanged. Models are built from tiny configs,
+offline."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxsurgery
+from fxsurgery import Surgeon
+
+transformers = pytest.importorskip("transformers")
+
+TOKENS = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def xlnet(cls: str) -> torch.nn.Module:
+    config = transformers.XLNetConfig(vocab_size=100, d_model=32, n_layer=2, n_head=4, d_inner=48)
+    return getattr(transformers, cls)(config)
+
+
+def falcon(**options) -> torch.nn.Module:
+    config = transformers.FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       **options)
+    return transformers.FalconForCausalLM(config)
+
+
+def zero_xlnet_heads(model: torch.nn.Module, layer: str, dead: list[int]) -> None:
+    """XLNet's output weight ``o`` is (d_model, heads, head_dim): a head's columns are its index along dim 1."""
+    model.get_parameter(f"{layer}.o")[:, dead, :] = 0
+
+
+def zero_falcon_heads(model: torch.nn.Module, layer: str, dead: list[int], count: int) -> None:
+    """Falcon's ``dense`` reads the heads side by side: a unit's columns are a run of hidden / count."""
+    weight = model.get_parameter(f"{layer}.dense.weight")
+    width = weight.shape[1] // count
+    for unit in dead:
+        weight[:, unit * width:(unit + 1) * width] = 0
+
+
+def output(model: torch.nn.Module) -> torch.Tensor:
+    out = model(TOKENS)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+CASES = {
+    "xlnet_model": (lambda: xlnet("XLNetModel"), lambda m, layer, dead, _: zero_xlnet_heads(m, layer, dead), 4),
+    "xlnet_lm_head": (lambda: xlnet("XLNetLMHeadModel"), lambda m, layer, dead, _: zero_xlnet_heads(m, layer, dead),
+                      4),
+    "falcon_multi_head": (lambda: falcon(multi_query=False, new_decoder_architecture=False), zero_falcon_heads, 4),
+    "falcon_new_decoder": (lambda: falcon(new_decoder_architecture=True, num_kv_heads=2), zero_falcon_heads, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_heads_made_by_products_with_parameters_remove_as_masking_and_clone_exactly(name: str) -> None:
+    """Every layer's heads are one exact group (for Falcon's grouped queries a unit is one key/value head with its
+    queries); removing two units of each equals zeroing their output columns and equals zeroing them at the tap."""
+    build, zero_columns, count = CASES[name]
+    torch.manual_seed(0)
+    original: torch.nn.Module = build().double().eval()
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (TOKENS,))
+    heads = [g for g in s.groups if g.kind == "head"]
+    assert [(g.count, g.exact) for g in heads] == [(count, True)] * 2, s.explain()
+    dead = [0, count - 1] if count > 2 else [count - 1]
+    masked = copy.deepcopy(original)
+
+    def zero_dead(a: torch.Tensor) -> None:
+        a[..., dead, :] = 0  # (*lead, count, per_unit)
+    with torch.no_grad():
+        for g in heads:
+            zero_columns(masked, g.module, dead, count)
+        taps = [s.tap(g, zero_dead) for g in heads]
+        by_tap = output(model)
+        for tap in taps:
+            tap.remove()
+        for g in heads:
+            s.keep(g, [u for u in range(count) if u not in dead])
+        removed = output(model)
+        torch.testing.assert_close(removed, output(masked), rtol=0, atol=1e-10)
+        torch.testing.assert_close(removed, by_tap, rtol=0, atol=1e-10)
+        for g in heads:
+            s.clone(g, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(output(model), removed, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("options, node", [(dict(multi_query=True, new_decoder_architecture=False), "view"),
+                                           (dict(alibi=True, multi_query=False, new_decoder_architecture=False),
+                                            "")])
+def test_falcon_attentions_without_exact_heads_are_told_at_their_module(options: dict, node: str) -> None:
+    """Multi-query Falcon views its fused projection's output as heads + 2 (the one key and value head beside the
+    query heads), a size no count rewrites; ALiBi's per-head slopes are computed by the code, which no edit slices:
+    each attention is left out with its reason, naming the node, and its MLP is grouped."""
+    analysis = fxsurgery.analyse(falcon(**options).eval(), (TOKENS,))
+    assert [g.kind for g in analysis.groups] == ["channel", "channel"]
+    for layer in ("transformer.h.0.self_attention", "transformer.h.1.self_attention"):
+        told = [r for lo in analysis.left_out if lo.module == layer for r in lo.reasons if "lm_head" not in r]
+        assert told and all(r.startswith(node) for r in told), told
+
+
+def test_a_position_table_read_through_heads_is_no_linear_map() -> None:
+    """XLNet's segment embedding (``einsum("ibnd,snd->ibns", q, seg_embed)``) multiplies every head by its own rows
+    of a parameter: the query's heads are kept apart, so it starts no space and its rows go with the heads."""
+    analysis = fxsurgery.analyse(xlnet("XLNetModel").eval(), (TOKENS,),
+                                 {"token_type_ids": torch.zeros_like(TOKENS)})
+    (head, *_) = [g for g in analysis.groups if g.kind == "head"]
+    assert ("layer.0.rel_attn.seg_embed", 1) in {(sl.name, sl.dim) for sl in head.slices}, head.slices
+

@@ -112,3 +112,31 @@ def test_a_position_table_read_through_heads_is_no_linear_map() -> None:
     (head, *_) = [g for g in analysis.groups if g.kind == "head"]
     assert ("layer.0.rel_attn.seg_embed", 1) in {(sl.name, sl.dim) for sl in head.slices}, head.slices
 
+
+
+def test_xlnet_generate_is_served_with_and_without_cache_after_removal_and_clone() -> None:
+    """XLNet's ``generate`` passes masks shaped (qlen, klen, batch, 1) and a two-stream query: the graph captured
+    for that call holds the key length at one size (``torch.arange(klen)``), so each key length is a call of its
+    own. Greedy generation, cached and not, equals the dense model's, then a copy's with the removed heads' output
+    columns zeroed, and is unchanged by a clone."""
+    torch.manual_seed(0)
+    original = xlnet("XLNetLMHeadModel").eval()  # float: XLNet's two-stream path reads its float positions as is
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (TOKENS,))
+    heads = [g for g in s.groups if g.kind == "head"]
+
+    def generated(m: torch.nn.Module) -> list[torch.Tensor]:
+        return [m.generate(TOKENS, max_new_tokens=3, do_sample=False, use_cache=cached) for cached in (False, True)]
+    with torch.no_grad():
+        for got, want in zip(generated(model), generated(original)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for g in heads:
+            zero_xlnet_heads(original, g.module, [3])
+            s.keep(g, [0, 1, 2])
+        removed = generated(model)
+        for got, want in zip(removed, generated(original)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for g in heads:
+            s.clone(g, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+        for got, want in zip(generated(model), removed):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -153,3 +153,24 @@ def test_xlnet_generate_is_served_with_and_without_cache_after_removal_and_clone
             s.clone(g, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
         for got, want in zip(generated(model), removed):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_falcon_grouped_queries_emptied_layer_generates_with_cache_as_masked() -> None:
+    """Analysed on an uncached call (as the Trainer's batches are), a layer may be emptied. A cached call passes an
+    object, so the attention's own forward serves it; its code cannot run a layer left with no key/value heads (``view(..., 0, -1, head_dim)``), so for the call the layer holds one unit whose tensors
+    are zero, which adds nothing, as a removal does. Greedy generation with the cache equals it without, and equals
+    the dense model's with that layer's output columns zeroed."""
+    torch.manual_seed(0)
+    original = falcon(new_decoder_architecture=True, num_kv_heads=2).double().eval()
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (TOKENS,), {"use_cache": False})
+    (first, *_) = [g for g in s.groups if g.kind == "head"]
+    assert first.min_count == 0
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        s.keep(first, [])
+        zero_falcon_heads(original, first.module, [0, 1], 2)
+        cached = model.generate(TOKENS, use_cache=True, **options)
+        torch.testing.assert_close(cached, model.generate(TOKENS, use_cache=False, **options), rtol=0, atol=0)
+        torch.testing.assert_close(cached, original.generate(TOKENS, use_cache=True, **options), rtol=0, atol=0)
+        assert model.transformer.h[0].self_attention.num_kv_heads == 0

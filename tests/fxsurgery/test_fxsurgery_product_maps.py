@@ -157,9 +157,10 @@ def test_xlnet_generate_is_served_with_and_without_cache_after_removal_and_clone
 
 def test_falcon_grouped_queries_emptied_layer_generates_with_cache_as_masked() -> None:
     """Analysed on an uncached call (as the Trainer's batches are), a layer may be emptied. A cached call passes an
-    object, so the attention's own forward serves it; its code cannot run a layer left with no key/value heads (``view(..., 0, -1, head_dim)``), so for the call the layer holds one unit whose tensors
-    are zero, which adds nothing, as a removal does. Greedy generation with the cache equals it without, and equals
-    the dense model's with that layer's output columns zeroed."""
+    object, so the attention's own forward serves it; its code cannot run a layer left with no key/value heads
+    (``view(..., 0, -1, head_dim)``), so for the call the layer holds one unit whose tensors are zero, which adds
+    nothing, as a removal does. Greedy generation with the cache equals it without, and equals the dense model's
+    with that layer's output columns zeroed."""
     torch.manual_seed(0)
     original = falcon(new_decoder_architecture=True, num_kv_heads=2).double().eval()
     model = copy.deepcopy(original)

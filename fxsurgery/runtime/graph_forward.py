@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx
 
-from ..compat import GENERATED_SPEC_READS, outside_traces, pytree_info
+from ..compat import GENERATED_SPEC_READS, outside_traces, pytree_info, tree_map
 from .call_signature import call_signature, call_sizes, fixed_dims, hooked_submodules
 
 MAX_GRAPHS = 16  # graphs a host keeps (the oldest goes first); the analysed call's graphs always stay
@@ -68,7 +68,8 @@ class GraphForward:
         self.module = module
         self.server = server
         self.inner = [(name, m) for name, m in module.named_modules() if name]  # whose hooks a graph would skip
-        self.analysed_call = analysed
+        # the analysed call's tensors as meta tensors of their shapes: what keying its graphs again reads
+        self.analysed_call = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, analysed)
         # by call signature: the input dims its graphs fix, and a graph of it (whose input spec flattens a call)
         self.fixed: dict[tuple, tuple[tuple[int, int], ...]] = {}
         self.flattens: dict[tuple, torch.fx.Graph] = {}

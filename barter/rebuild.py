@@ -90,11 +90,13 @@ def check_rebuilds(model: nn.Module, architecture: str, kwargs: dict[str, Any], 
 def dense_shapes(model: nn.Module, groups: list[UnitGroup]) -> dict[str, list[int]]:
     """`model`'s state_dict shapes with every unit group at its maximum count."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    dense: dict[tuple[str, int], int] = {}  # the groups' segments tile each dim they slice
+    # the groups' segments tile each dim they slice, but for the elements no group holds (``fixed``)
+    dense: dict[tuple[str, int], int] = {}
     for group in groups:
         for sl in group.slices:
             if sl.name in shapes:
-                dense[(sl.name, sl.dim)] = dense.get((sl.name, sl.dim), 0) + sl.outer * group.max_count * sl.inner
+                key = (sl.name, sl.dim)
+                dense[key] = dense.get(key, sl.fixed) + sl.outer * group.max_count * sl.inner
     for (name, dim), size in dense.items():
         shapes[name][dim] = size
     return shapes

@@ -1,9 +1,13 @@
 """BarterCallback in a lightning.Trainer under its FSDP2 strategy (`ModelParallelStrategy`) on two gloo processes:
 the callback wraps the whole model in `setup`, the module's `configure_model` shards it with fully_shard, the optimizer
 is built on the sharded parameters, and transfers chosen on non-zero scores run on the sharded model; both ranks log
-the same events, keep the budgets, and end with identical gathered parameters."""
+the same events, keep the budgets, and end with identical gathered parameters. The same module built on the meta
+device with the record of its build (`BarterCallback(build_record=...)`) is wrapped there, sharded by
+`configure_model`, materialised before the optimizer is built, and trains to the parameters of the module built
+whole, bit for bit; on meta without its record it is refused."""
 import os
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from barter.fsdp import gathered_state_dict  # noqa: E402
 from barter.integrations.lightning import BarterCallback  # noqa: E402
+from barter.meta_build import record_build  # noqa: E402
 
 OPTIONS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio": 1.0, "channel_ratio": 0.5}
 
@@ -44,16 +49,22 @@ class ScoresBeforeEachStep(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         tables = self.barter_callback.controller.tables
-        trainer.optimizers[0].register_step_post_hook(lambda *_: self.scores.append(
+        optimizer = trainer.optimizers[0]
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        self.optimizer_holds_the_parameters = (
+            {id(p) for p in stepped} == {id(p) for p in pl_module.parameters()} and not any(p.is_meta for p in stepped))
+        optimizer.register_step_post_hook(lambda *_: self.scores.append(
             {kind: float(t.ema.abs().sum() + t.pending.abs().sum()) for kind, t in tables.items()}))
 
 
-def worker(rank, port, out_dir):
-    """One process as torchrun starts it: the strategy reads the environment and launches nothing."""
+def worker(rank, port, out_dir, on_meta=False):
+    """One process as torchrun starts it: the strategy reads the environment and launches nothing. `on_meta`: the
+    module is built on the meta device, with the record of its build."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       GROUP_RANK="0", WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), TORCHELASTIC_RUN_ID="test")
-    callback = BarterCallback(module="net", **OPTIONS)
+    model, record = record_build(ShardedViT) if on_meta else (ShardedViT(), None)
+    callback = BarterCallback(module="net", build_record=record, **OPTIONS)
     scores = ScoresBeforeEachStep(callback)
     strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, timeout=timedelta(minutes=2))
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, max_epochs=3, logger=False, callbacks=[scores, callback],
@@ -61,13 +72,13 @@ def worker(rank, port, out_dir):
                          enable_model_summary=False)
     generator = torch.Generator().manual_seed(0)
     images, labels = torch.randn(32, 3, 32, 32, generator=generator), torch.randint(0, 4, (32,), generator=generator)
-    model = ShardedViT()
     try:  # half the batch of 8 per process
         trainer.fit(model, DataLoader(TensorDataset(images, labels), batch_size=4))
         ctl = callback.controller
         torch.save({"events": ctl.events, "scores": scores.scores, "sharded": isinstance(model.net, FSDPModule),
                     "counts": {kind: [g.count for g in ctl.layers[kind]] for kind in ctl.layers},
-                    "initial": ctl.initial, "steps": ctl.step_count, "params": gathered_state_dict(model)},
+                    "initial": ctl.initial, "steps": ctl.step_count, "params": gathered_state_dict(model),
+                    "optimizer_holds_the_parameters": scores.optimizer_holds_the_parameters},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -82,3 +93,32 @@ def test_lightnings_fsdp2_strategy_transfers_on_the_sharded_model(tmp_path):
     assert ranks[1]["counts"] == first["counts"]
     for kind, counts in first["counts"].items():
         assert sum(counts) == sum(first["initial"][kind])  # budgets conserved
+
+
+def test_a_module_built_on_meta_trains_under_the_fsdp2_strategy_as_the_module_built_whole(tmp_path):
+    """Built on meta with its record, wrapped there, sharded by `configure_model`, then given each rank's shards of
+    the values the whole build draws before the strategy builds the optimizer: the optimizer steps the materialised
+    parameters, and the run makes the same transfers on the same scores and ends with the same parameters, bit for
+    bit, as the module built whole."""
+    for name, on_meta in (("whole", False), ("meta", True)):
+        (tmp_path / name).mkdir()
+        fork_processes(worker, free_ports(1)[0], str(tmp_path / name), on_meta)
+    whole, on_meta = load_ranks(tmp_path / "whole"), load_ranks(tmp_path / "meta")
+    assert_sharded_ranks_agree(on_meta)
+    first = on_meta[0]
+    assert first["sharded"] and first["steps"] == 12
+    assert all(rank["optimizer_holds_the_parameters"] for rank in on_meta)
+    done = [e for e in first["events"] if e.skipped is None]
+    assert done and all(e.donor_D > 0 and e.parent_S > 0 for e in done)
+    assert first["events"] == whole[0]["events"] and first["scores"] == whole[0]["scores"]
+    assert first["params"].keys() == whole[0]["params"].keys()
+    for name, p in whole[0]["params"].items():
+        assert torch.equal(first["params"][name], p), name
+
+
+def test_a_module_on_meta_without_its_build_record_is_refused():
+    with torch.device("meta"):
+        model = ShardedViT()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=None, root_device=torch.device("cpu")))
+    with pytest.raises(ValueError, match="on the meta device and nothing gives it values.*build_record=record"):
+        BarterCallback(module="net", **OPTIONS).setup(trainer, model, "fit")

@@ -18,7 +18,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from forked import WORLD, assert_sharded_ranks_agree, fork_processes, free_ports, load_ranks  # noqa: E402
-from integrations.test_lightning import TinyViT  # noqa: E402
+from integrations.test_lightning import TinyViT, loader  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -122,3 +122,22 @@ def test_a_module_on_meta_without_its_build_record_is_refused():
     trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=None, root_device=torch.device("cpu")))
     with pytest.raises(ValueError, match="on the meta device and nothing gives it values.*build_record=record"):
         BarterCallback(module="net", **OPTIONS).setup(trainer, model, "fit")
+
+
+def fit_one_process(on_meta):
+    """Three epochs of TinyViT (whose `configure_model` shards nothing) in one process: the callback and model."""
+    model, record = record_build(TinyViT) if on_meta else (TinyViT(), None)
+    callback = BarterCallback(module="net", build_record=record, **OPTIONS)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, callbacks=[callback],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader())
+    return callback, model
+
+
+def test_a_module_built_on_meta_that_nothing_shards_is_materialised_whole_in_setup():
+    whole, whole_model = fit_one_process(on_meta=False)
+    on_meta, on_meta_model = fit_one_process(on_meta=True)
+    assert [e for e in whole.controller.events if e.skipped is None]
+    assert on_meta.controller.events == whole.controller.events
+    for (name, p), q in zip(whole_model.state_dict().items(), on_meta_model.state_dict().values()):
+        assert torch.equal(q, p), name

@@ -17,6 +17,16 @@ the callback made compact in `setup`, and the transfers edit the sharded model (
 distributed checkpoints is untested. `ddp_spawn` and `ddp_fork` are refused: they fit in child processes, and the
 launching process, whose model never became compact, then loads the compact weights of rank 0.
 
+A module too large for one process is built on the meta device with `barter.meta_build.record_build` (the whole
+LightningModule's build, so that the record names its parameters as the module does) and handed over with its
+record, `BarterCallback(build_record=record, ...)`: the callback wraps it on meta in `setup` (init "first" or
+"random"), the module's `configure_model` shards it, and right after that hook every process writes its own shards
+of the values the build on the CPU would have drawn, at the units the wrap kept (`barter.meta_build.materialise`).
+That is where the strategy would materialise a meta model itself (with `reset_parameters`, other values), before it
+converts the precision and builds the optimizer, which so steps the materialised parameters. `configure_model` must
+only shard: a layer it makes is not in the record. A module whose `configure_model` shards nothing is materialised
+whole in `setup`; one on meta without its record is refused.
+
 Example call. fxsurgery analyses the model on a call made as training makes it. Unless `example_inputs` or
 `example_kwargs` is given, that is the module's `example_input_array` passed as Lightning passes it to
 `forward` (a dict as keyword arguments, a tuple or list as positional ones, a tensor as the one input), so a

@@ -52,8 +52,8 @@ class WrappingCallback:
         self.controller = wrap(self._target(model), optimizer, total_steps=total_steps,
                                **{**self.wrap_options, **example})
 
-    def _refuse_meta_without_record(self, model: nn.Module) -> bool:
-        """Whether `model` is on the meta device, where it may be only with the record of its build."""
+    def _built_on_meta(self, model: nn.Module) -> bool:
+        """Whether `model` is on the meta device; refused there without the record of its build."""
         on_meta = any(p.is_meta for p in model.parameters())
         if on_meta and self.build_record is None:
             raise ValueError("the trainer's model is on the meta device and nothing gives it values: build it with "
@@ -63,7 +63,7 @@ class WrappingCallback:
     def _materialise(self, model: nn.Module, device: torch.device) -> None:
         """Give `model`, built on the meta device, wrapped there and sharded since, each process's shards of the
         values its build on the CPU would have drawn, at the units the wrap kept (`barter.meta_build.materialise`)."""
-        if self._refuse_meta_without_record(model):
+        if self._built_on_meta(model):
             materialise(model, self.build_record, device, controller=self.controller)
 
     def _follow(self, ddp_model: DistributedDataParallel) -> None:

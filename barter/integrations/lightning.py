@@ -24,8 +24,8 @@ record, `BarterCallback(build_record=record, ...)`: the callback wraps it on met
 of the values the build on the CPU would have drawn, at the units the wrap kept (`barter.meta_build.materialise`).
 That is where the strategy would materialise a meta model itself (with `reset_parameters`, other values), before it
 converts the precision and builds the optimizer, which so steps the materialised parameters. `configure_model` must
-only shard: a layer it makes is not in the record. A module whose `configure_model` shards nothing is materialised
-whole in `setup`; one on meta without its record is refused.
+only shard: a layer it makes is not in the record. A module without a `configure_model` (nothing shards it) is
+materialised whole in `setup`; one on meta without its record is refused.
 
 Example call. fxsurgery analyses the model on a call made as training makes it. Unless `example_inputs` or
 `example_kwargs` is given, that is the module's `example_input_array` passed as Lightning passes it to
@@ -66,7 +66,7 @@ class BarterCallback(WrappingCallback, pl.Callback):
                                "ddp_fork): the launching process would load the compact weights into its "
                                "full-width model; use strategy='ddp' (one process per device, as torchrun starts)")
         target = self._target(pl_module)
-        on_meta = self._refuse_meta_without_record(pl_module)
+        on_meta = self._built_on_meta(pl_module)
         if not on_meta:
             target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
         example = {} if self._example_given else self._example_call(pl_module, target)
@@ -84,7 +84,8 @@ class BarterCallback(WrappingCallback, pl.Callback):
     def _materialise_once_sharded(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Materialise the module wrapped on meta as soon as its `configure_model` has sharded it: before the
         strategy builds the optimizer on its parameters (and before the strategy's own materialisation, which
-        would draw other values). A module that shards nothing there is materialised whole now."""
+        would draw other values). A module without a `configure_model` (nothing shards it) is materialised whole
+        now."""
         device = trainer.strategy.root_device
         if not is_overridden("configure_model", pl_module):
             self._materialise(pl_module, device)

@@ -125,7 +125,8 @@ def test_a_module_on_meta_without_its_build_record_is_refused():
 
 
 def fit_one_process(on_meta):
-    """Three epochs of TinyViT (whose `configure_model` shards nothing) in one process: the callback and model."""
+    """Three epochs of TinyViT (which has no `configure_model`: nothing shards it) in one process: the callback and
+    the module."""
     model, record = record_build(TinyViT) if on_meta else (TinyViT(), None)
     callback = BarterCallback(module="net", build_record=record, **OPTIONS)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=3, logger=False, callbacks=[callback],
@@ -134,7 +135,7 @@ def fit_one_process(on_meta):
     return callback, model
 
 
-def test_a_module_built_on_meta_that_nothing_shards_is_materialised_whole_in_setup():
+def test_a_module_built_on_meta_without_configure_model_is_materialised_whole_in_setup():
     whole, whole_model = fit_one_process(on_meta=False)
     on_meta, on_meta_model = fit_one_process(on_meta=True)
     assert [e for e in whole.controller.events if e.skipped is None]

@@ -4,7 +4,7 @@ is built on the sharded parameters, and transfers chosen on non-zero scores run 
 the same events, keep the budgets, and end with identical gathered parameters. The same module built on the meta
 device with the record of its build (`BarterCallback(build_record=...)`) is wrapped there, sharded by
 `configure_model`, materialised before the optimizer is built, and trains to the parameters of the module built
-whole, bit for bit; on meta without its record it is refused."""
+whole, bit for bit, in fp32 and under bf16 autocast; on meta without its record it is refused."""
 import os
 from datetime import timedelta
 from types import SimpleNamespace
@@ -57,9 +57,9 @@ class ScoresBeforeEachStep(pl.Callback):
             {kind: float(t.ema.abs().sum() + t.pending.abs().sum()) for kind, t in tables.items()}))
 
 
-def worker(rank, port, out_dir, on_meta=False):
+def worker(rank, port, out_dir, on_meta=False, precision="32-true"):
     """One process as torchrun starts it: the strategy reads the environment and launches nothing. `on_meta`: the
-    module is built on the meta device, with the record of its build."""
+    module is built on the meta device, with the record of its build; `precision`: Lightning's."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       GROUP_RANK="0", WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), TORCHELASTIC_RUN_ID="test")
@@ -69,7 +69,7 @@ def worker(rank, port, out_dir, on_meta=False):
     strategy = ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, timeout=timedelta(minutes=2))
     trainer = pl.Trainer(accelerator="cpu", devices=WORLD, max_epochs=3, logger=False, callbacks=[scores, callback],
                          strategy=strategy, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+                         enable_model_summary=False, precision=precision)
     generator = torch.Generator().manual_seed(0)
     images, labels = torch.randn(32, 3, 32, 32, generator=generator), torch.randint(0, 4, (32,), generator=generator)
     try:  # half the batch of 8 per process
@@ -99,21 +99,28 @@ def test_a_module_built_on_meta_trains_under_the_fsdp2_strategy_as_the_module_bu
     """Built on meta with its record, wrapped there, sharded by `configure_model`, then given each rank's shards of
     the values the whole build draws before the strategy builds the optimizer: the optimizer steps the materialised
     parameters, and the run makes the same transfers on the same scores and ends with the same parameters, bit for
-    bit, as the module built whole."""
-    for name, on_meta in (("whole", False), ("meta", True)):
-        (tmp_path / name).mkdir()
-        fork_processes(worker, free_ports(1)[0], str(tmp_path / name), on_meta)
-    whole, on_meta = load_ranks(tmp_path / "whole"), load_ranks(tmp_path / "meta")
-    assert_sharded_ranks_agree(on_meta)
-    first = on_meta[0]
-    assert first["sharded"] and first["steps"] == 12
-    assert all(rank["optimizer_holds_the_parameters"] for rank in on_meta)
-    done = [e for e in first["events"] if e.skipped is None]
-    assert done and all(e.donor_D > 0 and e.parent_S > 0 for e in done)
-    assert first["events"] == whole[0]["events"] and first["scores"] == whole[0]["scores"]
-    assert first["params"].keys() == whole[0]["params"].keys()
-    for name, p in whole[0]["params"].items():
-        assert torch.equal(first["params"][name], p), name
+    bit, as the module built whole; also under bf16 autocast (`bf16-mixed`), whose run differs from the fp32 one."""
+    ranks = {}
+    for precision in ("32-true", "bf16-mixed"):
+        for on_meta in (False, True):
+            out_dir = tmp_path / f"{precision}-{on_meta}"
+            out_dir.mkdir()
+            fork_processes(worker, free_ports(1)[0], str(out_dir), on_meta, precision)
+            ranks[precision, on_meta] = load_ranks(out_dir)
+    for precision in ("32-true", "bf16-mixed"):
+        whole, on_meta = ranks[precision, False], ranks[precision, True]
+        assert_sharded_ranks_agree(on_meta)
+        first = on_meta[0]
+        assert first["sharded"] and first["steps"] == 12
+        assert all(rank["optimizer_holds_the_parameters"] for rank in on_meta)
+        done = [e for e in first["events"] if e.skipped is None]
+        assert done and all(e.donor_D > 0 and e.parent_S > 0 for e in done)
+        assert first["events"] == whole[0]["events"] and first["scores"] == whole[0]["scores"]
+        assert first["params"].keys() == whole[0]["params"].keys()
+        for name, p in whole[0]["params"].items():
+            assert torch.equal(first["params"][name], p), (precision, name)
+    fp32, bf16 = ranks["32-true", True][0]["params"], ranks["bf16-mixed", True][0]["params"]
+    assert any(not torch.equal(bf16[name], p) for name, p in fp32.items())
 
 
 def test_a_module_on_meta_without_its_build_record_is_refused():

@@ -17,7 +17,16 @@ from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .cache import AnalysisCache, BoundGraphs
 from .host import HostAnalysis, HostGroup, HostKey
-from .model import HostCheck, ModelPlan, group_module, group_slices, host_analysis, layout_within, offered, unit_group
+from .model import (
+    HostCheck,
+    ModelPlan,
+    describe_group,
+    group_module,
+    group_slices,
+    host_analysis,
+    layout_within,
+    offered,
+)
 from .verify import self_check
 
 
@@ -52,8 +61,8 @@ def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor
     """Install the host with all its groups, self-check each group layout not checked yet (into ``check.outcomes``),
     and keep the plumbing and served records of the groups offered only. Returns the host's server, fitted by
     ``check.fit`` if given."""
-    trial = [(index, unit_group(host, hg.spec, group_slices(host, hg.spec), fit=None,
-                                name=f"{group_module(host, hg.spec) or plan.model_name}:{hg.spec.kind}"))
+    trial = [(index, UnitGroup(describe_group(host, hg.spec, group_slices(host, hg.spec), fit=None,
+                                              name=f"{group_module(host, hg.spec) or plan.model_name}:{hg.spec.kind}")))
              for index, hg in enumerate(check.found.groups)]
     inputs = plan.calls[host]
     server = install_host(module, host, check, inputs=inputs, editor=editor, shared=plan.shared, groups=trial)
@@ -74,8 +83,8 @@ def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor
 
 def install_model(model: nn.Module, plan: ModelPlan, groups: list[UnitGroup], editor: Editor) -> None:
     """Install every checked host of the plan on ``model`` (the model analysed, or one whose hosts have the same
-    fingerprints: ``installs_on``), with ``groups``, the groups the plan offers (``read_findings``), each placed in its
-    host as ``plan.placed`` says; their plumbing goes to ``editor``."""
+    fingerprints: ``installs_on``), with ``groups``, the Surgeon's views of the groups the plan offers
+    (``read_findings``), each placed in its host as ``plan.placed`` says; their plumbing goes to ``editor``."""
     by_name = {g.name: g for g in groups}
     for host, check in plan.checks.items():
         if isinstance(check.found, Reason):

@@ -4,10 +4,11 @@ keeps per installed group."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .dataflow.constants import ConstantSpec
+from .dataflow.records import TapLayout
 from .slicing import ParamSlice
 from .unit_kind import UnitKind
 
@@ -105,14 +106,20 @@ class ConstantSlot(NamedTuple):
     per_unit: int
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class GroupPlumbing:
-    """What the engine needs to operate on one group: its host module (whose graph it rewrites), the host
-    attribute holding its tap point, its output projection's weight (whose input the tap sees), the graph
-    constants that follow the count, and their slots."""
+    """One group as installed in its host, what the engine needs of it: the edits (its host, the slots that hold
+    its count constants, its tap point) and the serving of its host's other calls (``runtime.own_forward``,
+    ``runtime.recapture``: its sink, kind, counts and slices in the host's template, where the units lie at the
+    tap). Names are relative to the host."""
 
     host: str
-    tap_point: str
-    sink: str
-    constants: list[ConstantSpec]
-    slots: list[ConstantSlot] = field(default_factory=list)
+    sink: str  # the output projection's weight
+    kind: UnitKind
+    max_count: int  # the count in the host's template
+    min_count: int
+    slices: tuple[ParamSlice, ...]  # as in the template
+    constants: list[ConstantSpec]  # the graph constants that follow the count
+    slots: list[ConstantSlot]  # the host attributes that hold them: a graph captured for another call adds to them
+    tap_point: str  # the host attribute holding the tap point
+    tap_layout: TapLayout  # the units in the output projection's input

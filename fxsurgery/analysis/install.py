@@ -7,12 +7,11 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..capture.front_ends import FrontEnd
-from ..dataflow.paths import join_path, within
+from ..dataflow.paths import within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..groups import GroupPlumbing, UnitGroup
 from ..reason import Reason
 from ..runtime.graph_forward import GraphForward
-from ..runtime.own_forward import GroupRecord
 from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .cache import AnalysisCache, BoundGraphs
@@ -59,8 +58,8 @@ def check_hosts(model: nn.Module, plan: ModelPlan) -> dict[str, HostCheck]:
 def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor: Editor,
                        plan: ModelPlan) -> HostServer:
     """Install the host with all its groups, self-check each group layout not checked yet (into ``check.outcomes``),
-    and keep the plumbing and served records of the groups offered only. Returns the host's server, fitted by
-    ``check.fit`` if given."""
+    and keep the plumbing (the editor's, which the server serves by) of the groups offered only. Returns the host's
+    server, fitted by ``check.fit`` if given."""
     trial = [(index, UnitGroup(describe_group(host, hg.spec, group_slices(host, hg.spec), fit=None,
                                               name=f"{group_module(host, hg.spec) or plan.model_name}:{hg.spec.kind}")))
              for index, hg in enumerate(check.found.groups)]
@@ -113,12 +112,13 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
     forward.install()
     records = []
     for index, g in groups:
-        hg, point = bound.analysis.groups[index], bound.points[index]
-        group_slots = list(bound.slots[index])  # the host's own: a capture for another call may add to it
-        editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
-                                           constants=hg.constants, slots=group_slots)
-        records.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
-                                   tuple(hg.spec.members), group_slots, point, hg.sites[0].layout))
+        hg = bound.analysis.groups[index]
+        editor.plumbing[g] = GroupPlumbing(
+            host=host, sink=hg.spec.sink, kind=hg.spec.kind, max_count=hg.spec.count, min_count=hg.spec.min_count,
+            slices=tuple(hg.spec.members), constants=hg.constants,
+            slots=list(bound.slots[index]),  # the host's own: a capture for another call may add to it
+            tap_point=bound.points[index], tap_layout=hg.sites[0].layout)
+        records.append(editor.plumbing[g])
     forward.server = HostServer(shared.meta_copies[check.key], host, inputs, records, shared.recaptured)
     return forward.server
 

@@ -1,15 +1,16 @@
 """`barter.export` / `barter.load`: a compact model as a directory of safetensors weights and a JSON topology.
 
-`path/model.safetensors` holds the model's state_dict (compact tensors, no zero slots); `path/topology.json`
-holds the format version, the base architecture and its constructor arguments (when known: a timm name and
-arguments, or "transformers:<class>" and its config), the example call that analysis needs (`inputs`, positional,
-and `input_kwargs`, by name: each a tensor's shape and dtype or a plain value), every unit group's kept and
-maximum count, the parameter count and the weights' sha256. `path/manifest.json`, written last, records every
-other file of the directory with its sha256, and whoever reads a file checks it there first (`barter.files`: the
-directory is replaced atomically). `path/model.pt2` holds the
-compact model in eval mode as a `torch.export` program with a dynamic batch dimension, which loads without
-barter installed: `torch.export.load("path/model.pt2").module()(images)`. `load` builds the base model, checks
-every key and shape against the recorded counts, resizes it with fxsurgery, and only then loads the weights.
+`path/model.safetensors` holds the model's state_dict (compact tensors, no zero slots); `path/topology.json` holds
+the format version, the base architecture and its constructor arguments (when known: a timm name and arguments, or
+"transformers:<class>" and its config), the example call that analysis needs (`inputs`, positional, and
+`input_kwargs`, by name: each a tensor's shape and dtype or a plain value), every unit group's description as
+analysed (`fxsurgery.GroupDescription.to_dict`, its maximum count among it) with the count it keeps, the parameter
+count and the weights' sha256. `path/manifest.json`, written last, records every other file of the directory with
+its sha256, and whoever reads a file checks it there first (`barter.files`: the directory is replaced atomically).
+`path/model.pt2` holds the compact model in eval mode as a `torch.export` program with a dynamic batch dimension,
+which loads without barter installed: `torch.export.load("path/model.pt2").module()(images)`. `load` builds the base
+model, checks every key and shape against the recorded counts, resizes it with fxsurgery, and only then loads the
+weights.
 timm, transformers, the project's models and safetensors are imported when an export or a load first needs them,
 so `import barter` stays light.
 """

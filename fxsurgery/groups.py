@@ -111,7 +111,7 @@ class GroupPlumbing:
     """One group as installed in its host, what the engine needs of it: the edits (its host, the slots that hold
     its count constants, its tap point) and the serving of its host's other calls (``runtime.own_forward``,
     ``runtime.recapture``: its sink, kind, counts and slices in the host's template, where the units lie at the
-    tap). Names are relative to the host."""
+    tap). Its ``sink`` and ``slices`` are named within the host."""
 
     host: str
     sink: str  # the output projection's weight

@@ -19,7 +19,7 @@ from .host import HostAnalysis, HostGroup, HostKey
 from .model import (
     HostCheck,
     ModelPlan,
-    describe_group,
+    group_description,
     group_module,
     group_slices,
     host_analysis,
@@ -60,9 +60,10 @@ def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor
     """Install the host with all its groups, self-check each group layout not checked yet (into ``check.outcomes``),
     and keep the plumbing (the editor's, which the server serves by) of the groups offered only. Returns the host's
     server, fitted by ``check.fit`` if given."""
-    trial = [(index, UnitGroup(describe_group(host, hg.spec, group_slices(host, hg.spec), fit=None,
-                                              name=f"{group_module(host, hg.spec) or plan.model_name}:{hg.spec.kind}")))
-             for index, hg in enumerate(check.found.groups)]
+    specs = [hg.spec for hg in check.found.groups]
+    trial = [(index, UnitGroup(group_description(host, spec, group_slices(host, spec), fit=None,
+                                                 name=f"{group_module(host, spec) or plan.model_name}:{spec.kind}")))
+             for index, spec in enumerate(specs)]
     inputs = plan.calls[host]
     server = install_host(module, host, check, inputs=inputs, editor=editor, shared=plan.shared, groups=trial)
     for _, g in trial:

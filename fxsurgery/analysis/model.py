@@ -135,8 +135,8 @@ def _offer(found: Findings, host: str, check: HostCheck, model_name: str) -> Non
             names[index] = name
     for lo in offer.left_out:
         found.leave_out(lo.module, lo.reasons)
-    found.groups += [describe_group(host, check.found.groups[index].spec, offer.slices[index], name=names[index],
-                                fit=check.fit) for index in offer.kept]
+    found.groups += [group_description(host, check.found.groups[index].spec, offer.slices[index], name=names[index],
+                                       fit=check.fit) for index in offer.kept]
     found.placed[host] = [(index, names[index]) for index in offer.kept]
 
 
@@ -190,8 +190,8 @@ def layout_within(host: str, slices: tuple[ParamSlice, ...]) -> tuple:
     return tuple(replace(sl, name=sl.name[len(host):]) for sl in slices)
 
 
-def describe_group(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...], *, name: str,
-                   fit: OwnForwardFit | None) -> GroupDescription:
+def group_description(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...], *, name: str,
+                      fit: OwnForwardFit | None) -> GroupDescription:
     """The description of ``spec``'s group as offered. A host whose own forward serves its calls (``fit``) notes where
     it cannot serve them at all, and keeps one unit at least where it cannot run a group with none."""
     notes, min_count = tuple(spec.notes), spec.min_count

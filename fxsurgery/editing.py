@@ -10,7 +10,7 @@ import torch.nn as nn
 from .clone_state import StateAtClone, clone_step, stamp_restarts, state_at_clone
 from .dataflow.constants import ConstantSpec, set_path
 from .dataflow.paths import tensor_at
-from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count, set_slices
+from .groups import ConstantSlot, GroupPlumbing, UnitGroup
 from .module_sizes import sync_sizes
 from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, state_tensors
 from .taps import TapPoint
@@ -139,9 +139,8 @@ class Editor:
             moved = other.slices
             for sl, delta in moves if other is not g else ():
                 moved = tuple(o.shifted(sl, delta) for o in moved)
-            if moved != other.slices:
-                set_slices(other, moved)
-        set_count(g, count)
+            other._state.slices = moved
+        g._state.count = count
         host = self.host(g)
         for slot in self.plumbing[g].slots:
             host.__dict__[slot.attr] = slot.per_unit * count

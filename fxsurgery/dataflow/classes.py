@@ -40,21 +40,30 @@ def _components(n: int, e: torch.Tensor) -> torch.Tensor:
 
 
 def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.Tensor:
-    """A parameter element used with one class only joins it (a per-unit parameter); one used with
-    several classes is shared by them and stays out (e.g. a norm weight over the head dim). One pass over the
-    pairs: an element's partners are one class where the smallest and the largest of them are the same (a pair
-    within one class counts as no partner)."""
+    """Each entry of ``tentative`` is one use of parameter elements beside activation ids (an elementwise op). An
+    element that meets one class in each of its uses joins them (a per-unit parameter; a per-head bias table every
+    layer adds ties head h of each layer into one unit); one that meets several classes in one use is broadcast
+    beside them, shared by them, and stays out (a norm weight over the head dim, a position table every head
+    multiplies). A pair within one class counts as no partner."""
     tent = [t for t in tentative if t.numel()]
     if not tent:
         return rep
-    t = torch.cat(tent)
-    element, partner = rep.index_select(0, t.reshape(-1)).view(-1, 2).unbind(1)
-    apart = element != partner
     n = rep.numel()
-    low = torch.full((n,), n).scatter_reduce_(0, element, torch.where(apart, partner, n), "amin")
-    high = torch.full((n,), -1).scatter_reduce_(0, element, torch.where(apart, partner, -1), "amax")
-    single = low == high  # never where an element has no partner (low n, high -1)
-    return torch.where(single, low, torch.arange(n)).index_select(0, rep)
+    use = torch.cat([torch.full((len(t),), k) for k, t in enumerate(tent)])
+    element, partner = rep.index_select(0, torch.cat(tent).reshape(-1)).view(-1, 2).unbind(1)
+    apart = element != partner
+    use, element, partner = use[apart], element[apart], partner[apart]
+    if not element.numel():
+        return rep
+    keys, which = torch.unique(use * n + element, return_inverse=True)
+    low = torch.full((len(keys),), n).scatter_reduce_(0, which, partner, "amin")
+    high = torch.full((len(keys),), -1).scatter_reduce_(0, which, partner, "amax")
+    shared = torch.zeros(n, dtype=torch.bool).index_fill_(0, (keys % n)[low != high], True)
+    joined = ~shared.index_select(0, element)
+    ids = torch.arange(n)
+    moved = rep != ids
+    return classes(n, [torch.stack([ids[moved], rep[moved]], 1),
+                       torch.stack([element[joined], partner[joined]], 1)])
 
 
 def shared_uses(members: list[Member]) -> list[torch.Tensor]:

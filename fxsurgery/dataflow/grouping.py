@@ -36,7 +36,8 @@ from .widening import repeat_axes
 
 @dataclass(kw_only=True)
 class GroupSpec:
-    """One unit group as found in one graph."""
+    """One unit group as found in one graph: the grouping's output, before a host's train and eval graphs are
+    matched (``analysis.host.HostGroup``) and a group is described to users (``groups.GroupDescription``)."""
 
     kind: UnitKind
     count: int

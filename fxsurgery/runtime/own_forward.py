@@ -26,26 +26,12 @@ from ..compat import own_tensor_tables, tree_leaves
 from ..dataflow.paths import tensor_at
 from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
-from ..groups import ConstantSlot
+from ..groups import GroupPlumbing
 from ..module_sizes import sync_sizes
-from ..slicing import ParamSlice, solve_counts
+from ..slicing import solve_counts
 from ..taps import TapPoint
-from ..unit_kind import UnitKind
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
-
-
-class GroupRecord(NamedTuple):
-    """What serving a host's other calls needs of one of its groups (names relative to the host)."""
-
-    sink: str  # the output projection's weight
-    kind: UnitKind
-    max_count: int  # the count in the template
-    min_count: int
-    slices: tuple[ParamSlice, ...]
-    slots: list[ConstantSlot]  # the group's plumbing slots: a new graph's constants join them
-    tap_point: str
-    tap_layout: TapLayout  # the units in the output projection's input
 
 
 class CountAttribute(NamedTuple):
@@ -57,7 +43,7 @@ class CountAttribute(NamedTuple):
     per_unit: int
 
 
-def current_counts(module: nn.Module, records: list[GroupRecord]) -> list[int]:
+def current_counts(module: nn.Module, records: list[GroupPlumbing]) -> list[int]:
     """Each group's count now, read off its tensors' sizes (groups that share a dim, in segments of a fused
     projection, are told apart by ``slicing.solve_counts``)."""
     counts = solve_counts([r.slices for r in records], lambda name, dim: tensor_at(module, name).shape[dim])
@@ -92,7 +78,7 @@ def _one_zero_unit(module: nn.Module, emptied: list[GroupRecord]) -> Iterator[No
 class OwnForward:
     """The host class's forward with its count attributes set from the current widths and its taps run."""
 
-    def __init__(self, groups: list[GroupRecord], counts: list[CountAttribute], template: nn.Module, *,
+    def __init__(self, groups: list[GroupPlumbing], counts: list[CountAttribute], template: nn.Module, *,
                  empty: str):
         self.groups = groups
         self.counts = counts
@@ -141,7 +127,7 @@ class OwnForward:
                 handle.remove()
 
 
-def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord],
+def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbing],
                          calls: list[tuple[tuple, dict]]) -> tuple[list[CountAttribute] | None, str, str]:
     """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
     analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
@@ -174,12 +160,12 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
     return None, fault, ""
 
 
-def _removing(groups: list[GroupRecord], k: int) -> list[int]:
+def _removing(groups: list[GroupPlumbing], k: int) -> list[int]:
     """``k`` units of every group that has more."""
     return [k if r.max_count > k else 0 for r in groups]
 
 
-def _told_apart(groups: list[GroupRecord]) -> list[list[int]]:
+def _told_apart(groups: list[GroupPlumbing]) -> list[list[int]]:
     """Removals that give any two groups different counts in one of them (group ``i`` loses 1 + bit ``t`` of ``i``
     units in the ``t``-th), so that an attribute holding one group's count is not taken for another's that the
     uniform removals shrink alike (a decoder's self- and cross-attention heads)."""
@@ -191,7 +177,7 @@ class _Trial:
     """The template with the first ``removals[i]`` units of each group ``i`` masked, and a copy with them
     removed."""
 
-    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupRecord], removals: list[int]):
+    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupPlumbing], removals: list[int]):
         self.masked, self.removed, self.groups = real(), real(), groups
         slices = {i: r.slices for i, r in enumerate(groups)}  # segments move as the groups before them shrink
         for i, (r, n) in enumerate(zip(groups, removals)):
@@ -240,7 +226,7 @@ class _Trial:
         return "" if err <= 1e-4 else f"reads a unit count it stores (a removal differs from masking by {err:.1e})"
 
 
-def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribute]:
+def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> list[CountAttribute]:
     """Plain positive int attributes of the host's own modules (torch's modules keep theirs in step already)
     that are a multiple of a group's count."""
     out = []
@@ -255,7 +241,7 @@ def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribu
     return out
 
 
-def _shared_dims(groups: list[GroupRecord]) -> set[tuple[str, int]]:
+def _shared_dims(groups: list[GroupPlumbing]) -> set[tuple[str, int]]:
     """The (tensor, dim) pairs that hold segments of several groups."""
     seen: dict[tuple[str, int], int] = {}
     for r in groups:

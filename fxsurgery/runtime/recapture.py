@@ -30,12 +30,13 @@ from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
+from ..groups import GroupPlumbing
 from ..lru import LruCache
 from ..reason import Reason
 from ..taps import insert_tap_point
 from .call_signature import call_signature, differing_arguments, holds_objects, serves_sizes, without_objects
 from .graph_forward import MAX_GRAPHS
-from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
+from .own_forward import CountAttribute, OwnForward, current_counts, fit_count_attributes
 
 
 class CallKey(NamedTuple):
@@ -59,7 +60,7 @@ class OwnForwardFit(NamedTuple):
 class HostServer:
     """Serves one host's calls of new signatures (see the module docstring)."""
 
-    def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupRecord],
+    def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupPlumbing],
                  shared: LruCache[CallKey, HostAnalysis | Reason]):
         self.template = template
         self.host = host

@@ -1,8 +1,9 @@
 """Heads of transformers' families whose attention the sweep (benchmarks/hf_sweep.py) found without heads, built
 tiny from their configs: Doge (each key/value head's values also read by ``dt_proj``, which makes every head's
 dynamic mask), CpmAnt and MPNet (a position bias made once and added to every layer's scores: one head index over
-the layers, as T5's). Removal of a head equals zeroing the columns of every map that reads it and equals zeroing it at
-its tap; a clone leaves the outputs unchanged."""
+the layers, as T5's), RoFormer (rotary positions looked up in a frozen table once for all layers). Removal of a head
+equals zeroing the columns of every map that reads it and equals zeroing it at its tap; a clone leaves the outputs
+unchanged."""
 from __future__ import annotations
 
 import copy
@@ -116,6 +117,35 @@ def test_heads_that_share_the_position_bias_of_every_layer_are_one_group(family:
         return group
 
     assert_head_1_removal_equals_masking(build(), heads, zero_head_1)
+
+
+def tiny_roformer() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.RoFormerConfig(vocab_size=VOCAB, hidden_size=HIDDEN, embedding_size=HIDDEN,
+                                         num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=48,
+                                         max_position_embeddings=32)
+    return transformers.RoFormerForMaskedLM(config).double().eval()
+
+
+def test_heads_rotated_by_a_position_table_looked_up_once_are_a_group_per_layer() -> None:
+    """RoFormer looks its rotary sines and cosines up in a frozen embedding table, by positions made from the length
+    alone, once for all layers; every head multiplies the same table columns. The table is shared by the heads, not a
+    unit space of its own: each layer's heads are a group, removal equals masking, and the lookup is left whole."""
+    model = tiny_roformer()
+    projection = "roformer.encoder.layer.0.attention.output.dense.weight"
+
+    def zero_head_1(copied: nn.Module) -> None:
+        copied.get_parameter(projection)[:, HEAD_DIM:2 * HEAD_DIM] = 0
+
+    def heads(s: Surgeon) -> UnitGroup:
+        found = sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head")
+        assert found == [(f"roformer.encoder.layer.{i}.attention:head", HEADS, True) for i in range(2)], s.explain()
+        group = s.group("roformer.encoder.layer.0.attention:head")
+        assert not any("embed_positions" in sl.name for g in s.groups for sl in g.slices)
+        assert projection in {sl.name for sl in group.slices}
+        return group
+
+    assert_head_1_removal_equals_masking(model, heads, zero_head_1)
 
 
 class Routed(nn.Module):

@@ -86,6 +86,13 @@ def _state(s: Step, name: str) -> torch.Tensor:
     return getattr(s.lab.module.get_submodule(owner), attr)
 
 
+def _reads_inputs(s: Step, i: int, key: str) -> bool:
+    """Whether argument ``i`` (or ``key``) of the node depends on the graph's inputs (not on sizes and constants
+    alone)."""
+    raw = s.node.args[i] if i < len(s.node.args) else s.node.kwargs.get(key)
+    return raw in s.lab.dynamic
+
+
 def _is_state(s: Step, node: Any) -> bool:
     """A graph read of a parameter or buffer of the module (what surgery can slice), not of a plain attribute."""
     if getattr(node, "op", None) != "get_attr":
@@ -246,7 +253,9 @@ def pool(s: Step) -> Label | None:
 def embedding(s: Step) -> Label | None:
     """A lookup of rows, ``one_hot(indices) @ W``: a linear map from the table's rows, so the looked-up features
     (W's columns) are a new space and W is its member along dim 1. Indices that carry ids, a computed table, or
-    one renormalised in place (``max_norm``) are read as no such map."""
+    one renormalised in place (``max_norm``) are read as no such map. Indices made from sizes and constants alone
+    (positions, ``arange(n)``) look up a value of the table alone: a parameter's label, which joins the classes it
+    meets one per use and stays out where one use meets several (a position table beside every head)."""
     if s.node.op == "call_module":
         mod = s.lab.module.get_submodule(s.node.target)
         index_label, table, max_norm = first_tensor(s)[1], f"{s.node.target}.weight", mod.max_norm
@@ -260,4 +269,4 @@ def embedding(s: Step) -> Label | None:
     space = s.rec.fresh((n_out,))
     s.rec.spaces.append(Space(int(space[0]) if n_out else s.rec.next_id, s.rec.next_id, s.name))
     s.rec.member(table, space.reshape(1, n_out))
-    return Label(align(space, s.out.dim()))
+    return Label(align(space, s.out.dim()), param=not _reads_inputs(s, 0, "input"))

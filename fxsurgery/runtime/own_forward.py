@@ -54,7 +54,7 @@ def current_counts(module: nn.Module, records: list[GroupPlumbing]) -> list[int]
 
 
 @contextlib.contextmanager
-def _one_zero_unit(module: nn.Module, emptied: list[GroupRecord]) -> Iterator[None]:
+def _one_zero_unit(module: nn.Module, emptied: list[GroupPlumbing]) -> Iterator[None]:
     """For the call, each group in ``emptied`` (left with no units, which the host's own code cannot run: a view
     with a -1) holds one unit whose tensors are zero: its output columns are zero, so it adds nothing, as a removed
     unit does (removal equals masking)."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsurgery import UnitGroup
+from fxsurgery import GroupDescription
 
 from .analysis import default_example_inputs
 
@@ -34,7 +34,7 @@ class RebuildError(ValueError):
     """The recorded architecture and arguments do not rebuild the model; the message says what to pass."""
 
 
-def timm_arguments(model: nn.Module, architecture: str, groups: list[UnitGroup] | None) -> dict[str, Any]:
+def timm_arguments(model: nn.Module, architecture: str, groups: list[GroupDescription] | None) -> dict[str, Any]:
     """The constructor arguments of a timm `model` that differ from `architecture`'s registered default.
 
     `groups`, the model's unit groups as built (with their maximum counts), when known: a compact model's widths
@@ -67,7 +67,7 @@ def timm_arguments(model: nn.Module, architecture: str, groups: list[UnitGroup] 
     return kwargs
 
 
-def check_rebuilds(model: nn.Module, architecture: str, kwargs: dict[str, Any], groups: list[UnitGroup]) -> None:
+def check_rebuilds(model: nn.Module, architecture: str, kwargs: dict[str, Any], groups: list[GroupDescription]) -> None:
     """Raise RebuildError unless `architecture` built with `kwargs` has `model`'s keys and, every unit group at
     its maximum, its shapes."""
     base = build_on_meta(architecture, kwargs)
@@ -87,14 +87,16 @@ def check_rebuilds(model: nn.Module, architecture: str, kwargs: dict[str, Any], 
             "barter.export(model, path, model_kwargs={...})")
 
 
-def dense_shapes(model: nn.Module, groups: list[UnitGroup]) -> dict[str, list[int]]:
+def dense_shapes(model: nn.Module, groups: list[GroupDescription]) -> dict[str, list[int]]:
     """`model`'s state_dict shapes with every unit group at its maximum count."""
     shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
-    dense: dict[tuple[str, int], int] = {}  # the groups' segments tile each dim they slice
+    # the groups' segments tile each dim they slice, but for the elements no group holds (``fixed``)
+    dense: dict[tuple[str, int], int] = {}
     for group in groups:
         for sl in group.slices:
             if sl.name in shapes:
-                dense[(sl.name, sl.dim)] = dense.get((sl.name, sl.dim), 0) + sl.outer * group.max_count * sl.inner
+                key = (sl.name, sl.dim)
+                dense[key] = dense.get(key, sl.fixed) + sl.outer * group.max_count * sl.inner
     for (name, dim), size in dense.items():
         shapes[name][dim] = size
     return shapes
@@ -168,14 +170,14 @@ def _first_block(model: nn.Module) -> nn.Module | None:
     return blocks[0] if isinstance(blocks, (nn.ModuleList, nn.Sequential)) and len(blocks) else None
 
 
-def _patch_size(model: nn.Module, groups: list[UnitGroup] | None) -> int | list[int] | None:
+def _patch_size(model: nn.Module, groups: list[GroupDescription] | None) -> int | list[int] | None:
     size = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if isinstance(size, int):
         return size
     return _image_size(*size) if isinstance(size, tuple) and len(size) == 2 else None
 
 
-def _depth(model: nn.Module, groups: list[UnitGroup] | None) -> int | None:
+def _depth(model: nn.Module, groups: list[GroupDescription] | None) -> int | None:
     blocks = getattr(model, "blocks", None)
     return len(blocks) if isinstance(blocks, (nn.ModuleList, nn.Sequential)) else None
 
@@ -188,17 +190,17 @@ def _stages(model: nn.Module) -> list[nn.Module] | None:
     return list(stages)
 
 
-def _depths(model: nn.Module, groups: list[UnitGroup] | None) -> list[int] | None:
+def _depths(model: nn.Module, groups: list[GroupDescription] | None) -> list[int] | None:
     stages = _stages(model)
     return None if stages is None else [_depth(stage, None) for stage in stages]
 
 
-def _embed_dim(model: nn.Module, groups: list[UnitGroup] | None) -> int | None:
+def _embed_dim(model: nn.Module, groups: list[GroupDescription] | None) -> int | None:
     dim = getattr(model, "embed_dim", None)
     return dim if isinstance(dim, int) else None
 
 
-def _num_heads(model: nn.Module, groups: list[UnitGroup] | None) -> int | list[int] | None:
+def _num_heads(model: nn.Module, groups: list[GroupDescription] | None) -> int | list[int] | None:
     """The heads of the first block's attention (of the block itself where it has no attention module: a parallel
     block), or of each stage's first block in a hierarchical model (fxsurgery keeps the module attribute as
     built)."""
@@ -210,7 +212,7 @@ def _num_heads(model: nn.Module, groups: list[UnitGroup] | None) -> int | list[i
     return heads[0] if stages is None else heads
 
 
-def _mlp_ratio(model: nn.Module, groups: list[UnitGroup] | None) -> float | None:
+def _mlp_ratio(model: nn.Module, groups: list[GroupDescription] | None) -> float | None:
     """The first block's dense MLP width over the embedding width; unknown (None) without the groups, as a
     copy of a compact model holds resized tensors."""
     fc1 = getattr(getattr(_first_block(model), "mlp", None), "fc1", None)
@@ -221,32 +223,32 @@ def _mlp_ratio(model: nn.Module, groups: list[UnitGroup] | None) -> float | None
     return dense_shapes(model, groups)[name][0] / dim
 
 
-def _class_token(model: nn.Module, groups: list[UnitGroup] | None) -> bool | None:
+def _class_token(model: nn.Module, groups: list[GroupDescription] | None) -> bool | None:
     return model.cls_token is not None if hasattr(model, "cls_token") else None
 
 
-def _global_pool(model: nn.Module, groups: list[UnitGroup] | None) -> str | None:
+def _global_pool(model: nn.Module, groups: list[GroupDescription] | None) -> str | None:
     pool = getattr(model, "global_pool", None)
     return pool if isinstance(pool, str) else None
 
 
-def _reg_tokens(model: nn.Module, groups: list[UnitGroup] | None) -> int | None:
+def _reg_tokens(model: nn.Module, groups: list[GroupDescription] | None) -> int | None:
     tokens = getattr(model, "num_reg_tokens", None)
     return tokens if isinstance(tokens, int) else None
 
 
-def _qkv_bias(model: nn.Module, groups: list[UnitGroup] | None) -> bool | None:
+def _qkv_bias(model: nn.Module, groups: list[GroupDescription] | None) -> bool | None:
     qkv = getattr(getattr(_first_block(model), "attn", None), "qkv", None)
     return qkv.bias is not None if isinstance(qkv, nn.Linear) else None
 
 
-def _no_embed_class(model: nn.Module, groups: list[UnitGroup] | None) -> bool | None:
+def _no_embed_class(model: nn.Module, groups: list[GroupDescription] | None) -> bool | None:
     value = getattr(model, "no_embed_class", None)
     return value if isinstance(value, bool) else None
 
 
 # timm constructor argument -> its value read off a model (None: not readable there)
-READERS: dict[str, Callable[[nn.Module, list[UnitGroup] | None], Any]] = {
+READERS: dict[str, Callable[[nn.Module, list[GroupDescription] | None], Any]] = {
     "patch_size": _patch_size, "depth": _depth, "depths": _depths, "embed_dim": _embed_dim, "num_heads": _num_heads,
     "mlp_ratio": _mlp_ratio, "class_token": _class_token, "global_pool": _global_pool, "reg_tokens": _reg_tokens,
     "qkv_bias": _qkv_bias, "no_embed_class": _no_embed_class,

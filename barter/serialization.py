@@ -1,15 +1,16 @@
 """`barter.export` / `barter.load`: a compact model as a directory of safetensors weights and a JSON topology.
 
-`path/model.safetensors` holds the model's state_dict (compact tensors, no zero slots); `path/topology.json`
-holds the format version, the base architecture and its constructor arguments (when known: a timm name and
-arguments, or "transformers:<class>" and its config), the example call that analysis needs (`inputs`, positional,
-and `input_kwargs`, by name: each a tensor's shape and dtype or a plain value), every unit group's kept and
-maximum count, the parameter count and the weights' sha256. `path/manifest.json`, written last, records every
-other file of the directory with its sha256, and whoever reads a file checks it there first (`barter.files`: the
-directory is replaced atomically). `path/model.pt2` holds the
-compact model in eval mode as a `torch.export` program with a dynamic batch dimension, which loads without
-barter installed: `torch.export.load("path/model.pt2").module()(images)`. `load` builds the base model, checks
-every key and shape against the recorded counts, resizes it with fxsurgery, and only then loads the weights.
+`path/model.safetensors` holds the model's state_dict (compact tensors, no zero slots); `path/topology.json` holds
+the format version, the base architecture and its constructor arguments (when known: a timm name and arguments, or
+"transformers:<class>" and its config), the example call that analysis needs (`inputs`, positional, and
+`input_kwargs`, by name: each a tensor's shape and dtype or a plain value), every unit group's description as
+analysed (`fxsurgery.GroupDescription.to_dict`, its maximum count among it) with the count it keeps, the parameter
+count and the weights' sha256. `path/manifest.json`, written last, records every other file of the directory with
+its sha256, and whoever reads a file checks it there first (`barter.files`: the directory is replaced atomically).
+`path/model.pt2` holds the compact model in eval mode as a `torch.export` program with a dynamic batch dimension,
+which loads without barter installed: `torch.export.load("path/model.pt2").module()(images)`. `load` builds the base
+model, checks every key and shape against the recorded counts, resizes it with fxsurgery, and only then loads the
+weights.
 timm, transformers, the project's models and safetensors are imported when an export or a load first needs them,
 so `import barter` stays light.
 """
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import AnalysisError, Surgeon, TraceError, UnitGroup, analyse, solve_counts
+from fxsurgery import AnalysisError, GroupDescription, Surgeon, TraceError, UnitGroup, analyse, solve_counts
 
 from .analysis import ModelBase, default_example_inputs, keep_base, model_base
 from .files import (
@@ -226,7 +227,7 @@ def _base_architecture(model: nn.Module, architecture: str | None, model_kwargs:
 
 
 def _groups(model: nn.Module, example: tuple[tuple, dict[str, Any]] | None, architecture: str | None,
-            kwargs: dict[str, Any]) -> tuple[list[UnitGroup], dict[str, Any]]:
+            kwargs: dict[str, Any]) -> tuple[list[GroupDescription], dict[str, Any]]:
     """The unit groups of the model as built (its `barter_base`), else of its base, and the record of the example
     call (see `export`)."""
     base = model_base(model)
@@ -252,16 +253,16 @@ def _groups(model: nn.Module, example: tuple[tuple, dict[str, Any]] | None, arch
             return [], call
 
 
-def _group_records(model: nn.Module, groups: list[UnitGroup], architecture: str | None) -> list[dict[str, Any]]:
-    """Every unit group's {name, kind, module, count, max_count}, the kept count read off `model`'s tensors
+def _group_records(model: nn.Module, groups: list[GroupDescription], architecture: str | None
+                   ) -> list[dict[str, Any]]:
+    """Every unit group's description (`GroupDescription.to_dict`) with its kept `count`, read off `model`'s tensors
     (whichever analysis resized them since)."""
     tensors = {**dict(model.named_parameters(remove_duplicate=False)),
                **dict(model.named_buffers(remove_duplicate=False))}
-    return [{"name": g.name, "kind": g.kind, "module": g.module, "count": count, "max_count": g.max_count}
-            for g, count in zip(groups, _kept_counts(groups, tensors, architecture))]
+    return [{**g.to_dict(), "count": count} for g, count in zip(groups, _kept_counts(groups, tensors, architecture))]
 
 
-def _kept_counts(groups: list[UnitGroup], tensors: dict[str, Tensor], architecture: str | None) -> list[int]:
+def _kept_counts(groups: list[GroupDescription], tensors: dict[str, Tensor], architecture: str | None) -> list[int]:
     """The units of each group (found in the base) that the compact model's tensors hold (groups in segments of one
     fused projection's dim are told apart together)."""
     missing = next((sl.name for g in groups for sl in g.slices if sl.name not in tensors), None)
@@ -336,20 +337,21 @@ def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path
     except (TraceError, AnalysisError) as e:
         raise ExportError(f"cannot find the unit groups of {type(model).__name__} to resize it: {e}") from e
     plan = []
-    for g in recorded:
+    for record in recorded:
+        exported, count = GroupDescription.from_dict(record), record["count"]
         try:
-            group = surgeon.group(g["name"])
+            group = surgeon.group(exported.name)
         except KeyError as e:
-            raise ExportError(f"{path / TOPOLOGY}: {type(model).__name__} has no unit group {g['name']!r} "
+            raise ExportError(f"{path / TOPOLOGY}: {type(model).__name__} has no unit group {exported.name!r} "
                               f"(its groups: {[x.name for x in surgeon.groups]})") from e
-        if group.max_count != g["max_count"]:  # a constructor argument the export could not tell (same shapes)
-            raise ExportError(f"{path / TOPOLOGY}: {g['name']} has {g['max_count']} units at most in the export, "
-                              f"{group.max_count} in the {type(model).__name__} rebuilt; pass the model built with "
-                              "its own arguments: load(path, model=...)")
-        if not group.min_count <= g["count"] <= group.count:
-            raise ExportError(f"{path / TOPOLOGY}: {g['name']} keeps {g['count']} units; {type(model).__name__} has "
+        if group.max_count != exported.max_count:  # a constructor argument the export could not tell (same shapes)
+            raise ExportError(f"{path / TOPOLOGY}: {exported.name} has {exported.max_count} units at most in the "
+                              f"export, {group.max_count} in the {type(model).__name__} rebuilt; pass the model built "
+                              "with its own arguments: load(path, model=...)")
+        if not group.min_count <= count <= group.count:
+            raise ExportError(f"{path / TOPOLOGY}: {exported.name} keeps {count} units; {type(model).__name__} has "
                               f"{group.count} (at least {group.min_count} must stay)")
-        plan.append((group, g["count"]))
+        plan.append((group, count))
     return surgeon, plan
 
 

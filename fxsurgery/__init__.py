@@ -37,11 +37,11 @@ from .clone_state import StateAtClone, correct_restarted
 from .dataflow.rules import register_rule
 from .editing import TensorAccess, replace_data
 from .errors import AnalysisError, OptimizerStateError, TraceError, UnservedCall
-from .groups import LeftOut, UnitGroup
+from .groups import GroupDescription, LeftOut, UnitGroup
 from .slicing import ParamSlice, solve_counts
 from .surgeon import Surgeon
 from .unit_kind import UnitKind
 
-__all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "UnitKind", "ParamSlice", "LeftOut", "TraceError",
-           "AnalysisError", "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess", "replace_data",
-           "solve_counts", "StateAtClone", "correct_restarted"]
+__all__ = ["analyse", "Analysis", "Surgeon", "UnitGroup", "GroupDescription", "UnitKind", "ParamSlice", "LeftOut",
+           "TraceError", "AnalysisError", "OptimizerStateError", "UnservedCall", "register_rule", "TensorAccess",
+           "replace_data", "solve_counts", "StateAtClone", "correct_restarted"]

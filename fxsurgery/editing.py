@@ -10,7 +10,7 @@ import torch.nn as nn
 from .clone_state import StateAtClone, clone_step, stamp_restarts, state_at_clone
 from .dataflow.constants import ConstantSpec, set_path
 from .dataflow.paths import tensor_at
-from .groups import ConstantSlot, GroupPlumbing, UnitGroup, set_count, set_slices
+from .groups import ConstantSlot, GroupPlumbing, UnitGroup
 from .module_sizes import sync_sizes
 from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, moved_by, state_tensors
 from .taps import TapPoint
@@ -136,10 +136,8 @@ class Editor:
         group whose segment of a fused projection lies after this group's moves with it)."""
         moves = [(sl, (count - g.count) * sl.outer * sl.inner) for sl in g.slices]
         for other in self.plumbing:  # the group's own later pieces of a dim move too
-            moved = tuple(moved_by(o, moves) for o in other.slices)
-            if moved != other.slices:
-                set_slices(other, moved)
-        set_count(g, count)
+            other._state.slices = tuple(moved_by(o, moves) for o in other.slices)
+        g._state.count = count
         host = self.host(g)
         for slot in self.plumbing[g].slots:
             host.__dict__[slot.attr] = slot.per_unit * count

@@ -18,7 +18,8 @@ class ParamSlice:
     columns, a head-mixing map's dim that reads the head): split on a clone, zeroed to mask the unit. ``start``
     and ``after``: the group's units fill a segment of the dim, after ``start`` and before ``after`` elements of
     other groups (a fused projection's rows hold the units of several groups, one segment each); an edit of
-    another group's segment moves them (``shifted``)."""
+    another group's segment moves them (``shifted``). ``fixed``: how many elements of the dim no group holds (a
+    multi-query projection's key and value rows beside its query heads' segment); they stay whatever the counts."""
 
     name: str
     dim: int
@@ -27,6 +28,7 @@ class ParamSlice:
     output: bool
     start: int = 0
     after: int = 0
+    fixed: int = 0
 
     def segment(self, t: torch.Tensor, count: int) -> torch.Tensor:
         """View of the group's segment of ``t`` along ``dim``."""
@@ -90,17 +92,20 @@ def moved_by(piece: ParamSlice, moves: Sequence[tuple[ParamSlice, int]]) -> Para
 
 def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:
     """Each group's count (``groups``: the slices of each) from the sizes of the dims they slice (``size(name,
-    dim)``): a dim's size is the sum, over the groups with a segment there, of width per unit × count (the segments
-    of the groups offered tile every dim they slice). None unless the sizes tell one whole count per group. Solved
-    in exact arithmetic on Python numbers, so no tensor op runs (a forward being exported may ask)."""
+    dim)``): a dim's size is the sum, over the groups with a segment there, of width per unit × count, plus the
+    elements no group holds (``fixed``; the segments of the groups offered tile the rest). None unless the sizes
+    tell one whole count per group. Solved in exact arithmetic on Python numbers, so no tensor op runs (a forward
+    being exported may ask)."""
     widths: dict[tuple[str, int], dict[int, int]] = {}
+    fixed: dict[tuple[str, int], int] = {}
     for i, slices in enumerate(groups):
         for sl in slices:
             held = widths.setdefault((sl.name, sl.dim), {})
             held[i] = held.get(i, 0) + sl.outer * sl.inner  # a group's pieces of one dim add up
+            fixed[(sl.name, sl.dim)] = sl.fixed
     if not groups or not widths:
         return [] if not groups else None
-    rows = [[Fraction(held.get(i, 0)) for i in range(len(groups))] + [Fraction(int(size(*key)))]
+    rows = [[Fraction(held.get(i, 0)) for i in range(len(groups))] + [Fraction(int(size(*key)) - fixed[key])]
             for key, held in widths.items()]
     counts = _exact_solution(rows, len(groups))
     if counts is None or any(c.denominator != 1 or c < 0 for c in counts):

@@ -53,8 +53,8 @@ class Surgeon:
         self.example_inputs = analysis.example_inputs
         self.example_kwargs = analysis.example_kwargs
         self._editor = Editor(model)
-        # groups of its own, which its edits change: the analysis keeps its groups as analysed
-        self.groups: list[UnitGroup] = [copy.copy(g) for g in analysis.groups]
+        # the analysis's descriptions, each with a live state of its own that only this Surgeon's edits change
+        self.groups: list[UnitGroup] = [UnitGroup(description) for description in analysis.groups]
         install_model(model, analysis._plan, self.groups, self._editor)
         self.left_out: list[LeftOut] = list(analysis.left_out)
         self._front_ends = dict(analysis.front_ends)

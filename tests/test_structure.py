@@ -92,10 +92,10 @@ def reaches_private(tree: ast.AST, private: set[str]) -> Iterator[ast.Attribute]
 
 def test_barter_uses_no_private_attribute_of_fxsurgery_s_classes():
     """barter drives a Surgeon, reads an Analysis and its groups through their public names (not `Surgeon._editor`,
-    `Analysis._plan`, `UnitGroup._count`)."""
+    `Analysis._plan`, `UnitGroup._state`)."""
     private = set().union(*(private_attributes(obj) for obj in map(fxsurgery.__dict__.get, fxsurgery.__all__)
                             if inspect.isclass(obj) and obj.__module__.startswith("fxsurgery")))
-    assert {"_editor", "_plan", "_count"} <= private
+    assert {"_editor", "_plan", "_state"} <= private
     found = [f"{path}:{n.lineno}: {ast.unparse(n)}" for path, tree in sources("barter")
              for n in reaches_private(tree, private)]
     assert not found, "barter reaches private attributes of fxsurgery's classes:\n" + "\n".join(found)

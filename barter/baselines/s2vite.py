@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import Surgeon, UnitGroup, UnitKind, analyse
+from fxsurgery import GroupDescription, Surgeon, UnitKind, analyse
 
 from ..analysis import default_example_inputs
 from ..compat import foreach_mul_
@@ -22,7 +22,7 @@ from .scheduled import SparseTraining
 from .snfs import cosine_prune_rate
 
 
-def unit_reduce(group: UnitGroup, tensors: dict[str, Tensor], fn: Any) -> Tensor:
+def unit_reduce(group: GroupDescription, tensors: dict[str, Tensor], fn: Any) -> Tensor:
     """Sum over the group's slices of fn(slice view with the unit axis moved first).flatten(1).sum(1): (count,)."""
     total = torch.zeros(group.count, dtype=torch.float64)
     for sl in group.slices:
@@ -66,7 +66,7 @@ class StructuredSparse(SparseTraining):
     metrics).
     """
 
-    def __init__(self, model: nn.Module, groups: list[UnitGroup], optimizer: torch.optim.Optimizer, *,
+    def __init__(self, model: nn.Module, groups: list[GroupDescription], optimizer: torch.optim.Optimizer, *,
                  live: dict[str, int], total_steps: int, update_interval: int, end_fraction: float,
                  death_rate: float, min_death_rate: float, generator: torch.Generator) -> None:
         super().__init__(optimizer, update_interval=update_interval, end_step=int(end_fraction * total_steps),
@@ -127,7 +127,7 @@ class StructuredSparse(SparseTraining):
             if self.tensors[name].grad is not None:
                 self.tensors[name].grad.mul_(mask)
 
-    def _unit_scores(self, g: UnitGroup) -> tuple[Tensor, Tensor]:
+    def _unit_scores(self, g: GroupDescription) -> tuple[Tensor, Tensor]:
         """(importance, growth) of every unit of `g` from the current weights and dense gradients."""
         missing = [sl.name for sl in g.slices if self.tensors[sl.name].grad is None]
         if missing:
@@ -210,7 +210,7 @@ def export_compact(model: nn.Module, active: dict[str, list[int]], example_input
     return compact
 
 
-def unit_groups(model: nn.Module, example_inputs: tuple | None = None) -> list[UnitGroup]:
+def unit_groups(model: nn.Module, example_inputs: tuple | None = None) -> list[GroupDescription]:
     """fxsurgery's exact head and channel groups of `model` (the analysis leaves `model` untouched)."""
     analysis = analyse(model, tuple(example_inputs or default_example_inputs(model)))
     return [g for g in analysis.groups if g.exact and g.kind in (UnitKind.HEAD, UnitKind.CHANNEL)]

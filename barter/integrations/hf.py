@@ -61,7 +61,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..ddp import rebuild_reducer, world_size
 from ..files import ExportError
 from ..fsdp import SUPPORTED, UnsupportedSharding
-from ..meta_build import BuildRecord, materialise
+from ..meta_build import BuildRecord
 from ..packed_state import pack_state, unpack_state
 from .base import WrappingCallback
 
@@ -74,9 +74,8 @@ class BarterCallback(WrappingCallback, TrainerCallback):
     def __init__(self, *, module: str | None = None, total_steps: int | None = None,
                  resume_from: str | os.PathLike | None = None, build_record: BuildRecord | None = None,
                  **wrap_options: Any) -> None:
-        super().__init__(module=module, total_steps=total_steps, wrap_options=wrap_options)
+        super().__init__(module=module, total_steps=total_steps, build_record=build_record, wrap_options=wrap_options)
         self.resume_from = resume_from
-        self.build_record = build_record  # of a model built on meta: materialised once the Trainer has sharded it
         self.example_batch: dict[str, Any] | None = None  # the first batch, when it is the example call
 
     @property
@@ -125,11 +124,7 @@ class BarterCallback(WrappingCallback, TrainerCallback):
                        model: nn.Module, optimizer: torch.optim.Optimizer, train_dataloader: DataLoader,
                        **kwargs: Any) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
-        if any(p.is_meta for p in model.parameters()):
-            if self.build_record is None:
-                raise ValueError("the Trainer's model is on the meta device and nothing gives it values: build it "
-                                 "with barter.meta_build.record_build and pass BarterCallback(build_record=record)")
-            materialise(model, self.build_record, args.device, controller=self.controller)
+        self._materialise(model, args.device)
         if self.controller is None:
             if state.global_step > 0:
                 raise ValueError("resuming a BARTER run: pass the checkpoint as BarterCallback(resume_from=...)")

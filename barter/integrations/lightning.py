@@ -17,6 +17,16 @@ the callback made compact in `setup`, and the transfers edit the sharded model (
 distributed checkpoints is untested. `ddp_spawn` and `ddp_fork` are refused: they fit in child processes, and the
 launching process, whose model never became compact, then loads the compact weights of rank 0.
 
+A module too large for one process is built on the meta device with `barter.meta_build.record_build` (the whole
+LightningModule's build, so that the record names its parameters as the module does) and handed over with its
+record, `BarterCallback(build_record=record, ...)`: the callback wraps it on meta in `setup` (init "first" or
+"random"), the module's `configure_model` shards it, and right after that hook every process writes its own shards
+of the values the build on the CPU would have drawn, at the units the wrap kept (`barter.meta_build.materialise`).
+That is where the strategy would materialise a meta model itself (with `reset_parameters`, other values), before it
+converts the precision and builds the optimizer, which so steps the materialised parameters. `configure_model` must
+only shard: a layer it makes is not in the record. A module without a `configure_model` (nothing shards it) is
+materialised whole in `setup`; one on meta without its record is refused.
+
 Example call. fxsurgery analyses the model on a call made as training makes it. Unless `example_inputs` or
 `example_kwargs` is given, that is the module's `example_input_array` passed as Lightning passes it to
 `forward` (a dict as keyword arguments, a tuple or list as positional ones, a tensor as the one input), so a
@@ -25,13 +35,16 @@ for a submodule (`module`), whose call it does not describe, wrap falls back to 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import move_data_to_device
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..meta_build import BuildRecord
 from ..packed_state import pack_state, unpack_state
 from .base import WrappingCallback
 from .lightning_compat import fits_in_child_processes
@@ -40,8 +53,9 @@ from .lightning_compat import fits_in_child_processes
 class BarterCallback(WrappingCallback, pl.Callback):
     """Wrap the LightningModule (or its submodule `module`, an attribute path) with `barter.wrap(**wrap_options)`."""
 
-    def __init__(self, *, module: str | None = None, total_steps: int | None = None, **wrap_options: Any) -> None:
-        super().__init__(module=module, total_steps=total_steps, wrap_options=wrap_options)
+    def __init__(self, *, module: str | None = None, total_steps: int | None = None,
+                 build_record: BuildRecord | None = None, **wrap_options: Any) -> None:
+        super().__init__(module=module, total_steps=total_steps, build_record=build_record, wrap_options=wrap_options)
         self._restored = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -52,9 +66,13 @@ class BarterCallback(WrappingCallback, pl.Callback):
                                "ddp_fork): the launching process would load the compact weights into its "
                                "full-width model; use strategy='ddp' (one process per device, as torchrun starts)")
         target = self._target(pl_module)
-        target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
+        on_meta = self._built_on_meta(pl_module)
+        if not on_meta:
+            target.to(trainer.strategy.root_device)  # the controller's score tables live on the model's device
         example = {} if self._example_given else self._example_call(pl_module, target)
         self._wrap(pl_module, self.total_steps or int(trainer.estimated_stepping_batches), None, **example)
+        if on_meta:
+            self._materialise_once_sharded(trainer, pl_module)
         original = pl_module.on_load_checkpoint
 
         def restore_widths_first(checkpoint: dict[str, Any]) -> None:
@@ -63,10 +81,28 @@ class BarterCallback(WrappingCallback, pl.Callback):
 
         pl_module.on_load_checkpoint = restore_widths_first  # runs before Lightning loads the weights
 
+    def _materialise_once_sharded(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Materialise the module wrapped on meta as soon as its `configure_model` has sharded it: before the
+        strategy builds the optimizer on its parameters (and before the strategy's own materialisation, which
+        would draw other values). A module without a `configure_model` (nothing shards it) is materialised whole
+        now."""
+        device = trainer.strategy.root_device
+        if not is_overridden("configure_model", pl_module):
+            self._materialise(pl_module, device)
+            return
+        original = pl_module.configure_model
+
+        @functools.wraps(original)  # Lightning still sees the module's own hook (`is_overridden`)
+        def shard_then_materialise() -> None:
+            original()
+            self._materialise(pl_module, device)
+
+        pl_module.configure_model = shard_then_materialise
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and "on_load_checkpoint" in vars(pl_module):
-            del pl_module.on_load_checkpoint
         if stage == "fit":
+            for hook in ("on_load_checkpoint", "configure_model"):
+                vars(pl_module).pop(hook, None)
             self._stop_following()
 
     def _restore_widths(self, checkpoint: dict[str, Any], source: str) -> None:

@@ -22,7 +22,8 @@ RECAPTURES_LIMIT = 256  # analyses of calls of new signatures kept (one per host
 class BoundGraphs:
     """A host's graphs as installed: count constants read from its slots, projections routed through its tap
     points (per group), and their generated code by graph id. Graphs are never changed once installed, so
-    hosts built alike, whose attributes get the same names, share them."""
+    hosts built alike, whose attributes get the same names, share them: the slots and points here are those names,
+    of which each installed host's ``groups.GroupPlumbing`` takes a copy of its own."""
 
     analysis: HostAnalysis
     slots: list[list[ConstantSlot]]

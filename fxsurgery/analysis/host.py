@@ -24,7 +24,9 @@ from .find import find_groups
 
 @dataclass
 class HostGroup:
-    """A group found in both graphs of a host: its spec, and the constants and tap sites of both graphs."""
+    """A group found in both graphs of a host: its spec, and the constants and tap sites of both graphs. A stage of
+    its own: one per kind of host (hosts built alike share it), where a ``GroupSpec`` is of one graph and a
+    ``groups.GroupPlumbing`` of one installed host."""
 
     spec: GroupSpec
     constants: list[ConstantSpec]

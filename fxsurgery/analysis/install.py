@@ -7,17 +7,25 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..capture.front_ends import FrontEnd
-from ..dataflow.paths import join_path, within
+from ..dataflow.paths import within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..groups import GroupPlumbing, UnitGroup
 from ..reason import Reason
 from ..runtime.graph_forward import GraphForward
-from ..runtime.own_forward import GroupRecord
 from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .cache import AnalysisCache, BoundGraphs
 from .host import HostAnalysis, HostGroup, HostKey
-from .model import HostCheck, ModelPlan, group_module, group_slices, host_analysis, layout_within, offered, unit_group
+from .model import (
+    HostCheck,
+    ModelPlan,
+    group_description,
+    group_module,
+    group_slices,
+    host_analysis,
+    layout_within,
+    offered,
+)
 from .verify import self_check
 
 
@@ -50,11 +58,12 @@ def check_hosts(model: nn.Module, plan: ModelPlan) -> dict[str, HostCheck]:
 def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor: Editor,
                        plan: ModelPlan) -> HostServer:
     """Install the host with all its groups, self-check each group layout not checked yet (into ``check.outcomes``),
-    and keep the plumbing and served records of the groups offered only. Returns the host's server, fitted by
-    ``check.fit`` if given."""
-    trial = [(index, unit_group(host, hg.spec, group_slices(host, hg.spec), fit=None,
-                                name=f"{group_module(host, hg.spec) or plan.model_name}:{hg.spec.kind}"))
-             for index, hg in enumerate(check.found.groups)]
+    and keep the plumbing (the editor's, which the server serves by) of the groups offered only. Returns the host's
+    server, fitted by ``check.fit`` if given."""
+    specs = [hg.spec for hg in check.found.groups]
+    trial = [(index, UnitGroup(group_description(host, spec, group_slices(host, spec), fit=None,
+                                                 name=f"{group_module(host, spec) or plan.model_name}:{spec.kind}")))
+             for index, spec in enumerate(specs)]
     inputs = plan.calls[host]
     server = install_host(module, host, check, inputs=inputs, editor=editor, shared=plan.shared, groups=trial)
     for _, g in trial:
@@ -74,8 +83,8 @@ def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor
 
 def install_model(model: nn.Module, plan: ModelPlan, groups: list[UnitGroup], editor: Editor) -> None:
     """Install every checked host of the plan on ``model`` (the model analysed, or one whose hosts have the same
-    fingerprints: ``installs_on``), with ``groups``, the groups the plan offers (``read_findings``), each placed in its
-    host as ``plan.placed`` says; their plumbing goes to ``editor``."""
+    fingerprints: ``installs_on``), with ``groups``, the Surgeon's views of the groups the plan offers
+    (``read_findings``), each placed in its host as ``plan.placed`` says; their plumbing goes to ``editor``."""
     by_name = {g.name: g for g in groups}
     for host, check in plan.checks.items():
         if isinstance(check.found, Reason):
@@ -104,12 +113,13 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
     forward.install()
     records = []
     for index, g in groups:
-        hg, point = bound.analysis.groups[index], bound.points[index]
-        group_slots = list(bound.slots[index])  # the host's own: a capture for another call may add to it
-        editor.plumbing[g] = GroupPlumbing(host=host, tap_point=point, sink=join_path(host, hg.spec.sink),
-                                           constants=hg.constants, slots=group_slots)
-        records.append(GroupRecord(hg.spec.sink, hg.spec.kind, hg.spec.count, hg.spec.min_count,
-                                   tuple(hg.spec.members), group_slots, point, hg.sites[0].layout))
+        hg = bound.analysis.groups[index]
+        editor.plumbing[g] = GroupPlumbing(
+            host=host, sink=hg.spec.sink, kind=hg.spec.kind, max_count=hg.spec.count, min_count=hg.spec.min_count,
+            slices=tuple(hg.spec.members), constants=hg.constants,
+            slots=list(bound.slots[index]),  # the host's own: a capture for another call may add to it
+            tap_point=bound.points[index], tap_layout=hg.sites[0].layout)
+        records.append(editor.plumbing[g])
     forward.server = HostServer(shared.meta_copies[check.key], host, inputs, records, shared.recaptured)
     return forward.server
 

@@ -14,7 +14,7 @@ from ..capture.front_ends import FrontEndUse
 from ..dataflow.grouping import GroupSpec
 from ..dataflow.paths import common_module, join_path, within
 from ..errors import AnalysisError, TraceError, unforeseen
-from ..groups import LeftOut, UnitGroup
+from ..groups import GroupDescription, LeftOut
 from ..reason import Reason
 from ..runtime.call_signature import holds_objects, without_objects
 from ..runtime.recapture import OwnForwardFit
@@ -28,7 +28,7 @@ from .regions import TraceFailure, find_regions, locate_hosts
 class Findings:
     """The groups offered and the parts left out, in the order found."""
 
-    groups: list[UnitGroup] = field(default_factory=list)
+    groups: list[GroupDescription] = field(default_factory=list)
     left_out: list[LeftOut] = field(default_factory=list)
     front_ends: dict[str, FrontEndUse] = field(default_factory=dict)  # host module -> the front end that recorded it
     placed: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # host -> (index in its analysis, name)
@@ -135,8 +135,8 @@ def _offer(found: Findings, host: str, check: HostCheck, model_name: str) -> Non
             names[index] = name
     for lo in offer.left_out:
         found.leave_out(lo.module, lo.reasons)
-    found.groups += [unit_group(host, check.found.groups[index].spec, offer.slices[index], name=names[index],
-                                fit=check.fit) for index in offer.kept]
+    found.groups += [group_description(host, check.found.groups[index].spec, offer.slices[index], name=names[index],
+                                       fit=check.fit) for index in offer.kept]
     found.placed[host] = [(index, names[index]) for index in offer.kept]
 
 
@@ -190,9 +190,9 @@ def layout_within(host: str, slices: tuple[ParamSlice, ...]) -> tuple:
     return tuple(replace(sl, name=sl.name[len(host):]) for sl in slices)
 
 
-def unit_group(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...], *, name: str,
-               fit: OwnForwardFit | None) -> UnitGroup:
-    """The group of ``spec`` at its analysed count. A host whose own forward serves its calls (``fit``) notes where
+def group_description(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...], *, name: str,
+                      fit: OwnForwardFit | None) -> GroupDescription:
+    """The description of ``spec``'s group as offered. A host whose own forward serves its calls (``fit``) notes where
     it cannot serve them at all, and keeps one unit at least where it cannot run a group with none."""
     notes, min_count = tuple(spec.notes), spec.min_count
     if fit is not None and fit.fault:
@@ -201,9 +201,8 @@ def unit_group(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...], *, na
         min_count = 1
         notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object (a key/value "
                   f"cache), {fit.empty_fault} with none",)
-    return UnitGroup(name=name, kind=spec.kind, module=group_module(host, spec), count=spec.count,
-                     max_count=spec.count, exact=spec.exact, slices=slices, notes=notes,
-                     min_count=min_count)
+    return GroupDescription(name=name, kind=spec.kind, module=group_module(host, spec), max_count=spec.count,
+                            exact=spec.exact, slices=slices, notes=notes, min_count=min_count)
 
 
 def _nearest_called(name: str, calls: dict[str, tuple[tuple, dict]]) -> str:

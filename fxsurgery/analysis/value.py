@@ -23,7 +23,7 @@ import torch.nn as nn
 from ..capture.calls import forked_rng
 from ..capture.front_ends import FrontEndUse
 from ..errors import AnalysisError
-from ..groups import LeftOut, UnitGroup
+from ..groups import GroupDescription, LeftOut
 from ..runtime.call_signature import value_signature, without_objects
 from .install import check_hosts
 from .model import ModelPlan, plan_model, read_findings
@@ -43,14 +43,14 @@ class Analysis:
 
     model_class: str
     structure: Structure
-    groups: tuple[UnitGroup, ...]
+    groups: tuple[GroupDescription, ...]
     left_out: tuple[LeftOut, ...]
     front_ends: dict[str, FrontEndUse]
     example_inputs: tuple
     example_kwargs: dict[str, Any]
     _plan: ModelPlan | None = field(default=None, repr=False)
 
-    def group(self, name: str) -> UnitGroup:
+    def group(self, name: str) -> GroupDescription:
         for g in self.groups:
             if g.name == name:
                 return g
@@ -73,10 +73,9 @@ class Analysis:
         return {**self.__dict__, "_plan": None}
 
     def _key(self) -> tuple:
-        groups = tuple(group_fields(g) for g in self.groups)
         left_out = tuple((lo.module, tuple(lo.reasons)) for lo in self.left_out)
         call = value_signature((self.example_inputs, self.example_kwargs))
-        return self.model_class, self.structure, groups, left_out, tuple(self.front_ends.items()), call
+        return self.model_class, self.structure, self.groups, left_out, tuple(self.front_ends.items()), call
 
 
 def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str, Any] | None = None) -> Analysis:
@@ -187,7 +186,3 @@ def structure_difference(expected: Structure, found: Structure) -> str:
             return f"module {want[0] or '(model)'} was {want[1:]} and is {have[1:]}"
     return f"{len(expected)} modules were analysed and the model has {len(found)}"
 
-
-def group_fields(g: UnitGroup) -> tuple:
-    """Everything a group says about itself (its count as analysed)."""
-    return (g.name, g.kind, g.module, g.count, g.max_count, g.min_count, g.exact, g.slices, g.notes)

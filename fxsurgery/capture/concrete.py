@@ -21,6 +21,7 @@ from torch.export import Dim
 
 from ..compat import EXPORT_SPECIALISATION_LOGGER, flatten_to_spec, pytree_info, tree_leaves, tree_map
 from ..errors import TraceError
+from ..runtime.call_signature import FIXED_SIZES
 from .aten import lower
 from .calls import buffers_kept, forked_rng, materialize, real_values, training_mode
 from .grad_regions import inline_grad_regions
@@ -75,7 +76,10 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
     lower(graph)
     _drop_reassignments(exported, graph, label=name or "the model")
     for node in graph.nodes:  # the analysis reads module paths; export's fake values are neither needed nor picklable
+        fixed = _fixed_sizes(node)
         node.meta = {"nn_module_stack": node.meta["nn_module_stack"]} if "nn_module_stack" in node.meta else {}
+        if fixed:
+            node.meta[FIXED_SIZES] = fixed
     _keep_constants(module, exported, graph)
     values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)  # run at once: no lazy code
@@ -86,6 +90,15 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
                 expected = _eager_outputs(module, real_args, real_kwargs, training=training, label=label)
             _check_replay(module, gm, (real_args, real_kwargs), expected, training=training, label=label)
     return gm, list(values)
+
+
+def _fixed_sizes(node: torch.fx.Node) -> tuple[tuple[int, int], ...]:
+    """The (dim, size) pairs of an input the exported graph holds at one size (2 or more; sizes 0 and 1 are in
+    every call's signature): a call with another size there needs a graph of its own (``call_signature``)."""
+    value = node.meta.get("val") if node.op == "placeholder" else None
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple((dim, size) for dim, size in enumerate(value.shape) if type(size) is int and size > 1)
 
 
 def _exported(module: nn.Module, args: tuple, kwargs: dict, *, training: bool, dynamic: bool,

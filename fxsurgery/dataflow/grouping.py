@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -36,7 +36,8 @@ from .widening import repeat_axes
 
 @dataclass(kw_only=True)
 class GroupSpec:
-    """One unit group as found in one graph."""
+    """One unit group as found in one graph: the grouping's output, before a host's train and eval graphs are
+    matched (``analysis.host.HostGroup``) and a group is described to users (``groups.GroupDescription``)."""
 
     kind: UnitKind
     count: int
@@ -245,7 +246,7 @@ class _Builder:
             else:
                 out.groups.append(spec)
         self.refuse_overlaps(out)
-        self.refuse_untiled(out)
+        self.hold_untiled(out)
         if locate:  # each region is located once; its hosts' analyses would tell it again
             told = silent_softmaxes(self, torch.cat(offered))
             out.refusals += [Refusal([module_of(t.node)], [t.reason]) for t in told]
@@ -292,24 +293,24 @@ class _Builder:
                 out.refusals.append(Refusal(spec.modules, [f"{', '.join(names)}: sliced by another group too "
                                                            "(a module called more than once)"]))
 
-    def refuse_untiled(self, out: GraphGroups) -> None:
-        """A group in a segment of a dim that the groups found do not fill (the rest holds no unit) is refused: the
-        segments of a dim always tile it, so its size tells the counts of the groups on it."""
-        while True:
-            spans: dict[tuple, list[tuple[GroupSpec, int]]] = {}
-            for spec in out.groups:
-                for m in spec.members:
-                    spans.setdefault((m.name, m.dim), []).append((spec, m.outer * spec.count * m.inner))
-            gaps = {(name, dim): [spec for spec, _ in held] for (name, dim), held in spans.items()
-                    if sum(size for _, size in held) != self.shape_of(name)[dim]}
-            if not gaps:
-                return
-            for (name, dim), specs in gaps.items():
-                for spec in specs:
-                    if spec in out.groups:
-                        out.groups.remove(spec)
-                        out.refusals.append(Refusal(spec.modules, [f"{name}: the units fill a segment of dim {dim}, "
-                                                                   "beside coordinates no other group holds"]))
+    def hold_untiled(self, out: GraphGroups) -> None:
+        """The elements of a dim that the segments of the groups found leave to no group (a multi-query projection's
+        key and value rows beside its query heads) stay whatever the counts: each slice there records how many
+        (``fixed``), so the dim's size still tells the counts of the groups on it. A group on a dim whose groups
+        overfill it is refused."""
+        spans: dict[tuple, list[tuple[GroupSpec, int]]] = {}
+        for spec in out.groups:
+            for m in spec.members:
+                spans.setdefault((m.name, m.dim), []).append((spec, m.outer * spec.count * m.inner))
+        for (name, dim), held in spans.items():
+            rest = self.shape_of(name)[dim] - sum(size for _, size in held)
+            for spec, _ in held:
+                if rest < 0 and spec in out.groups:
+                    out.groups.remove(spec)
+                    out.refusals.append(Refusal(spec.modules, [f"{name}: the units overfill dim {dim}"]))
+                elif rest > 0:
+                    spec.members = [replace(m, fixed=rest) if (m.name, m.dim) == (name, dim) else m
+                                    for m in spec.members]
 
     def locate(self, k: int, ut: torch.Tensor, out: GraphGroups) -> bool:
         """Only where a candidate group lives (to pick the modules to trace on their own); True if located."""

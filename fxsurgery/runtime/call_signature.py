@@ -12,8 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..compat import module_hooks
+from ..compat import flatten_to_spec, module_hooks, pytree_info
 
+FIXED_SIZES = "fxsurgery_fixed_sizes"  # a placeholder's meta: the (dim, size) pairs its graph holds at one size
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, enum.Enum)
 
 
@@ -44,6 +45,29 @@ def call_signature(args: tuple, kwargs: dict, training: bool, hooked: tuple[str,
     """The key of a call: train/eval mode, every argument's signature (keyword names included), and the submodules
     inside the host that carry hooks (a graph inlines their calls, so only the host's own forward runs them)."""
     return training, value_signature(args), value_signature(kwargs), hooked
+
+
+def fixed_dims(graph: torch.fx.Graph) -> tuple[tuple[int, int, int], ...]:
+    """The input dims ``graph`` holds at one size, as (input index, dim, size): ``torch.export`` keeps a dim
+    symbolic only where its code allows and the capture asked (a key length a mask carries may be baked into an
+    ``arange``); the symbolic tracer fixes none."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    return tuple((i, dim, size) for i, node in enumerate(inputs) for dim, size in node.meta.get(FIXED_SIZES, ()))
+
+
+def call_sizes(graph: torch.fx.Graph, dims: tuple[tuple[int, int], ...], args: tuple, kwargs: dict) -> tuple:
+    """The sizes of the call's inputs at ``dims`` ((input index, dim) pairs, inputs as ``graph`` flattens them)."""
+    if not dims:
+        return ()
+    inputs = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
+    return tuple(inputs[i].shape[d] if torch.is_tensor(inputs[i]) and inputs[i].dim() > d else None
+                 for i, d in dims)
+
+
+def serves_sizes(graph: torch.fx.Graph, args: tuple, kwargs: dict) -> bool:
+    """Whether the call has every input size ``graph`` fixed."""
+    fixed = fixed_dims(graph)
+    return call_sizes(graph, tuple((i, d) for i, d, _ in fixed), args, kwargs) == tuple(s for *_, s in fixed)
 
 
 def hooked_submodules(inner: list[tuple[str, torch.nn.Module]]) -> tuple[str, ...]:

@@ -3,7 +3,9 @@
 Tracing bakes what a call passed: ``self.training`` (dropout, drop path), which optional arguments were
 None, flags such as ``output_attentions``, tensor ranks and dtypes. So a host keeps one graph per call
 signature (``call_signature``), like torchvision's feature extraction keeps a train and an eval graph, and runs
-the one that matches the call. A call of a new signature is handed to the host's ``server``, which captures a
+the one that matches the call. A graph ``torch.export`` captured may hold some input dims at one size (a key
+length baked into an ``arange``): the call's sizes there are part of its key (``fixed_dims``). A call of a new
+signature is handed to the host's ``server``, which captures a
 graph for it whose count constants follow the current widths (or refuses the call, naming the argument); the
 graphs are kept per signature, at most ``MAX_GRAPHS`` of them. The object is installed as the module
 instance's ``forward``: the module keeps its class, its other methods and its ``state_dict`` keys;
@@ -20,8 +22,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx
 
-from ..compat import GENERATED_SPEC_READS, outside_traces, pytree_info
-from .call_signature import call_signature, hooked_submodules
+from ..compat import GENERATED_SPEC_READS, outside_traces, pytree_info, tree_map
+from .call_signature import call_signature, call_sizes, fixed_dims, hooked_submodules
 
 MAX_GRAPHS = 16  # graphs a host keeps (the oldest goes first); the analysed call's graphs always stay
 
@@ -66,12 +68,18 @@ class GraphForward:
         self.module = module
         self.server = server
         self.inner = [(name, m) for name, m in module.named_modules() if name]  # whose hooks a graph would skip
-        self.analysed_in = {mode: call_signature(*analysed, mode) for mode in graphs}
-        self.analysed = set(self.analysed_in.values())
-        self.graphs: OrderedDict[tuple, torch.fx.Graph | None] = OrderedDict(
-            (self.analysed_in[mode], g) for mode, g in graphs.items())
-        self.served: dict[tuple, str] = {key: "analysed" for key in self.graphs}
+        # the analysed call's tensors as meta tensors of their shapes: what keying its graphs again reads
+        self.analysed_call = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, analysed)
+        # by call signature: the input dims its graphs fix, and a graph of it (whose input spec flattens a call)
+        self.fixed: dict[tuple, tuple[tuple[int, int], ...]] = {}
+        self.flattens: dict[tuple, torch.fx.Graph] = {}
+        self.graphs: OrderedDict[tuple, torch.fx.Graph | None] = OrderedDict()
+        self.served: dict[tuple, str] = {}
         self.fns: dict[tuple, Callable[..., Any]] = {}
+        self.analysed_in: dict[bool, tuple] = {}
+        for mode, g in graphs.items():
+            self.analysed_in[mode] = self._admit(call_signature(*analysed, mode), g, analysed, "analysed")
+        self.analysed = set(self.analysed_in.values())
         self.compile(compiled)
 
     def compile(self, compiled: dict[int, Callable[..., Any]] | None = None) -> None:
@@ -79,8 +87,10 @@ class GraphForward:
         ``compiled``: code generated before, by graph id (hosts built alike share their graphs and its code)."""
         compiled = {} if compiled is None else compiled
         for key, g in self.graphs.items():
+            if key in self.fns:
+                continue
             if g is None:
-                self.fns[key] = self.server.own_forward(key)
+                self.fns[key] = self.server.own_forward(key[0])
                 continue
             if id(g) not in compiled:
                 compiled[id(g)] = compile_graph(g)
@@ -101,19 +111,44 @@ class GraphForward:
         """The graph that serves this call in the given mode (None: the host's own forward serves it)."""
         return self.graphs[self._held(args, kwargs, training)]
 
+    def _key(self, signature: tuple, args: tuple, kwargs: dict) -> tuple:
+        """A call's key: its signature and its sizes at the input dims the graphs of that signature fix."""
+        dims = self.fixed.get(signature, ())
+        return signature, (call_sizes(self.flattens[signature], dims, args, kwargs) if dims else ())
+
     def _held(self, args: tuple, kwargs: dict, training: bool) -> tuple:
-        """The call's signature, served first if no graph (or own forward) is held for it."""
+        """The call's key, served first if no graph (or own forward) is held for it."""
         hooked = hooked_submodules(self.inner)
-        key = call_signature(args, kwargs, training, hooked)
+        signature = call_signature(args, kwargs, training, hooked)
+        key = self._key(signature, args, kwargs)
         if key not in self.fns:
-            self._serve(key, args, kwargs, training, hooked)
+            key = self._serve(signature, args, kwargs, training, hooked)
+        return key
+
+    def _admit(self, signature: tuple, graph: torch.fx.Graph | None, call: tuple[tuple, dict], how: str) -> tuple:
+        """Hold ``graph`` for calls of ``signature`` with ``call``'s sizes at the dims it fixes; returns its key. A
+        graph fixing dims its signature's others did not makes those dims part of the key: the analysed graphs
+        are keyed again by the analysed call's sizes, the others go (served again when called)."""
+        dims = {(i, d) for i, d, _ in fixed_dims(graph)} if graph is not None else set()
+        if not dims <= set(self.fixed.get(signature, ())):
+            self.fixed[signature] = tuple(sorted(dims | set(self.fixed.get(signature, ()))))
+            self.flattens[signature] = graph
+            for key in [k for k in self.graphs if k[0] == signature]:
+                held, held_how = self.graphs.pop(key), self.served.pop(key)
+                self.fns.pop(key, None)
+                if held_how == "analysed":
+                    mode = next(m for m, k in self.analysed_in.items() if k == key)
+                    self.analysed_in[mode] = self._admit(signature, held, self.analysed_call, held_how)
+            self.analysed = set(self.analysed_in.values())
+        key = self._key(signature, *call)
+        self.graphs[key], self.served[key] = graph, how
         return key
 
     @torch.compiler.disable
-    def _serve(self, key: tuple, args: tuple, kwargs: dict, training: bool, hooked: tuple[str, ...]) -> None:
-        """Get a graph for a call of a new signature from the server (in the call's mode). The server's analysis
-        runs outside any trace of the call (``torch.export``'s: a trace would fake its values and record its
-        ops); only the graph it returns runs in the trace."""
+    def _serve(self, signature: tuple, args: tuple, kwargs: dict, training: bool, hooked: tuple[str, ...]) -> tuple:
+        """Get a graph for a call of a new key from the server (in the call's mode); returns the key it is held
+        under. The server's analysis runs outside any trace of the call (``torch.export``'s: a trace would fake
+        its values and record its ops); only the graph it returns runs in the trace."""
         if self.server is None:
             raise TypeError(f"{type(self.module).__name__}: this call differs from the one its graph was "
                             "captured on, and nothing can capture another")
@@ -121,9 +156,11 @@ class GraphForward:
             graph, how = self.server.serve(self.module, args, kwargs, training, hooked)
         while len(self.graphs) >= MAX_GRAPHS + len(self.analysed):
             oldest = next(k for k in self.graphs if k not in self.analysed)
-            del self.graphs[oldest], self.fns[oldest], self.served[oldest]
-        self.graphs[key], self.served[key] = graph, how
-        self.fns[key] = self.server.own_forward(key) if graph is None else compile_graph(graph)
+            del self.graphs[oldest], self.served[oldest]
+            self.fns.pop(oldest, None)
+        key = self._admit(signature, graph, (args, kwargs), how)
+        self.compile()
+        return key
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

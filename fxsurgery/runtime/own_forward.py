@@ -2,8 +2,9 @@
 
 It serves only where it follows the widths, which is checked on the host's template, never assumed: removing
 the first units of every group (one, then two, and counts that differ between any two groups) must equal masking
-them, on the analysed call; a group left with
-no units is served only if removing all of them passed too. Code that keeps a
+them, on the analysed call. A group left with
+no units, where removing all of them did not pass (a view with a -1), holds one unit whose tensors are zero for
+the call: it adds nothing, as a removed unit does. Code that keeps a
 count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
 attributes follow the count: the int attributes of the host's own modules that are a multiple of a group's
 count are the candidates, and the smallest set of them that passes both trials is kept and set from the
@@ -12,38 +13,25 @@ output projections (modules there, not graph nodes).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from ..analysis.verify import max_rel_diff
 from ..capture.calls import materialize, training_mode
-from ..compat import tree_leaves
+from ..compat import own_tensor_tables, tree_leaves
 from ..dataflow.paths import tensor_at
 from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
-from ..groups import ConstantSlot
+from ..groups import GroupPlumbing
 from ..module_sizes import sync_sizes
-from ..slicing import ParamSlice, solve_counts
+from ..slicing import solve_counts
 from ..taps import TapPoint
-from ..unit_kind import UnitKind
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
-
-
-class GroupRecord(NamedTuple):
-    """What serving a host's other calls needs of one of its groups (names relative to the host)."""
-
-    sink: str  # the output projection's weight
-    kind: UnitKind
-    max_count: int  # the count in the template
-    min_count: int
-    slices: tuple[ParamSlice, ...]
-    slots: list[ConstantSlot]  # the group's plumbing slots: a new graph's constants join them
-    tap_point: str
-    tap_layout: TapLayout  # the units in the output projection's input
 
 
 class CountAttribute(NamedTuple):
@@ -55,7 +43,7 @@ class CountAttribute(NamedTuple):
     per_unit: int
 
 
-def current_counts(module: nn.Module, records: list[GroupRecord]) -> list[int]:
+def current_counts(module: nn.Module, records: list[GroupPlumbing]) -> list[int]:
     """Each group's count now, read off its tensors' sizes (groups that share a dim, in segments of a fused
     projection, are told apart by ``slicing.solve_counts``)."""
     counts = solve_counts([r.slices for r in records], lambda name, dim: tensor_at(module, name).shape[dim])
@@ -65,10 +53,32 @@ def current_counts(module: nn.Module, records: list[GroupRecord]) -> list[int]:
     return counts
 
 
+@contextlib.contextmanager
+def _one_zero_unit(module: nn.Module, emptied: list[GroupPlumbing]) -> Iterator[None]:
+    """For the call, each group in ``emptied`` (left with no units, which the host's own code cannot run: a view
+    with a -1) holds one unit whose tensors are zero: its output columns are zero, so it adds nothing, as a removed
+    unit does (removal equals masking)."""
+    kept: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for r in emptied:
+            for sl in r.slices:
+                owner, _, name = sl.name.rpartition(".")
+                table = next(t for t in own_tensor_tables(module.get_submodule(owner)) if name in t)
+                if all(k is not table or n != name for k, n, _ in kept):
+                    kept.append((table, name, table[name]))
+                units = sl.units(table[name], 0)
+                shape = [size for d, size in enumerate(units.shape) if d != sl.dim + 1]
+                table[name] = sl.append(table[name], 0, units.new_zeros(shape))
+        yield
+    finally:
+        for table, name, tensor in reversed(kept):
+            table[name] = tensor
+
+
 class OwnForward:
     """The host class's forward with its count attributes set from the current widths and its taps run."""
 
-    def __init__(self, groups: list[GroupRecord], counts: list[CountAttribute], template: nn.Module, *,
+    def __init__(self, groups: list[GroupPlumbing], counts: list[CountAttribute], template: nn.Module, *,
                  empty: str):
         self.groups = groups
         self.counts = counts
@@ -85,12 +95,20 @@ class OwnForward:
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         counts = current_counts(module, self.groups)
-        if self.empty and 0 in counts:
-            empty = self.groups[counts.index(0)].sink
-            raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the units "
-                               f"read by {empty} are all removed, and with 0 units it {self.empty}")
+        emptied = [r for r, count in zip(self.groups, counts) if count == 0] if self.empty else []
+        with _one_zero_unit(module, emptied):
+            self._set_counts(module, [max(count, 1) if self.empty else count for count in counts])
+            try:
+                return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
+            finally:
+                self._set_counts(module, counts)
+
+    def _set_counts(self, module: nn.Module, counts: list[int]) -> None:
         for c in self.counts:
             setattr(module.get_submodule(c.module), c.name, c.per_unit * counts[c.group])
+
+    def _run(self, module: nn.Module, untapped: set[str], args: tuple, kwargs: dict) -> Any:
+        """The class's forward with the taps run (but those of the groups in ``untapped``, which hold no unit)."""
         tapped = [r.sink for r in self.unseen if module.__dict__[r.tap_point].hooks]
         if tapped:
             raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
@@ -99,7 +117,7 @@ class OwnForward:
         if tapped:
             raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
                                f"of the units {tapped[0]} reads in a segment of its input would not see them there")
-        points = [(path, module.__dict__[attr], layout) for path, attr, layout in self.sinks]
+        points = [(path, module.__dict__[attr], layout) for path, attr, layout in self.sinks if attr not in untapped]
         handles = [module.get_submodule(path).register_forward_pre_hook(_through(point, layout))
                    for path, point, layout in points if point.hooks]
         try:
@@ -109,7 +127,7 @@ class OwnForward:
                 handle.remove()
 
 
-def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord],
+def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbing],
                          calls: list[tuple[tuple, dict]]) -> tuple[list[CountAttribute] | None, str, str]:
     """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
     analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
@@ -142,12 +160,12 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupRecord
     return None, fault, ""
 
 
-def _removing(groups: list[GroupRecord], k: int) -> list[int]:
+def _removing(groups: list[GroupPlumbing], k: int) -> list[int]:
     """``k`` units of every group that has more."""
     return [k if r.max_count > k else 0 for r in groups]
 
 
-def _told_apart(groups: list[GroupRecord]) -> list[list[int]]:
+def _told_apart(groups: list[GroupPlumbing]) -> list[list[int]]:
     """Removals that give any two groups different counts in one of them (group ``i`` loses 1 + bit ``t`` of ``i``
     units in the ``t``-th), so that an attribute holding one group's count is not taken for another's that the
     uniform removals shrink alike (a decoder's self- and cross-attention heads)."""
@@ -159,7 +177,7 @@ class _Trial:
     """The template with the first ``removals[i]`` units of each group ``i`` masked, and a copy with them
     removed."""
 
-    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupRecord], removals: list[int]):
+    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupPlumbing], removals: list[int]):
         self.masked, self.removed, self.groups = real(), real(), groups
         slices = {i: r.slices for i, r in enumerate(groups)}  # segments move as the groups before them shrink
         for i, (r, n) in enumerate(zip(groups, removals)):
@@ -209,7 +227,7 @@ class _Trial:
         return "" if err <= 1e-4 else f"reads a unit count it stores (a removal differs from masking by {err:.1e})"
 
 
-def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribute]:
+def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> list[CountAttribute]:
     """Plain positive int attributes of the host's own modules (torch's modules keep theirs in step already)
     that are a multiple of a group's count."""
     out = []
@@ -224,7 +242,7 @@ def _candidates(host: nn.Module, groups: list[GroupRecord]) -> list[CountAttribu
     return out
 
 
-def _shared_dims(groups: list[GroupRecord]) -> set[tuple[str, int]]:
+def _shared_dims(groups: list[GroupPlumbing]) -> set[tuple[str, int]]:
     """The (tensor, dim) pairs that hold segments of several groups."""
     seen: dict[tuple[str, int], int] = {}
     for r in groups:

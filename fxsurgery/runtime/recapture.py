@@ -30,17 +30,19 @@ from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
+from ..groups import GroupPlumbing
 from ..lru import LruCache
 from ..reason import Reason
 from ..taps import insert_tap_point
-from .call_signature import call_signature, differing_arguments, holds_objects, without_objects
+from .call_signature import call_signature, differing_arguments, holds_objects, serves_sizes, without_objects
 from .graph_forward import MAX_GRAPHS
-from .own_forward import CountAttribute, GroupRecord, OwnForward, current_counts, fit_count_attributes
+from .own_forward import CountAttribute, OwnForward, current_counts, fit_count_attributes
 
 
 class CallKey(NamedTuple):
     """What the analysis of a call of a new signature depends on: the host template's modules
-    (``HostKey.modules``) and the call's signature (``call_signature``)."""
+    (``HostKey.modules``) and the call's signature (``call_signature``); an analysis held for it serves a call
+    only where the call has the input sizes its graph fixes (``serves_sizes``)."""
 
     template: tuple
     signature: tuple
@@ -58,7 +60,7 @@ class OwnForwardFit(NamedTuple):
 class HostServer:
     """Serves one host's calls of new signatures (see the module docstring)."""
 
-    def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupRecord],
+    def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupPlumbing],
                  shared: LruCache[CallKey, HostAnalysis | Reason]):
         self.template = template
         self.host = host
@@ -92,7 +94,8 @@ class HostServer:
             raise UnservedCall(f"the call reads {', '.join(differing)}, which the analysed call does not read and "
                                f"in which hosts built alike differ")
         key = CallKey(fingerprint(real, (), {}).modules, call_signature(args, kwargs, training))
-        if key not in self.shared:
+        held = self.shared.get(key)
+        if held is None or isinstance(held, HostAnalysis) and not serves_sizes(held.graphs[training], *inputs):
             try:
                 with _no_autocast(), torch.no_grad(), forked_rng(tree_leaves(inputs)):
                     self.shared[key] = analyse_host(real, self.host, *inputs, modes=(training,), returns_units=True)

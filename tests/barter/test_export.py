@@ -15,7 +15,7 @@ import barter
 from barter import ExportError
 from barter.rebuild import timm_with_models
 from barter.serialization import write_manifest
-from fxsurgery import Surgeon
+from fxsurgery import GroupDescription, Surgeon
 
 VIT = ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 10})
 CCT = ("cct_2_3x1_32_tiny", {})
@@ -60,6 +60,15 @@ def assert_same_outputs(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor)
         torch.manual_seed(1)
         assert torch.equal(ya, b(x))
 
+
+def test_the_export_writes_each_group_s_own_description(tmp_path):
+    """topology.json holds each group's own serialisation (`GroupDescription.to_dict`) with the count it keeps: read
+    back, it is the description as analysed."""
+    model, ctl, _ = compact_timm(*VIT)
+    topology = read_topology(barter.export(model, tmp_path / "model"))
+    assert [GroupDescription.from_dict(g) for g in topology["groups"]] == list(ctl.surgeon.analysis.groups)
+    assert [g["count"] for g in topology["groups"]] == [g.count for g in ctl.surgeon.groups]
+    assert any(g.count < g.max_count for g in ctl.surgeon.groups)
 
 @pytest.mark.parametrize("name,kwargs", [VIT, CCT], ids=["vit", "cct"])
 def test_round_trip_after_transfers(tmp_path, name, kwargs):

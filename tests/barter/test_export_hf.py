@@ -280,3 +280,24 @@ def test_relative_position_bias_heads_round_trip(name, tmp_path):
     assert torch.allclose(logits(loaded, x), logits(model, x), atol=1e-5)
     assert {g["name"]: g["count"] for g in read_topology(path)["groups"]} == {
         g.name: g.count for g in ctl.surgeon.groups}
+
+
+def test_fused_multi_query_heads_found_again_at_load(tmp_path):
+    """Multi-query Falcon's query heads are a segment of its fused projection's rows, beside the one key and value
+    head's rows, which no group holds: the export's shape check counts those rows (``ParamSlice.fixed``), and the
+    reloaded compact model finds the heads again and equals the trained one."""
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.FalconForCausalLM(transformers.FalconConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+            new_decoder_architecture=False))
+    model = build()
+    example = {"input_ids": torch.randint(0, 100, (4, 12))}
+    ctl = train_with_transfers(model, [((), example) for _ in range(3)], example_kwargs=example)
+    heads = {g.name: g.count for g in ctl.surgeon.groups if g.kind == "head"}
+    assert len(heads) == 2 and all(count < 4 for count in heads.values())
+    path = barter.export(model, tmp_path / "model", program=False)
+    loaded = barter.load(path)
+    assert {g.name: g.count for g in loaded.barter_base.analysis.groups if g.kind == "head"} == {
+        name: 4 for name in heads}
+    assert torch.allclose(logits(loaded, **example), logits(model, **example), atol=1e-5)

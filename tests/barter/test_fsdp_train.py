@@ -52,17 +52,39 @@ def worker(rank, ports, out_dir, make_config):
     cut_at_second_epoch_and_resume(make_config(out_dir, "cut"), ports[1:])
 
 
-def built_both_ways_worker(rank, ports, out_dir):
-    """The run built on the meta device (the default) and the run built whole on every process first."""
+def runs_worker(rank, ports, out_dir, runs):
+    """One run of `fsdp_config` per (name, changes) of `runs`, in turn, each on its own port; rank 0 writes each
+    run's header in `<name>.header`."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(ports[0]))
-    headers = []
-    train(fsdp_config(out_dir, "meta"), header=headers.append)
-    os.environ["MASTER_PORT"] = str(ports[1])
-    train(replace(fsdp_config(out_dir, "whole"), fsdp_on_meta=False), header=headers.append)
-    if rank == 0:
-        (out_dir / "headers.txt").write_text("\n".join(headers))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
+    for (name, changes), port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        headers = []
+        train(replace(fsdp_config(out_dir, name), **changes), header=headers.append)
+        if rank == 0:
+            (out_dir / f"{name}.header").write_text("\n".join(headers))
+
+
+def assert_built_on_meta_equals_built_whole(out_dir, meta_name, whole_name):
+    """Run `meta_name` was built on the meta device, run `whole_name` whole on every process, and they made the same
+    transfers (on non-zero scores) and end with the same parameters and metrics, bit for bit; the whole run's last
+    checkpoint."""
+    assert BUILT_ON_META in (out_dir / f"{meta_name}.header").read_text()
+    assert BUILT_ON_META not in (out_dir / f"{whole_name}.header").read_text()
+    meta_run, whole_run = RunDir(out_dir / meta_name), RunDir(out_dir / whole_name)
+    on_meta, whole = load_checkpoint(meta_run.last), load_checkpoint(whole_run.last)
+    events = whole["controller"]["events"]
+    done = [e for e in events if e["skipped"] is None]
+    assert done and all(e["donor_D"] > 0 and e["parent_S"] > 0 for e in done)
+    assert on_meta["controller"]["events"] == events
+    assert on_meta["controller"]["topology"] == whole["controller"]["topology"]
+    assert on_meta["model"].keys() == whole["model"].keys()
+    for name, p in whole["model"].items():
+        torch.testing.assert_close(on_meta["model"][name], p, rtol=0, atol=0, msg=name)
+    measured = ("loss", "train_acc", "test_loss", "acc")
+    assert [[m[k] for k in measured] for m in meta_run.metrics()] == \
+        [[m[k] for k in measured] for m in whole_run.metrics()]
+    return whole
 
 
 def fine_tune_worker(rank, init_file, export, out_dir):
@@ -106,21 +128,17 @@ def test_fsdp_pipeline_checkpoints_resume_and_export(tmp_path):
 
 
 def test_a_run_built_on_meta_equals_the_run_built_whole(tmp_path):
-    fork_processes(built_both_ways_worker, free_ports(2), tmp_path)
-    on_meta_header, whole_header = (tmp_path / "headers.txt").read_text().split("\ndata:")
-    assert BUILT_ON_META in on_meta_header and BUILT_ON_META not in whole_header
-    on_meta, whole = load_checkpoint(RunDir(tmp_path / "meta").last), load_checkpoint(RunDir(tmp_path / "whole").last)
-    events = whole["controller"]["events"]
-    done = [e for e in events if e["skipped"] is None]
-    assert done and all(e["donor_D"] > 0 and e["parent_S"] > 0 for e in done)
-    assert on_meta["controller"]["events"] == events
-    assert on_meta["controller"]["topology"] == whole["controller"]["topology"]
-    assert on_meta["model"].keys() == whole["model"].keys()
-    for name, p in whole["model"].items():
-        torch.testing.assert_close(on_meta["model"][name], p, rtol=0, atol=0, msg=name)
-    measured = ("loss", "train_acc", "test_loss", "acc")
-    assert [[m[k] for k in measured] for m in RunDir(tmp_path / "meta").metrics()] == \
-        [[m[k] for k in measured] for m in RunDir(tmp_path / "whole").metrics()]
+    fork_processes(runs_worker, free_ports(2), tmp_path, [("meta", {}), ("whole", {"fsdp_on_meta": False})])
+    assert_built_on_meta_equals_built_whole(tmp_path, "meta", "whole")
+
+
+def test_under_bf16_autocast_a_run_built_on_meta_equals_the_run_built_whole(tmp_path):
+    """The same under `amp="bf16"`, whose forwards autocast to bfloat16: the run differs from the fp32 one."""
+    runs = [("meta", {"amp": "bf16"}), ("whole", {"amp": "bf16", "fsdp_on_meta": False}), ("fp32", {})]
+    fork_processes(runs_worker, free_ports(3), tmp_path, runs)
+    whole = assert_built_on_meta_equals_built_whole(tmp_path, "meta", "whole")
+    fp32 = load_checkpoint(RunDir(tmp_path / "fp32").last)
+    assert any(not torch.equal(fp32["model"][name], p) for name, p in whole["model"].items())
 
 
 def test_fsdp_pipeline_with_a_layer_emptied_of_heads(tmp_path):

@@ -41,8 +41,9 @@ HEADS_REQUIRED |= {"hf_beit_relpos", "hf_data2vec_vision_relpos"}
 # the tracer keeps whole, read through the query (heads folded into the batch)
 HEADS_REQUIRED |= {"samvit_base_patch16_224"}
 # and linear maps written as products with parameters: XLNet's einsums over (d_model, heads, head_dim) weights,
-# Falcon's ``x @ self.weight.T`` (with grouped queries: a unit is one key/value head with its queries)
-HEADS_REQUIRED |= {"hf_xlnet", "hf_falcon", "hf_falcon_gqa"}
+# Falcon's ``x @ self.weight.T`` (with grouped queries: a unit is one key/value head with its queries; multi-query:
+# a query head, the one key and value kept whole)
+HEADS_REQUIRED |= {"hf_xlnet", "hf_falcon", "hf_falcon_mq", "hf_falcon_gqa", "hf_falcon_gqa_2kv"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

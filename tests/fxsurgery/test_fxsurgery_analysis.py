@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import gc
 import pickle
 
 import pytest
 import torch
 import torch.nn as nn
+from timm.models.vision_transformer import ParallelScalingBlock, VisionTransformer
 from zoo import ConvTransformer, Style, TinyTransformer, masked_copy
 
-from fxsurgery import Analysis, Surgeon, analyse
+from fxsurgery import Analysis, GroupDescription, Surgeon, analyse
 from fxsurgery.analysis import cache as analysis_cache
 from fxsurgery.analysis import install as analysis_install
 from fxsurgery.analysis import value as analysis_value
@@ -214,6 +217,30 @@ def test_a_unit_group_is_read_only_and_an_analysis_keeps_its_own() -> None:
             setattr(head, name, value)
     surgeon.remove(head, 0)
     assert head.count == 2 and analysis.groups[0].count == 3
+
+
+def test_an_analysis_describes_its_groups_immutably_and_a_surgeon_edits_their_live_state_only() -> None:
+    """What the analysis found of a group is a frozen ``GroupDescription``; a Surgeon's edits change its groups' live
+    state (the counts, and the segment of a fused projection that moves with the heads before it), never the
+    descriptions it shares with the analysis."""
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=16, patch_size=8, embed_dim=12, depth=1, num_heads=3, mlp_ratio=2,
+                              num_classes=5, class_token=False, global_pool="avg",
+                              block_fn=functools.partial(ParallelScalingBlock, fuse_out_proj=True))
+    analysis = analyse(model, (torch.randn(2, 3, 16, 16),))
+    analysed = copy.deepcopy(analysis.groups)
+    assert all(isinstance(d, GroupDescription) and d.count == d.max_count for d in analysis.groups)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        analysis.groups[0].max_count = 1
+    surgeon = Surgeon(model, analysis)
+    heads, channels = surgeon.group("blocks.0:head"), surgeon.group("blocks.0:channel")
+    surgeon.remove(heads, 0)
+    surgeon.clone(channels, 0)
+    assert analysis.groups == analysed
+    assert all(g.description is d for g, d in zip(surgeon.groups, analysis.groups))
+    assert (heads.count, channels.count) == (2, 25) and (heads.description.count, channels.description.count) == (3, 24)
+    assert channels.slices != channels.description.slices  # its segment, after the heads', moved
+    assert [g.max_count for g in surgeon.groups] == [d.max_count for d in analysis.groups]
 
 
 def test_surgeon_refuses_an_analysis_of_another_model() -> None:

@@ -157,15 +157,13 @@ def test_installation_is_invisible_to_every_call(name: str, data: st.DataObject)
         s.remove(g, j)
         unit = alive[g.name].pop(j)
         weights[p.weight].data.narrow(p.dim, unit * p.width, p.width).zero_()  # the unit's own columns
-    emptied, served = [g.name for g in s.groups if g.count == 0], []
+    served = []
     for call, train in calls:
         if call.get("output_attentions"):  # per-head weights are compared by name, so in a dict
             call = {**call, "return_dict": True}
-        try:
-            assert _rel_diff(_run(s.model, call, train), _run(masked, call, train)) <= 1e-9
-            served.append((call, train))
-        except UnservedCall as refused:  # a host's own forward (serving a cache) that cannot run empty says so
-            assert emptied and "are all removed, and with 0 units it" in str(refused), refused
+        # an emptied layer too: a host's own forward (serving a cache) that cannot run one holds a zero unit
+        assert _rel_diff(_run(s.model, call, train), _run(masked, call, train)) <= 1e-9
+        served.append((call, train))
     before = [_run(s.model, call, train) for call, train in served]
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     for g in s.groups:

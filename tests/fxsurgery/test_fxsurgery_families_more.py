@@ -1,8 +1,9 @@
 """Heads of transformers' families whose attention the sweep (benchmarks/hf_sweep.py) found without heads, built
 tiny from their configs: Doge (each key/value head's values also read by ``dt_proj``, which makes every head's
 dynamic mask), CpmAnt and MPNet (a position bias made once and added to every layer's scores: one head index over
-the layers, as T5's), RoFormer (rotary positions looked up in a frozen table once for all layers). Removal of a head equals zeroing the columns of every map that reads it and equals zeroing it at
-its tap; a clone leaves the outputs unchanged."""
+the layers, as T5's), RoFormer (rotary positions looked up in a frozen table once for all layers). Removal of a head
+equals zeroing the columns of every map that reads it and equals zeroing it at its tap; a clone leaves the outputs
+unchanged."""
 from __future__ import annotations
 
 import copy

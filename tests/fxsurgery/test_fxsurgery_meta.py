@@ -12,7 +12,6 @@ from tiny_vit import build_vit
 
 from fxsurgery import Surgeon, analyse
 from fxsurgery.analysis.verify import real_values, self_check
-from fxsurgery.groups import set_slices
 
 
 def _built(device: str) -> torch.nn.Module:
@@ -71,7 +70,7 @@ def test_the_self_check_fails_a_wrong_group_on_a_meta_model() -> None:
     g = s.group("blocks.0.attn:head")
     calls = [_host_call(s, g, x)]
     assert self_check(s._editor, g, calls[0]) is None
-    set_slices(g, tuple(dataclasses.replace(sl, output=False) for sl in g.slices))  # the columns copied, not split
+    g._state.slices = tuple(dataclasses.replace(sl, output=False) for sl in g.slices)  # the columns copied, not split
     assert self_check(s._editor, g, calls[0]).text.startswith("a clone changed the outputs by")
     assert all(t.is_meta for t in s.model.parameters())
 
@@ -124,7 +123,7 @@ def test_a_meta_group_is_checked_on_a_few_unit_twin_that_still_fails_when_wrong(
                         materialize(t, seed))
     assert g.count == 64 and self_check(s._editor, g, calls[0]) is None
     assert (verify.TWIN_UNITS, 64) in made and (64, 64) not in made  # fc1's weight at 4 units, not 64
-    set_slices(g, tuple(dataclasses.replace(sl, output=False) for sl in g.slices))  # the columns copied, not split
+    g._state.slices = tuple(dataclasses.replace(sl, output=False) for sl in g.slices)  # the columns copied, not split
     assert self_check(s._editor, g, calls[0]).text.startswith("a clone changed the outputs by")
     fc1 = s.model.get_submodule("blocks.0.mlp.fc1")
     assert g.count == 64 and fc1.weight.shape == (64, 64) and fc1.out_features == 64

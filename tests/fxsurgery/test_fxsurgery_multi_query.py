@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zoo import masked_copy
 
-import fxsurgery
 from fxsurgery import Surgeon
 
 
@@ -165,10 +164,34 @@ class FusedModel(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
-def test_query_heads_fused_beside_one_key_value_head_are_left_out_with_the_reason() -> None:
+@pytest.mark.parametrize("kept", [[1], [0, 1], []])
+def test_query_heads_fused_beside_one_key_value_head_remove_as_masking(kept: list[int]) -> None:
     """The shared key/value rows are no unit axis; the query heads beside them fill a segment of the fused weight,
-    which the slice engine cannot yet resize: they are reported naming the weight, never silently dropped."""
-    analysis = fxsurgery.analyse(FusedModel(), (torch.randn(2, 5, 8),), {})
-    assert [(g.name, g.count) for g in analysis.groups] == [("FusedModel:channel", 16)]
-    reasons = [reason for left in analysis.left_out for reason in left.reasons]
-    assert any("attn.c_attn.weight" in r and "segment of dim 0" in r for r in reasons), reasons
+    whose other rows no group holds: they stay through every edit. Keeping any heads (none too) equals zeroing the
+    others through the tap and zeroing their output columns on a copy of the dense model; a clone leaves the outputs
+    unchanged."""
+    torch.manual_seed(0)
+    original, x = FusedModel().double(), torch.randn(2, 5, 8, dtype=torch.double)
+    model = copy.deepcopy(original)
+    s = Surgeon(model, (x,))
+    (group,) = [g for g in s.groups if g.kind == "head"]
+    assert (group.module, group.count, group.exact) == ("attn", 2, True)
+    dead = sorted({0, 1} - set(kept))
+    key_value = model.attn.c_attn.weight[8:].clone()
+
+    def zero_dead(a: torch.Tensor) -> None:
+        a[..., dead, :] = 0
+    with torch.no_grad():
+        tap = s.tap(group, zero_dead)
+        by_tap = model(x)
+        tap.remove()
+        s.keep(group, kept)
+        removed = model(x)
+        assert model.attn.c_attn.weight.shape == (4 * len(kept) + 8, 8)
+        assert torch.equal(model.attn.c_attn.weight[-8:], key_value)
+        assert (removed - by_tap).abs().max() <= 1e-9
+        assert (removed - masked_copy(original, {"attn.out.weight": set(dead)}, {"attn.out.weight": 4})(x)).abs() \
+            .max() <= 1e-9
+        if kept:
+            s.clone(group, 0, noise_std=0.1, generator=torch.Generator().manual_seed(0))
+            assert (model(x) - removed).abs().max() <= 1e-9

@@ -254,8 +254,8 @@ def embedding(s: Step) -> Label | None:
     """A lookup of rows, ``one_hot(indices) @ W``: a linear map from the table's rows, so the looked-up features
     (W's columns) are a new space and W is its member along dim 1. Indices that carry ids, a computed table, or
     one renormalised in place (``max_norm``) are read as no such map. Indices made from sizes and constants alone
-    (positions, ``arange(n)``) look up a value of the table alone: a parameter's label, which joins the coordinates
-    it meets only where it meets one class (a position table beside every head is shared by them)."""
+    (positions, ``arange(n)``) look up a value of the table alone: a parameter's label, which joins the classes it
+    meets one per use and stays out where one use meets several (a position table beside every head)."""
     if s.node.op == "call_module":
         mod = s.lab.module.get_submodule(s.node.target)
         index_label, table, max_norm = first_tensor(s)[1], f"{s.node.target}.weight", mod.max_norm

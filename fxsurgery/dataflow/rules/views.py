@@ -38,6 +38,8 @@ def view_constants(site: Site) -> list[ConstantSpec]:
     if len(paths) != len(site.out_shape):
         raise Unsupported(f"{site.node.name}: shape built at run time; cannot rewrite the unit axis")
     value = get_path(site.node, paths[site.out_dim])
+    if value == -1 and site.in_segment is not None and _split_alone(site) and site.input_segment():
+        return []  # units and other coordinates cut into positions: the -1 counts both, whatever the count
     if (value == -1 or site.reads_unit_axis(value)) and _merges_positions(site):
         site.notes.append(f"{site.node.name}: the unit axis holds positions too, its size is inferred at run time")
         return []
@@ -60,6 +62,21 @@ def _appended_literal(site: Site, shape: Node) -> ConstantSpec | None:
     if size % site.count or literals[k] != size:
         raise Unsupported(f"{site.node.name}: size {literals[k]} on the unit axis is not {site.count} units")
     return ConstantSpec(shape, ("args", 1, k), size // site.count)
+
+
+def _split_alone(site: Site) -> bool:
+    """The output's unit axis comes from splitting the input's unit axis alone, the other sizes of the split
+    literals (a fused projection viewed as (positions, head_dim), its query heads' positions beside the key's and
+    value's)."""
+    if site.in_dim is None or 0 in site.in_shape or 0 in site.out_shape:
+        return False
+    paths = shape_paths(site.node, 1)
+    for ins, outs in reshape_blocks(site.in_shape, site.out_shape):
+        if site.out_dim in outs:
+            return list(ins) == [site.in_dim] and all(isinstance(get_path(site.node, paths[j]), int) and
+                                                      get_path(site.node, paths[j]) > 0
+                                                      for j in outs if j != site.out_dim)
+    return False
 
 
 def _merges_positions(site: Site) -> bool:

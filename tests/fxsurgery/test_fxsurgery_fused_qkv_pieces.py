@@ -124,8 +124,8 @@ transformers = pytest.importorskip("transformers")
 def test_phi3_heads_in_its_fused_qkv_projection() -> None:
     """Phi-3 tiny, 4 query heads over 2 key/value heads: each layer's heads are a group, removal equals masking."""
     from tests.fxsurgery.test_fxsurgery_families_more import HEAD_DIM as HF_HEAD_DIM
-    from tests.fxsurgery.test_fxsurgery_families_more import HEADS, HIDDEN as HF_HIDDEN, VOCAB
-    from tests.fxsurgery.test_fxsurgery_families_more import assert_head_1_removal_equals_masking
+    from tests.fxsurgery.test_fxsurgery_families_more import HEADS, VOCAB, assert_head_1_removal_equals_masking
+    from tests.fxsurgery.test_fxsurgery_families_more import HIDDEN as HF_HIDDEN
 
     torch.manual_seed(0)
     config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=HF_HIDDEN, intermediate_size=48, num_hidden_layers=2,
@@ -149,7 +149,7 @@ def test_phi3_heads_in_its_fused_qkv_projection() -> None:
 
 class RepeatedKeyValue(nn.Module):
     """Multi-query attention whose one key/value head is copied to every query head by ``repeat_interleave`` (a copy,
-    not a broadcast view)."""
+    not a broadcast view); its generator of two views cannot be traced symbolically, so torch.export captures it."""
 
     def __init__(self, heads: int):
         super().__init__()
@@ -162,28 +162,68 @@ class RepeatedKeyValue(nn.Module):
         q = self.q(x).view(b, n, -1, HEAD_DIM).transpose(1, 2)
         k, v = (t.view(b, n, 1, HEAD_DIM).transpose(1, 2).repeat_interleave(self.heads, dim=1)
                 for t in self.kv(x).chunk(2, dim=-1))
+        return self.attend(x, q, k, v)
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = q.shape
         return x + self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
 
+    def key_value(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The query heads and the one key and value head, ``[batch, head, token, dim]``, as a symbolic trace reads
+        them."""
+        b, n, _ = x.shape
+        kv = self.kv(x).view(b, n, 2, 1, HEAD_DIM).transpose(1, 3)
+        return self.q(x).view(b, n, -1, HEAD_DIM).transpose(1, 2), kv[:, :, :, 0], kv[:, :, :, 1]
 
-def test_a_key_value_head_copied_to_every_query_head_follows_the_count_of_heads() -> None:
-    """The copy's size is the number of query heads, set at the ``repeat_interleave``: following it back stops there
-    (a copy's strides tell nothing of its input's dims; the batch dim has the same stride and size, which once
-    misled it), and the count is rewritten there, down to no heads."""
+
+class RepeatedByInterleave(RepeatedKeyValue):
+    """The same copies, traced symbolically: the method and the function form of ``repeat_interleave``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.key_value(x)
+        return self.attend(x, q, k.repeat_interleave(self.heads, dim=1), torch.repeat_interleave(v, self.heads, 1))
+
+
+class RepeatedByRepeat(RepeatedKeyValue):
+    """The same copies by ``repeat`` (its sizes as arguments and as one tuple), traced symbolically."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.key_value(x)
+        return self.attend(x, q, k.repeat(1, self.heads, 1, 1), v.repeat((1, self.heads, 1, 1)))
+
+
+@pytest.mark.parametrize("form", [RepeatedKeyValue, RepeatedByInterleave, RepeatedByRepeat])
+def test_a_key_value_head_copied_to_every_query_head_follows_the_count_of_heads(form: type) -> None:
+    """The copy's size is the number of query heads, set at the repeat: following it back stops there (a copy's
+    strides tell nothing of its input's dims; the batch dim has the same stride and size, which once misled it), and
+    the count is rewritten there: removal equals zeroing the head's columns and zeroing it at its tap, a clone keeps
+    the outputs, down to no heads."""
     torch.manual_seed(0)
-    model = RepeatedKeyValue(heads=3).double()
+    model = form(heads=3).double()
     x = torch.randn(3, 5, HIDDEN, dtype=torch.float64)  # a batch as large as the head count
     s = Surgeon(model, (x,))
     (heads,) = [g for g in s.groups if g.kind == "head"]
     assert (heads.count, heads.exact) == (3, True), s.explain()
+    assert ("torch.export" in s.explain()) == (form is RepeatedKeyValue)
     with torch.no_grad():
         by_weights = copy.deepcopy(model)
         by_weights.out.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
         reference = by_weights(x)
+        by_weights.out.weight.zero_()
+        no_heads = by_weights(x)
+        handle = s.tap(heads, lambda a: a.select(-2, 1).zero_())
+        assert (model(x) - reference).abs().max() < 1e-10
+        handle.remove()
     s.remove(heads, 1)
     with torch.no_grad():
-        assert (model(x) - reference).abs().max() < 1e-10
-    s.remove(heads, 0)
-    s.remove(heads, 0)
+        removed = model(x)
+        assert (removed - reference).abs().max() < 1e-10
+    s.clone(heads, 0, noise_std=0.1)
+    assert heads.count == 3
+    with torch.no_grad():
+        assert (model(x) - removed).abs().max() < 1e-10
+    for _ in range(3):
+        s.remove(heads, 0)
     assert heads.count == 0
     with torch.no_grad():
-        assert (model(x) - x).abs().max() < 1e-10
+        assert (model(x) - no_heads).abs().max() < 1e-10

@@ -118,6 +118,48 @@ def test_the_tap_equals_zeroing_the_columns_and_edits_reach_no_heads_and_back() 
         assert (model(x) - no_attention).abs().max() < 1e-10
 
 
+class Seen:
+    """An object passed to a call, which no graph can take: the host's own forward serves the call."""
+
+    def __init__(self) -> None:
+        self.heads: list[int] = []
+
+
+class GroupedByView(FusedGroupedQuery):
+    """The query heads viewed per key/value head, ``view(b, n, kv, -1, head_dim)``: code that cannot run with no
+    key/value heads (the -1 is ambiguous at zero elements). ``seen`` records the query heads of each call."""
+
+    def forward(self, x: torch.Tensor, seen: Seen | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).split([self.kv * self.group * HEAD_DIM, self.kv * HEAD_DIM, self.kv * HEAD_DIM], dim=-1)
+        q = q.view(b, n, self.kv, -1, HEAD_DIM).flatten(2, 3).transpose(1, 2)
+        k, v = (t.view(b, n, -1, HEAD_DIM).transpose(1, 2).repeat_interleave(self.group, dim=1) for t in (k, v))
+        if seen is not None:
+            seen.heads.append(q.shape[1])
+        x = x + self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+        return x + self.ffn_out(F.gelu(self.ffn_in(x)))
+
+
+@pytest.mark.parametrize("removed", [[1], [0, 1, 2]])
+def test_the_own_forward_of_a_host_left_with_no_units_holds_one_zero_unit_in_every_piece(removed: list[int]) -> None:
+    """A call the graphs cannot take is served by the host's own forward; with every unit removed, for the call the
+    group holds one zero unit, whose key and value rows lie after its query rows (the pieces of one dim placed by
+    the counts, not where they lay at the analysed widths): the outputs equal the masked model's."""
+    torch.manual_seed(0)
+    model = GroupedByView(3, 2).double()
+    x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
+    s = Surgeon(model, (x,))
+    (heads,) = [g for g in s.groups if g.kind == "head"]
+    with torch.no_grad():
+        reference = masked_reference(model, removed)(x)
+    for unit in sorted(removed, reverse=True):
+        s.remove(heads, unit)
+    seen = Seen()
+    with torch.no_grad():
+        assert (model(x, seen) - reference).abs().max() < 1e-10
+    assert seen.heads == [max(3 - len(removed), 1) * 2]
+
+
 transformers = pytest.importorskip("transformers")
 
 

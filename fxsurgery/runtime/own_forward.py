@@ -6,15 +6,17 @@ them, on the analysed call. A group left with
 no units, where removing all of them did not pass (a view with a -1), holds one unit whose tensors are zero for
 the call: it adds nothing, as a removed unit does. Code that keeps a
 count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
-attributes follow the count: the int attributes of the host's own modules that are a multiple of a group's
-count are the candidates, and the smallest set of them that passes both trials is kept and set from the
-current widths before every call the own forward serves. The taps still run, from pre-hooks on the groups'
-output projections (modules there, not graph nodes).
+attributes follow the count: the int attributes of the host's own modules, and of the plain objects they hold (a
+config), that are a multiple of a group's count are the candidates, and the smallest set of them that passes
+both trials is kept, set from the current widths for every call the own forward serves and put back after it
+(an object such as a config is shared by every layer and the model: each sees its own value). The taps still
+run, from pre-hooks on the groups' output projections (modules there, not graph nodes).
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
+import types
 from dataclasses import replace
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -36,12 +38,35 @@ MAX_TRIALS = 200  # sets of count attributes tried before the own forward is giv
 
 
 class CountAttribute(NamedTuple):
-    """A plain int attribute of a module in the host that holds ``per_unit`` × the count of group ``group``."""
+    """A plain int attribute ``name`` of a module in the host, or of the object in its attribute ``holder`` (""
+    for the module itself), that holds ``per_unit`` × the count of group ``group``."""
 
     module: str
+    holder: str
     name: str
     group: int
     per_unit: int
+
+    def owner(self, host: nn.Module) -> object:
+        module = host.get_submodule(self.module)
+        return getattr(module, self.holder) if self.holder else module
+
+
+@contextlib.contextmanager
+def counts_set(host: nn.Module, attributes: list[CountAttribute] | tuple[CountAttribute, ...],
+               counts: list[int]) -> Iterator[None]:
+    """For the call, each count attribute holds ``per_unit`` × its group's count in ``counts``; after it, the value
+    it held (an object shared with the rest of the model, a config, holds its own value between calls)."""
+    saved: list[tuple[object, str, int]] = []
+    try:
+        for c in attributes:
+            owner = c.owner(host)
+            saved.append((owner, c.name, getattr(owner, c.name)))
+            setattr(owner, c.name, c.per_unit * counts[c.group])
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
 
 
 def current_counts(module: nn.Module, records: list[GroupPlumbing]) -> list[int]:
@@ -104,16 +129,9 @@ class OwnForward:
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         counts = current_counts(module, self.groups)
         emptied = [r for r, count in zip(self.groups, counts) if count == 0] if self.empty else []
-        with _one_zero_unit(module, self.groups, counts, emptied):
-            self._set_counts(module, [max(count, 1) if self.empty else count for count in counts])
-            try:
-                return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
-            finally:
-                self._set_counts(module, counts)
-
-    def _set_counts(self, module: nn.Module, counts: list[int]) -> None:
-        for c in self.counts:
-            setattr(module.get_submodule(c.module), c.name, c.per_unit * counts[c.group])
+        held = [max(count, 1) if self.empty else count for count in counts]
+        with _one_zero_unit(module, self.groups, counts, emptied), counts_set(module, self.counts, held):
+            return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
 
     def _run(self, module: nn.Module, untapped: set[str], args: tuple, kwargs: dict) -> Any:
         """The class's forward with the taps run (but those of the groups in ``untapped``, which hold no unit)."""
@@ -153,7 +171,7 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
     tried = 0
     for size in range(len(candidates) + 1):
         for chosen in itertools.combinations(candidates, size):
-            if len({(c.module, c.name) for c in chosen}) < size:
+            if len({(c.module, c.holder, c.name) for c in chosen}) < size:
                 continue  # one attribute follows one group
             why = next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
             if not why:
@@ -219,35 +237,44 @@ class _Trial:
             expected: list[torch.Tensor]) -> str:
         """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked copy's,
         ``expected``)."""
-        saved = [(c, getattr(self.removed.get_submodule(c.module), c.name)) for c in counts]
         now = current_counts(self.removed, self.groups)
-        for c in counts:
-            setattr(self.removed.get_submodule(c.module), c.name, c.per_unit * now[c.group])
         try:
-            with training_mode(self.removed, False), torch.no_grad():
+            with counts_set(self.removed, counts, now), training_mode(self.removed, False), torch.no_grad():
                 out = type(self.removed).forward(self.removed, *args, **kwargs)
         except Exception as e:  # any failure means the forward does not follow the widths
             return f"fails once a unit is removed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-        finally:
-            for c, value in saved:
-                setattr(self.removed.get_submodule(c.module), c.name, value)
         err = max_rel_diff(expected, [t for t in tree_leaves(out) if torch.is_tensor(t)])
         return "" if err <= 1e-4 else f"reads a unit count it stores (a removal differs from masking by {err:.1e})"
 
 
 def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> list[CountAttribute]:
-    """Plain positive int attributes of the host's own modules (torch's modules keep theirs in step already)
-    that are a multiple of a group's count."""
-    out = []
+    """Plain positive int attributes that are a multiple of a group's count: the host's own modules' (torch's
+    modules keep theirs in step already), then those of the plain objects they hold (a config), each object once
+    however many modules hold it."""
+    own, held, seen = [], [], set()
     for path, m in host.named_modules():
         if type(m).__module__.startswith("torch."):
             continue
-        for name, value in vars(m).items():
-            if name.startswith("_") or type(value) is not int or value <= 0:
-                continue
-            out += [CountAttribute(path, name, i, value // r.max_count) for i, r in enumerate(groups)
-                    if r.max_count > 1 and value % r.max_count == 0]
-    return out
+        own += _multiples(vars(m), groups, path, "")
+        for holder, value in vars(m).items():
+            if not holder.startswith("_") and _is_plain_object(value) and id(value) not in seen:
+                seen.add(id(value))
+                held += _multiples(vars(value), groups, path, holder)
+    return own + held
+
+
+def _multiples(attributes: dict[str, Any], groups: list[GroupPlumbing], path: str, holder: str) -> list[CountAttribute]:
+    """The count attributes among ``attributes`` (of the module at ``path`` or of the object in its ``holder``)."""
+    return [CountAttribute(path, holder, name, i, value // r.max_count) for name, value in attributes.items()
+            if not name.startswith("_") and type(value) is int and value > 0
+            for i, r in enumerate(groups) if r.max_count > 1 and value % r.max_count == 0]
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An instance that keeps its attributes in its own ``__dict__`` (not a module, tensor, class, function or
+    Python module, whose attributes are no state of the host's)."""
+    return (isinstance(getattr(value, "__dict__", None), dict) and not callable(value)
+            and not isinstance(value, (nn.Module, torch.Tensor, types.ModuleType)))
 
 
 def _shared_dims(groups: list[GroupPlumbing]) -> set[tuple[str, int]]:

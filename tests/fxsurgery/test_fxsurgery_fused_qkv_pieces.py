@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxsurgery import Surgeon, UnservedCall
+from fxsurgery import Surgeon
 
 HIDDEN, HEAD_DIM = 24, 4
 
@@ -185,8 +185,56 @@ def test_phi3_heads_in_its_fused_qkv_projection() -> None:
         return s.group("model.layers.0.self_attn:head")
 
     assert_head_1_removal_equals_masking(model, heads, zero_head_1)
-    with pytest.raises(UnservedCall, match="cache=a DynamicCache"):  # its own forward reads the head counts off the
-        model(input_ids=torch.randint(3, VOCAB, (1, 4)), use_cache=True)  # config: refused, never served wrongly
+
+
+def tiny_phi3() -> nn.Module:
+    from tests.fxsurgery.test_fxsurgery_families_more import HEADS, VOCAB
+    from tests.fxsurgery.test_fxsurgery_families_more import HIDDEN as HF_HIDDEN
+
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=HF_HIDDEN, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.Phi3ForCausalLM(config).double().eval()
+
+
+@pytest.mark.parametrize("emptied", [[1], [0, 1]])
+def test_phi3_cached_calls_are_served_by_its_own_forward_with_the_configs_head_count_in_step(emptied: list[int]):
+    """Phi-3's attention reads its query rows' end off the config it shares with every layer and the model: the
+    own forward sets the config's count from the layer's own heads for its call and puts it back after. Cached
+    calls and ``generate`` with the cache, after removals (a layer down to no heads) and a clone and in a copy,
+    equal the model with the removed heads' ``o_proj`` columns zeroed, and ``generate`` without the cache."""
+    from tests.fxsurgery.test_fxsurgery_families_more import HEAD_DIM as HF_HEAD_DIM
+    from tests.fxsurgery.test_fxsurgery_families_more import VOCAB
+
+    model = tiny_phi3()
+    masked = copy.deepcopy(model)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    s = Surgeon(model, (), {"input_ids": ids})
+    first, second = (s.group(f"model.layers.{i}.self_attn:head") for i in range(2))
+    with torch.no_grad():
+        masked.model.layers[0].self_attn.o_proj.weight[:, 2 * HF_HEAD_DIM:] = 0  # key/value head 1's query heads
+        for unit in emptied:
+            masked.model.layers[1].self_attn.o_proj.weight[:, 2 * unit * HF_HEAD_DIM:2 * (unit + 1) * HF_HEAD_DIM] = 0
+    s.remove(first, 1)
+    for unit in sorted(emptied, reverse=True):
+        s.remove(second, unit)
+    s.clone(first, 0, noise_std=0.1)
+    assert (first.count, second.count) == (2, 2 - len(emptied))
+    more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for served in (model, copy.deepcopy(model)):
+        with torch.no_grad():
+            cached, reference = served(ids, use_cache=True), masked(ids, use_cache=True)
+            assert (cached.logits - reference.logits).abs().max() < 1e-10
+            step = served(more, past_key_values=cached.past_key_values, use_cache=True).logits
+            assert (step - masked(more, past_key_values=reference.past_key_values, use_cache=True).logits).abs().max() \
+                < 1e-10
+            generated = served.generate(ids, use_cache=True, **options)
+            assert torch.equal(generated, served.generate(ids, use_cache=False, **options))
+            assert torch.equal(generated, masked.generate(ids, use_cache=True, **options))
+        assert served.config.num_attention_heads == 4  # the shared config holds its own value between calls
+    assert "own forward" in s.explain()
 
 
 class RepeatedKeyValue(nn.Module):

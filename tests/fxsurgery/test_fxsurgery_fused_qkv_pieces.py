@@ -6,6 +6,7 @@ follows the rows."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -202,8 +203,9 @@ def tiny_phi3() -> nn.Module:
 def test_phi3_cached_calls_are_served_by_its_own_forward_with_the_configs_head_count_in_step(emptied: list[int]):
     """Phi-3's attention reads its query rows' end off the config it shares with every layer and the model: the
     own forward sets the config's count from the layer's own heads for its call and puts it back after. Cached
-    calls and ``generate`` with the cache, after removals (a layer down to no heads) and a clone and in a copy,
-    equal the model with the removed heads' ``o_proj`` columns zeroed, and ``generate`` without the cache."""
+    calls and ``generate`` with the cache, after removals (a layer down to no heads) and a clone, in the model, a
+    copy and a pickled one, equal the model with the removed heads' ``o_proj`` columns zeroed and ``generate``
+    without the cache."""
     from tests.fxsurgery.test_fxsurgery_families_more import HEAD_DIM as HF_HEAD_DIM
     from tests.fxsurgery.test_fxsurgery_families_more import VOCAB
 
@@ -223,7 +225,7 @@ def test_phi3_cached_calls_are_served_by_its_own_forward_with_the_configs_head_c
     assert (first.count, second.count) == (2, 2 - len(emptied))
     more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(1))
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-    for served in (model, copy.deepcopy(model)):
+    for served in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         with torch.no_grad():
             cached, reference = served(ids, use_cache=True), masked(ids, use_cache=True)
             assert (cached.logits - reference.logits).abs().max() < 1e-10

@@ -250,7 +250,8 @@ def test_a_call_no_front_end_serves_is_refused_naming_the_argument() -> None:
 
 def test_a_host_whose_own_forward_reads_an_int_count_serves_hooked_calls() -> None:
     """timm's attention reads ``num_heads``, an int attribute that is found to follow removals, so once a hook
-    sits inside the host (whose call a graph inlines) its own forward serves, runs the hook, and equals the graph."""
+    sits inside the host (whose call a graph inlines) its own forward serves, runs the hook, and equals the graph.
+    The attribute holds the current count for the call and the value it held after it."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", num_classes=3, img_size=32, patch_size=8, depth=1).eval()
@@ -260,9 +261,10 @@ def test_a_host_whose_own_forward_reads_an_int_count_serves_hooked_calls() -> No
     with torch.no_grad():
         by_graph = model(x)
         seen = []
-        model.blocks[0].attn.proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        attn = model.blocks[0].attn
+        attn.proj.register_forward_hook(lambda module, args, out: seen.append((out.shape, attn.num_heads)))
         by_own_forward = model(x)
-    assert seen == [(2, 17, 192)] and model.blocks[0].attn.num_heads == 2
+    assert seen == [((2, 17, 192), 2)] and attn.num_heads == 3
     assert torch.allclose(by_own_forward, by_graph, atol=1e-6)
     assert "1 by its own forward (hooks on proj" in s.explain()
 
@@ -291,8 +293,8 @@ class _MaskedRepeatAttention(torch.nn.Module):
 def test_a_host_own_forward_is_fitted_on_the_path_of_the_call_it_serves() -> None:
     """Analysed without a mask, the host's own forward follows removals with no count attribute set; a call with
     a mask and an object (which only the own forward serves) takes the path that repeats the key/value head
-    ``n_rep`` times: there ``n_rep`` is found to follow the query heads, and the call equals the original with the
-    removed head's output columns zeroed."""
+    ``n_rep`` times: there ``n_rep`` is found to follow the query heads (set for the call: 4 heads' repeats would
+    not fit 3 query heads), and the call equals the original with the removed head's output columns zeroed."""
     torch.manual_seed(0)
     original = torch.nn.Sequential(_MaskedRepeatAttention())
     model = copy.deepcopy(original)
@@ -308,7 +310,7 @@ def test_a_host_own_forward_is_fitted_on_the_path_of_the_call_it_serves() -> Non
         got = model[0](x, mask=mask, recorder=recorder)
         assert torch.allclose(got, original[0](x, mask=mask), atol=1e-6)
         assert torch.allclose(model(x), original(x), atol=1e-6)
-    assert model[0].n_rep == 3 and recorder.values[0].shape[1] == 3
+    assert model[0].n_rep == 4 and recorder.values[0].shape[1] == 3  # the value it held is put back after the call
 
 
 def test_an_installed_forward_keeps_the_signature_frameworks_read() -> None:

@@ -44,6 +44,9 @@ HEADS_REQUIRED |= {"samvit_base_patch16_224"}
 # Falcon's ``x @ self.weight.T`` (with grouped queries: a unit is one key/value head with its queries; multi-query:
 # a query head, the one key and value kept whole)
 HEADS_REQUIRED |= {"hf_xlnet", "hf_falcon", "hf_falcon_mq", "hf_falcon_gqa", "hf_falcon_gqa_2kv"}
+# and grouped-query attention fused in one projection whose rows are the query, key and value heads (Phi-3's
+# qkv_proj): a unit is a key/value head with its query heads, in pieces of the rows
+HEADS_REQUIRED |= {"hf_phi3"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

@@ -61,8 +61,9 @@ def counts_set(host: nn.Module, attributes: list[CountAttribute] | tuple[CountAt
     try:
         for c in attributes:
             owner = c.owner(host)
-            saved.append((owner, c.name, getattr(owner, c.name)))
+            value = getattr(owner, c.name)
             setattr(owner, c.name, c.per_unit * counts[c.group])
+            saved.append((owner, c.name, value))  # once set (a frozen object refuses it)
         yield
     finally:
         for owner, name, value in reversed(saved):
@@ -255,15 +256,16 @@ def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> list[CountAttri
     for path, m in host.named_modules():
         if type(m).__module__.startswith("torch."):
             continue
-        own += _multiples(vars(m), groups, path, "")
+        own += _multiples(vars(m), groups, path=path, holder="")
         for holder, value in vars(m).items():
             if not holder.startswith("_") and _is_plain_object(value) and id(value) not in seen:
                 seen.add(id(value))
-                held += _multiples(vars(value), groups, path, holder)
+                held += _multiples(vars(value), groups, path=path, holder=holder)
     return own + held
 
 
-def _multiples(attributes: dict[str, Any], groups: list[GroupPlumbing], path: str, holder: str) -> list[CountAttribute]:
+def _multiples(attributes: dict[str, Any], groups: list[GroupPlumbing], *, path: str,
+               holder: str) -> list[CountAttribute]:
     """The count attributes among ``attributes`` (of the module at ``path`` or of the object in its ``holder``)."""
     return [CountAttribute(path, holder, name, i, value // r.max_count) for name, value in attributes.items()
             if not name.startswith("_") and type(value) is int and value > 0

@@ -12,7 +12,7 @@ from .dataflow.constants import ConstantSpec, set_path
 from .dataflow.paths import tensor_at
 from .groups import ConstantSlot, GroupPlumbing, UnitGroup
 from .module_sizes import sync_sizes
-from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, state_tensors
+from .slicing import ParamSlice, by_tensor, clone_unit, in_turn, moved_by, state_tensors
 from .taps import TapPoint
 from .unit_kind import UnitKind
 
@@ -135,11 +135,8 @@ class Editor:
         """Set the count, and the host constants, module sizes and segments of other groups that follow it (a
         group whose segment of a fused projection lies after this group's moves with it)."""
         moves = [(sl, (count - g.count) * sl.outer * sl.inner) for sl in g.slices]
-        for other in self.plumbing:
-            moved = other.slices
-            for sl, delta in moves if other is not g else ():
-                moved = tuple(o.shifted(sl, delta) for o in moved)
-            other._state.slices = moved
+        for other in self.plumbing:  # the group's own later pieces of a dim move too
+            other._state.slices = tuple(moved_by(o, moves) for o in other.slices)
         g._state.count = count
         host = self.host(g)
         for slot in self.plumbing[g].slots:

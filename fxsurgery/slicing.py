@@ -79,6 +79,17 @@ class ParamSlice:
         return self
 
 
+def moved_by(piece: ParamSlice, moves: Sequence[tuple[ParamSlice, int]]) -> ParamSlice:
+    """``piece`` once each slice of ``moves`` (as it was) grew by its number of elements: every move is placed by
+    where both lay before any of them (a group's own pieces of a dim move each other too)."""
+    start, after = piece.start, piece.after
+    for edited, delta in moves:
+        if edited is not piece:
+            shifted = piece.shifted(edited, delta)
+            start, after = start + shifted.start - piece.start, after + shifted.after - piece.after
+    return replace(piece, start=start, after=after) if (start, after) != (piece.start, piece.after) else piece
+
+
 def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, int], int]) -> list[int] | None:
     """Each group's count (``groups``: the slices of each) from the sizes of the dims they slice (``size(name,
     dim)``): a dim's size is the sum, over the groups with a segment there, of width per unit × count, plus the
@@ -89,7 +100,8 @@ def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, in
     fixed: dict[tuple[str, int], int] = {}
     for i, slices in enumerate(groups):
         for sl in slices:
-            widths.setdefault((sl.name, sl.dim), {})[i] = sl.outer * sl.inner
+            held = widths.setdefault((sl.name, sl.dim), {})
+            held[i] = held.get(i, 0) + sl.outer * sl.inner  # a group's pieces of one dim add up
             fixed[(sl.name, sl.dim)] = sl.fixed
     if not groups or not widths:
         return [] if not groups else None
@@ -131,9 +143,14 @@ def by_tensor(slices: tuple[ParamSlice, ...] | list[ParamSlice]) -> list[tuple[s
 def in_turn(fn: Callable[[ParamSlice, torch.Tensor], torch.Tensor], slices: list[ParamSlice],
             t: torch.Tensor) -> torch.Tensor:
     """``fn`` applied for each slice of one tensor in turn, each to the result of the one before (the edits of
-    the dims of a head-mixing map compose: a clone splits its read row, then copies its produced column)."""
-    for sl in slices:
+    the dims of a head-mixing map compose: a clone splits its read row, then copies its produced column). An edit of
+    one piece of a dim moves the group's later pieces there (a fused q/k/v projection's query, key and value rows)."""
+    slices = list(slices)
+    while slices:
+        sl, *slices = slices
+        before = t.shape[sl.dim]
         t = fn(sl, t)
+        slices = [other.shifted(sl, t.shape[sl.dim] - before) for other in slices]
     return t
 
 

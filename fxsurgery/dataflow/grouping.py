@@ -30,7 +30,7 @@ from .paths import common_module, module_of, tensor_at, within
 from .records import Act, Member, Sink, Space, TapLayout
 from .rules import RULES
 from .single_head import HeadAct, SingleHead
-from .unit_layout import describe_layout, layout, segment
+from .unit_layout import describe_layout, layout, pieces, segment
 from .widening import repeat_axes
 
 
@@ -373,8 +373,7 @@ class _Builder:
             members, axes = self.single_head(k, index, sink)
             segments = {}
         else:
-            members = [self.member(m, index, n, sinks) for m in self.rec.members]
-            members = list(dict.fromkeys(m for m in members if m is not None))
+            members = list(dict.fromkeys(sl for m in self.rec.members for sl in self.member(m, index, n, sinks)))
             axes, segments = self.unit_axes(k, index, n)
         consts, notes_zero = self.constants(axes, segments, n)
         read_by = {m.name: m for m in members if m.output}
@@ -384,23 +383,31 @@ class _Builder:
         notes_zero += sorted({ne.reason for ne in self.rec.nonempty if torch.isin(self.cls(ne.ids), ut).any()})
         min_count = 1 if (kind == UnitKind.CHANNEL or notes_zero) else 0
         about = sorted({note.text for note in self.rec.notes if torch.isin(self.cls(note.ids), ut).any()})
-        about += self.fused_note(kind, members)
+        about += self.fused_note(kind, members, n)
         return GroupSpec(kind=kind, count=n, members=members, constants=consts, exact=not mixed,
                          notes=about + mixed + notes_zero, modules=mods, sink=sink.weight,
                          sites=self.sites(sinks, ut, read_by, axes, segments), min_count=min_count)
 
-    @staticmethod
-    def fused_note(kind: UnitKind, members: list[ParamSlice]) -> list[str]:
-        """What a unit is where the group holds a segment of tensors it shares with other groups (a parallel block's
-        fused projections): its parts in each, said once."""
-        shared = [m for m in members if m.start or m.after]
-        if not shared:
-            return []
-        parts = [f"{m.inner} entr{'y' if m.inner == 1 else 'ies'}"
-                 f"{f' in each of {m.outer} sections' if m.outer > 1 else ''} of {m.name}'s dim {m.dim}"
-                 for m in shared]
-        return [f"a unit is one {kind.noun} of a projection fused with other layers: {', '.join(parts)}, in a segment "
-                "beside the other layers' (an edit moves the segments after it)"]
+    def fused_note(self, kind: UnitKind, members: list[ParamSlice], n: int) -> list[str]:
+        """What a unit is where the group holds segments of a dim: beside other groups' (a parallel block's fused
+        projections), or several pieces of its own (a fused q/k/v projection of grouped-query attention); its parts
+        in each, said once."""
+        pieced = [m for m in members if m.start or m.after]
+        own: dict[tuple[str, int], int] = {}
+        for m in pieced:
+            own[(m.name, m.dim)] = own.get((m.name, m.dim), 0) + m.outer * n * m.inner
+        notes = []
+        for alone in (False, True):
+            parts = [f"{m.inner} entr{'y' if m.inner == 1 else 'ies'}"
+                     f"{f' in each of {m.outer} sections' if m.outer > 1 else ''} of {m.name}'s dim {m.dim}"
+                     for m in pieced if (own[(m.name, m.dim)] == self.shape_of(m.name)[m.dim]) == alone]
+            if parts and alone:
+                notes.append(f"a unit is one {kind.noun} in pieces of a fused projection of its own: {', '.join(parts)}"
+                             " (an edit of one piece moves the pieces after it)")
+            elif parts:
+                notes.append(f"a unit is one {kind.noun} of a projection fused with other layers: {', '.join(parts)}, "
+                             "in a segment beside the other layers' (an edit moves the segments after it)")
+        return notes
 
     def sites(self, sinks: list[Sink], ut: torch.Tensor, read_by: dict[str, ParamSlice], axes: dict[tuple, int],
               segments: dict[tuple, tuple[int, int]]) -> list[TapSite]:
@@ -536,14 +543,15 @@ class _Builder:
         names = {sp.node for sp in self.spaces_of(ut)}
         return sorted({module_of(n) for n in self.lab.module.graph.nodes if n.name in names})
 
-    def member(self, m: Member, index: torch.Tensor, n: int, sinks: list[Sink]) -> ParamSlice | None:
-        """The slice of a member listing whose ids belong to the units, or None; its read side (a sink's columns, a
-        head-mixing map's rows) is an ``output`` slice."""
+    def member(self, m: Member, index: torch.Tensor, n: int, sinks: list[Sink]) -> list[ParamSlice]:
+        """The slices of a member listing whose ids belong to the units (one per piece of its dim laid out as
+        ``[outer][unit][inner]``: several in a fused q/k/v projection of grouped-query attention), or none; their read
+        side (a sink's columns, a head-mixing map's rows) is an ``output`` slice."""
         name = m.name
         c = self.cls(m.ids)
         u = torch.where(c >= 0, index[c.clamp(min=0)], c)
         if not (u >= 0).any():
-            return None
+            return []
         shape = self.shape_of(name)
         u = align(u, len(shape))
         dims = [d for d in range(u.dim()) if varies(u, d)]
@@ -554,7 +562,7 @@ class _Builder:
             d = read_dim if at_sink else next(iter(ones), None)
             if d is None:
                 raise Unsupported(f"{name}: one unit of one coordinate, but no dim of size 1 holds it")
-            return ParamSlice(name, d, 1, 1, at_sink)
+            return [ParamSlice(name, d, 1, 1, at_sink)]
         if not dims:  # one unit only, of n >= 2
             raise Unsupported(f"{name}: {describe_layout(u.flatten(), n)}")
         if len(dims) > 1:
@@ -565,11 +573,11 @@ class _Builder:
         if not ((u == u1) | (u == NO_ID)).all():
             raise Unsupported(f"{name}: elements of one slice belong to different units")
         u1 = u1.flatten().expand(shape[d]) if u1.numel() == 1 else u1.flatten()
-        start, stop = segment(u1) or (0, u1.numel())
-        lay = layout(u1[start:stop], n)
-        if lay is None:
+        found = pieces(u1, n)
+        if found is None:
             raise Unsupported(f"{name}: {describe_layout(u1, n)} along dim {d}")
-        return ParamSlice(name, d, lay[0], lay[1], m.output or d == read_dim, start, u1.numel() - stop)
+        return [ParamSlice(name, d, outer, inner, m.output or d == read_dim, start, u1.numel() - stop)
+                for start, stop, outer, inner in found]
 
     def single_head(self, k: int, index: torch.Tensor, sink: Sink) -> tuple[list[ParamSlice], dict[tuple, int]]:
         """Members and axes of a group of one head of several coordinates: its projections' rows and columns lie

@@ -28,6 +28,33 @@ def segment(u: torch.Tensor) -> tuple[int, int] | None:
     return (start, stop) if held.numel() == stop - start else None
 
 
+def pieces(u: torch.Tensor, n: int) -> list[tuple[int, int, int, int]] | None:
+    """(start, stop, outer, inner) of each piece of unit indices ``u`` along a dim laid out as ``[outer][n][inner]``,
+    in order, where the positions that hold units (the others hold other groups' coordinates) are a run of such
+    pieces: one for a plain projection, three for a fused q/k/v projection of grouped-query attention (its query
+    rows hold each unit's query heads, its key and value rows one head per unit). None if a run is no such pieces."""
+    held = (u >= 0).tolist()
+    out, pos, size = [], 0, u.numel()
+    while pos < size:
+        if not held[pos]:
+            pos += 1
+            continue
+        changes = (u[pos:] != u[pos]).nonzero()
+        inner = int(changes[0]) if len(changes) else size - pos
+        block = n * inner
+        if block == 0 or pos + block > size:
+            return None
+        pattern = (torch.arange(block) // inner) % n
+        fits = (size - pos) // block
+        rows = u[pos:pos + fits * block].view(fits, block) == pattern
+        outer = int(rows.all(dim=1).cumprod(0).sum())
+        if outer == 0:
+            return None
+        out.append((pos, pos + outer * block, outer, inner))
+        pos += outer * block
+    return out or None
+
+
 def describe_layout(u: torch.Tensor, n: int) -> str:
     """Why unit indices ``u`` along a dim are no ``[outer][unit][inner]`` layout, for humans."""
     present = torch.unique(u[u >= 0]).tolist()

@@ -149,13 +149,21 @@ def repeat_axes(lab: Labeller, read: SharedRead) -> dict[Key, int]:
     return axes
 
 
+def _repeats_size_one(source: torch.Size, out: torch.Size, dim: int) -> bool:
+    """Whether ``out`` is ``source`` with its size-1 dim ``dim`` repeated, every other dim as it was."""
+    return len(source) == len(out) and source[dim] == 1 and out[dim] > 1 and \
+        all(a == b for k, (a, b) in enumerate(zip(source, out)) if k != dim)
+
+
 def _input_dim(lab: Labeller, node: Node, source: Node, dim: int) -> int | None:
     """The dim of ``source`` that ``node`` puts at its output dim ``dim``; None where ``node`` makes that dim by
     repeating a size-1 dim of ``source`` (a broadcast view, such as an expand)."""
     def plain(a: Node) -> Any:
         return torch.empty(lab.shapes[a], dtype=lab.dtypes[a], device="meta") if a in lab.shapes else lab.values[a]
     try:
-        probe = plain(source)  # contiguous: each dim of size over 1 has a stride of its own
+        shape = lab.shapes[source]  # a view into a padded block: every dim has a stride of its own, which no copy's has
+        probe = torch.empty([size + 1 for size in shape], dtype=lab.dtypes[source], device="meta")[
+            tuple(slice(0, size) for size in shape)]
         out = run_node(lab.module, node, map_arg(node.args, lambda a: probe if a is source else plain(a)),
                        map_arg(node.kwargs, lambda a: probe if a is source else plain(a)))
     except Exception as e:  # any failure: the node cannot be followed
@@ -165,6 +173,8 @@ def _input_dim(lab: Labeller, node: Node, source: Node, dim: int) -> int | None:
     if out.stride(dim) == 0:
         return None
     same = [i for i in range(probe.dim()) if probe.stride(i) == out.stride(dim) and probe.shape[i] == out.shape[dim]]
+    if not same and _repeats_size_one(probe.shape, out.shape, dim):
+        return None  # a copy that repeats a size-1 dim (``repeat_interleave``): the size is set here
     if not same:
         raise Unsupported(f"{node.name}: where its dim {dim}, which repeats an operand its units read alike, comes "
                           "from cannot be told")

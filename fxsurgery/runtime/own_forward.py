@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from dataclasses import replace
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -28,7 +29,7 @@ from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
 from ..groups import GroupPlumbing
 from ..module_sizes import sync_sizes
-from ..slicing import solve_counts
+from ..slicing import ParamSlice, by_tensor, moved_by, solve_counts
 from ..taps import TapPoint
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
@@ -54,25 +55,32 @@ def current_counts(module: nn.Module, records: list[GroupPlumbing]) -> list[int]
 
 
 @contextlib.contextmanager
-def _one_zero_unit(module: nn.Module, emptied: list[GroupPlumbing]) -> Iterator[None]:
+def _one_zero_unit(module: nn.Module, groups: list[GroupPlumbing], counts: list[int],
+                   emptied: list[GroupPlumbing]) -> Iterator[None]:
     """For the call, each group in ``emptied`` (left with no units, which the host's own code cannot run: a view
     with a -1) holds one unit whose tensors are zero: its output columns are zero, so it adds nothing, as a removed
-    unit does (removal equals masking)."""
+    unit does (removal equals masking). Its pieces go where one unit of it and the current counts of the others put
+    them (a fused q/k/v projection's key rows after its query rows), filled in order along each dim."""
+    held = [1 if r in emptied else count for r, count in zip(groups, counts)]
+    moves = [(sl, (count - r.max_count) * sl.outer * sl.inner) for r, count in zip(groups, held) for sl in r.slices]
     kept: list[tuple[dict, str, torch.Tensor]] = []
     try:
-        for r in emptied:
-            for sl in r.slices:
-                owner, _, name = sl.name.rpartition(".")
-                table = next(t for t in own_tensor_tables(module.get_submodule(owner)) if name in t)
-                if all(k is not table or n != name for k, n, _ in kept):
-                    kept.append((table, name, table[name]))
-                units = sl.units(table[name], 0)
-                shape = [size for d, size in enumerate(units.shape) if d != sl.dim + 1]
-                table[name] = sl.append(table[name], 0, units.new_zeros(shape))
+        for path, slices in by_tensor([moved_by(sl, moves) for r in emptied for sl in r.slices]):
+            owner, _, name = path.rpartition(".")
+            table = next(t for t in own_tensor_tables(module.get_submodule(owner)) if name in t)
+            kept.append((table, name, table[name]))
+            for sl in sorted(slices, key=lambda sl: (sl.dim, sl.start)):
+                table[name] = _zero_unit_added(replace(sl, after=table[name].shape[sl.dim] - sl.start), table[name])
         yield
     finally:
         for table, name, tensor in reversed(kept):
             table[name] = tensor
+
+
+def _zero_unit_added(sl: ParamSlice, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one unit of zeros in the empty segment ``sl``."""
+    units = sl.units(t, 0)
+    return sl.append(t, 0, units.new_zeros([size for d, size in enumerate(units.shape) if d != sl.dim + 1]))
 
 
 class OwnForward:
@@ -96,7 +104,7 @@ class OwnForward:
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         counts = current_counts(module, self.groups)
         emptied = [r for r, count in zip(self.groups, counts) if count == 0] if self.empty else []
-        with _one_zero_unit(module, emptied):
+        with _one_zero_unit(module, self.groups, counts, emptied):
             self._set_counts(module, [max(count, 1) if self.empty else count for count in counts])
             try:
                 return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
@@ -188,14 +196,15 @@ class _Trial:
                     for unit in range(n):
                         out.unit(self.masked.get_parameter(out.name).data, r.max_count, unit).zero_()
             rest = torch.arange(n, r.max_count)
-            for sl in slices[i]:
+            for k in range(len(slices[i])):  # each piece moves the others' and the group's own later pieces
+                sl = slices[i][k]
                 owner, _, name = sl.name.rpartition(".")
                 holder = self.removed.get_submodule(owner)
                 tensor = getattr(holder, name)
                 tensor.data = sl.keep(tensor.data, r.max_count, rest)
                 sync_sizes(holder, name)
-                slices = {j: tuple(o.shifted(sl, -n * sl.outer * sl.inner) for o in group) if j != i else group
-                          for j, group in slices.items()}
+                slices = {j: tuple(o if (j, p) == (i, k) else o.shifted(sl, -n * sl.outer * sl.inner)
+                                   for p, o in enumerate(group)) for j, group in slices.items()}
 
     def expected(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
         """The masked copy's output tensors on the call (None where it cannot run it)."""

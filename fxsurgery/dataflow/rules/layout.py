@@ -8,9 +8,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..constants import ConstantSpec, Path, Site, Unsupported, shape_paths
 from ..ids import NO_ID, align, compact, expand_dims, fold, pairs
 from ..labeller import Label, Step
-from .base import defer_pins, first_tensor, register_rule, wrap_dim
+from .base import RULES, defer_pins, first_tensor, register_rule, wrap_dim
 
 
 class Piece(NamedTuple):
@@ -106,6 +107,33 @@ def reorder(s: Step) -> Any:
     ids = expand_dims(align(xl.ids, x.dim()), x.shape, range(x.dim()))
     fn = getattr(ids, s.node.target) if s.node.op == "call_method" else (lambda *a, **k: s.node.target(ids, *a, **k))
     return Label(compact(fn(*s.args[1:], **s.kwargs)), xl.param)
+
+
+@RULES.constants(torch.repeat_interleave, "repeat_interleave", "repeat")
+def repeat_constants(site: Site) -> list[ConstantSpec]:
+    """A repeat that makes the unit axis from a size-1 dim of its input (one key/value head copied to every query
+    head) holds the count: its number of copies there. A repeat of a dim that holds the units already keeps its
+    number of copies per unit, whatever the count."""
+    if site.out_dim is None or site.in_dim is not None:
+        return []
+    path = _repeats_path(site)
+    shift = len(site.out_shape) - len(site.in_shape)  # ``repeat`` may add leading dims
+    if path is None or (site.out_dim >= shift and site.in_shape[site.out_dim - shift] != 1):
+        raise Unsupported(f"{site.node.name}: makes the unit axis by a repeat that no count rewrites")
+    return [site.constant(path, site.out_shape[site.out_dim])]
+
+
+def _repeats_path(site: Site) -> Path | None:
+    """Where ``site``'s repeat holds its number of copies along the unit axis: ``repeat_interleave``'s ``repeats``
+    (along the dim it names), ``repeat``'s entry for that dim; None where no argument holds it alone."""
+    node = site.node
+    if node.target == "repeat":
+        paths = shape_paths(node, 1)
+        return paths[site.out_dim] if len(paths) == len(site.out_shape) else None
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if not isinstance(dim, int) or dim % len(site.out_shape) != site.out_dim:
+        return None
+    return ("args", 1) if len(node.args) > 1 else ("kwargs", "repeats")
 
 
 @register_rule("unfold")

@@ -5,7 +5,8 @@ transfers chosen on non-zero scores, then evaluates; text models see padded batc
 with a head of their own use its loss; feature models (a vision tower, an encoder, a decoder stack) a loss over
 every output they make. An entry's `causal_lm` trains that class of the same config as a language model instead,
 which then generates; its `seq2seq` trains that encoder-decoder class of the same config on the ids as labels, which
-then decodes greedily with its cache as without it."""
+then decodes greedily with its cache as without it. The trained model then exports, and `barter.load` rebuilds it
+from the export alone, equal on a padded batch (and, for a language model, generating the same tokens)."""
 from __future__ import annotations
 
 import inspect
@@ -21,6 +22,7 @@ pytest.importorskip("accelerate")
 from factories import hugging_face  # noqa: E402
 from transfer_checks import QUICK_TRANSFERS, ScoreRecorder  # noqa: E402
 
+import barter  # noqa: E402
 from barter.integrations.hf import BarterCallback  # noqa: E402
 
 ENTRIES = json.loads((Path(__file__).parent / "models_hugging_face.json").read_text())
@@ -73,6 +75,18 @@ def feature_loss(outputs, labels=None, num_items_in_batch=None) -> torch.Tensor:
     return sum(t.square().mean() for t in tensors)
 
 
+def assert_same_outputs(loaded: torch.nn.Module, model: torch.nn.Module, batch: dict, parameters) -> None:
+    """Every floating-point output of ``loaded`` (its loss too, given labels) equals the trained ``model``'s on
+    ``batch``, in eval mode."""
+    batch = {name: value for name, value in batch.items() if name in parameters}
+    with torch.no_grad():
+        expected, actual = model.eval()(**batch), loaded.eval()(**batch)
+    compared = [name for name, value in expected.items() if torch.is_tensor(value) and value.is_floating_point()]
+    assert compared
+    for name in compared:
+        assert torch.allclose(actual[name], expected[name], atol=1e-5), name
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e["model"] for e in ENTRIES])
 def test_trains_through_the_trainer(entry: dict, tmp_path: Path) -> None:
     model = build(entry)
@@ -99,12 +113,15 @@ def test_trains_through_the_trainer(entry: dict, tmp_path: Path) -> None:
         assert sum(g.count for g in ctl.layers[kind]) == sum(ctl.initial[kind])  # budgets conserved
     metrics = trainer.evaluate()
     assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if k == "eval_loss")
+    loaded = barter.load(barter.export(model, tmp_path / "export", program=False))
+    batch = collate("causal_lm" in entry or "seq2seq" in entry)(samples(entry, BATCH))
+    assert_same_outputs(loaded, model, batch, parameters)
     if "causal_lm" in entry:
         prompt = torch.tensor([[5, 6, 7, 8]])
-        model.eval()
+        options = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
         with torch.no_grad():
-            generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
-                                       do_sample=False, pad_token_id=0)
+            generated = model.eval().generate(prompt, **options)
+            assert torch.equal(loaded.eval().generate(prompt, **options), generated)
         assert generated.shape == (1, 8) and torch.equal(generated[:, :4], prompt)
     if "seq2seq" in entry:
         model.eval()

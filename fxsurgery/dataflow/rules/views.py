@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.fx.node import Node
 
 from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
-from ..ids import align, compact, reshape_blocks, reshape_ids
+from ..ids import align, compact, fold, reshape_blocks, reshape_ids
 from ..labeller import Label, Step
 from .base import RULES, first_tensor, register_rule
 
@@ -166,6 +166,25 @@ def move_dims(s: Step) -> Label:
     else:
         out = s.node.target(ids, *rest_args, **s.kwargs)
     return Label(out, xl.param)
+
+
+@register_rule(torch.view_as_complex)
+def complex_pairs(s: Step) -> Label:
+    """``view_as_complex``: the last dim (size 2) becomes one complex element per pair. Complex arithmetic mixes a
+    pair's two numbers, so their coordinates are tied into one, which the element carries; no unit axis can then
+    run along the pair."""
+    x, xl = first_tensor(s)
+    pair, tie = fold(align(xl.ids, x.dim()), [x.dim() - 1])
+    s.rec.tie(tie)
+    return Label(pair.squeeze(-1), xl.param)
+
+
+@register_rule(torch.view_as_real)
+def real_pairs(s: Step) -> Label:
+    """``view_as_real``: a new last dim of size 2 (real and imaginary part), both carrying the element's
+    coordinate."""
+    x, xl = first_tensor(s)
+    return Label(align(xl.ids, x.dim()).unsqueeze(-1), xl.param)
 
 
 @register_rule("expand", "expand_as", "broadcast_to", torch.broadcast_to)

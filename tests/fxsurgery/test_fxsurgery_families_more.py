@@ -40,9 +40,9 @@ def tiny_cpmant() -> nn.Module:
 
 
 def assert_head_1_removal_equals_masking(model: nn.Module, group: Callable[[Surgeon], UnitGroup],
-                                         zero_head_1: Callable[[nn.Module], None]) -> None:
+                                         zero_head_1: Callable[[nn.Module], None], tol: float = 1e-10) -> None:
     """On ``model``: removing unit 1 of the group equals ``zero_head_1`` (the weights' oracle, on a copy) and equals
-    zeroing it at the tap; it changes the logits; cloning unit 0 afterwards keeps them."""
+    zeroing it at the tap, within ``tol``; it changes the logits; cloning unit 0 afterwards keeps them."""
     ids = torch.randint(3, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(0))
     call = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     zeroed = copy.deepcopy(model)
@@ -60,11 +60,11 @@ def assert_head_1_removal_equals_masking(model: nn.Module, group: Callable[[Surg
     assert heads.count == heads.max_count - 1
     with torch.no_grad():
         removed = model(**call).logits
-    assert (removed - by_weights).abs().max() < 1e-10 and (removed - tapped).abs().max() < 1e-10
+    assert (removed - by_weights).abs().max() < tol and (removed - tapped).abs().max() < tol
     assert not torch.allclose(removed, reference, atol=1e-6)
     s.clone(heads, 0, noise_std=0.1)
     with torch.no_grad():
-        assert (model(**call).logits - removed).abs().max() < 1e-10
+        assert (model(**call).logits - removed).abs().max() < tol
 
 
 def test_doge_heads_whose_values_make_the_dynamic_mask_are_a_group_per_layer() -> None:
@@ -173,3 +173,31 @@ def test_units_a_router_chooses_among_by_top_k_are_refused_saying_why() -> None:
     assert "router: topk_2: a top-k choice among units that the data makes (a router picking experts): removing one " \
         "would change which of the others are picked, so no removal equals masking it" in str(refused.value)
     assert "no rule for topk" not in str(refused.value)
+
+
+def tiny_llama4() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
+                                           intermediate_size_mlp=48, num_hidden_layers=2, num_attention_heads=HEADS,
+                                           num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=32,
+                                           num_local_experts=2, num_experts_per_tok=1, attention_chunk_size=4,
+                                           use_cache=False)
+    return transformers.Llama4ForCausalLM(config).double().eval()
+
+
+def test_llama4_heads_rotated_in_complex_form_are_a_group_per_layer() -> None:
+    """Llama 4 rotates q and k as complex pairs (``view_as_complex``, times one rotation per position,
+    ``view_as_real``), in chunked attention beside a mixture of experts: a unit is one key/value head with its two
+    query heads, and its removal equals zeroing their columns of ``o_proj`` (to float32's precision: the model
+    normalises and rotates in float32 whatever its dtype)."""
+    projection = "model.layers.0.self_attn.o_proj.weight"
+
+    def zero_head_1(copied: nn.Module) -> None:
+        copied.get_parameter(projection)[:, 2 * HEAD_DIM:] = 0  # query heads 2 and 3 read key/value head 1
+
+    def heads(s: Surgeon) -> UnitGroup:
+        found = sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head")
+        assert found == [(f"model.layers.{i}.self_attn:head", 2, True) for i in range(2)], s.explain()
+        return s.group("model.layers.0.self_attn:head")
+
+    assert_head_1_removal_equals_masking(tiny_llama4(), heads, zero_head_1, tol=1e-6)

@@ -60,7 +60,8 @@ class SingleHead:
         self.merged: dict[Node, int] = {}  # reshapes with literal sizes that merge the head back: their output dim
         for _ in range(len(self.values)):  # a reshape with the head count as a literal starts the axis anew
             self.base = self.widen(self.seeds)
-            again = {node: dim for node, dim in map(self.passed, self.base.failures) if dim is not None}
+            stopped = [*self.base.failures, *self.astray(self.base)]
+            again = {node: dim for node, dim in map(self.passed, stopped) if dim is not None}
             self.merged.update({n: d for n, d in again.items() if self.lab.shapes[n][d] > 1})
             again = {n: d for n, d in again.items() if n not in self.merged and n not in self.seeds}
             if not again:
@@ -95,6 +96,17 @@ class SingleHead:
                 ambiguous[node] = (f"{node.name}: splits the head's coordinates into {tuple(out_shape)}, whose "
                                    f"dims {ones} all have size 1: which one is the head axis cannot be told")
         return seeds, ambiguous
+
+    def astray(self, run: Widened) -> list[Node]:
+        """Reshapes the widened head passed into another block than its own (a ``-1`` took its wide size:
+        ``x.reshape(b, n, 1, -1, 2)``): their head axis is the one ``passed`` tells, as for literal sizes."""
+        astray = []
+        for (node, index), dim in run.axes.items():
+            src = node.args[0] if node.args else None
+            if index is None and _is_reshape(node) and (src, None) in run.axes:
+                _, outs = _block_of(self.lab.shapes[src], self.lab.shapes[node], in_dim=run.axes[(src, None)])
+                astray += [node] if dim not in outs else []
+        return astray
 
     def passed(self, node: Node) -> tuple[Node, int | None]:
         """Where a reshape that the widened head cannot pass (its sizes are literals) puts the head: the output dim

@@ -20,8 +20,10 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..capture.calls import forked_rng
+from ..capture.calls import forked_rng, training_mode
 from ..capture.front_ends import FrontEndUse
+from ..capture.meta_memo import MetaMemo
+from ..compat import tree_map
 from ..errors import AnalysisError
 from ..groups import GroupDescription, LeftOut
 from ..runtime.call_signature import value_signature, without_objects
@@ -101,10 +103,13 @@ def run_once(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """Call ``model`` once, in eval mode, without gradients, on a forked random stream, then put each module's mode
     back: a module that fills its state on its first call (a buffer computed lazily) is then captured, and
     installed, as it serves every later call, so an analysis does not depend on whether the model ran before. Eval
-    mode leaves running statistics as they were: only state made on a first call changes."""
+    mode leaves running statistics as they were: only state made on a first call changes. Where a run on the meta
+    device shows that the call changes no state, the model is not run (a full forward saved twice per analysis)."""
     args, kwargs = without_objects((args, kwargs))
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_meta for t in tensors):  # a model on the meta device computes nothing a first call could keep
+        return
+    if not _first_call_changes(model, args, kwargs):
         return
     modes = {module: module.training for module in model.modules()}
     try:
@@ -117,6 +122,53 @@ def run_once(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     finally:
         for module, training in modes.items():
             module.training = training
+
+
+def _first_call_changes(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether calling ``model`` in eval mode changes its state: a run with every parameter and buffer on the meta
+    device (shapes only) after which an attribute of a module, or of a plain object a module holds (a config), is
+    another object (a buffer made anew), or a parameter or buffer was written in place; every attribute is then put
+    back. True where the call does not run so (data-dependent code): the real call decides."""
+    original = _attribute_tables(model)
+    stand_ins: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = stand_ins.setdefault(id(t), _on_meta(t))
+    swapped = _attribute_tables(model)
+    versions = [(t, t._version) for t in stand_ins.values()]
+    meta_args, meta_kwargs = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, (args, kwargs))
+    try:
+        with torch.no_grad(), forked_rng([]), training_mode(model, False), MetaMemo():
+            model(*meta_args, **meta_kwargs)
+        return any(t._version != version for t, version in versions) or any(
+            table.keys() != entries.keys() or any(table[k] is not v for k, v in entries.items())
+            for table, entries in swapped)
+    except Exception:
+        return True
+    finally:
+        for table, entries in original:
+            table.clear()
+            table.update(entries)
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    meta = t.detach().to("meta")
+    return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+def _attribute_tables(model: nn.Module) -> list[tuple[dict, dict]]:
+    """Each attribute table (``__dict__``; parameters, buffers and submodules) of every module of ``model`` and of the
+    plain objects they hold, with a copy of its entries."""
+    tables = {}
+    for module in model.modules():
+        held = [getattr(value, "__dict__", None) for value in vars(module).values()
+                if not isinstance(value, (nn.Module, torch.Tensor, type))]
+        for table in (vars(module), module._parameters, module._buffers, module._modules, *held):
+            if isinstance(table, dict):
+                tables[id(table)] = (table, dict(table))
+    return list(tables.values())
 
 
 @contextmanager

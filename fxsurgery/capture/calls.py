@@ -144,7 +144,7 @@ def attributes_read(module: nn.Module, args: tuple, kwargs: dict) -> set[tuple[s
         for m, cls in swapped:
             m.__class__ = _noting(cls)
         _NOTING.append((reads, paths))
-        with torch.no_grad():
+        with torch.no_grad(), MetaMemo():  # blocks built alike: their shapes are worked out once
             for mode in (True, False):
                 with training_mode(module, mode):
                     torch.func.functional_call(module, meta_state(module), meta_args, meta_kwargs)

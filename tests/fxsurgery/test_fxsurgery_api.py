@@ -575,3 +575,57 @@ def test_the_surgeon_of_a_copy_edits_the_copy_alone() -> None:
     assert not torch.equal(before, model(x))
     with pytest.raises(ValueError, match="other tensors or shapes"):
         s.of_copy(TinyTransformer(Style()))
+
+
+class _RealCalls:
+    """Counts the calls of a module made on real (not meta) tensors."""
+
+    def __init__(self, module: nn.Module):
+        self.count = 0
+        module.register_forward_pre_hook(self.seen)
+
+    def seen(self, module: nn.Module, args: tuple) -> None:
+        self.count += any(torch.is_tensor(a) and not a.is_meta for a in args)
+
+
+def test_a_model_whose_first_call_changes_nothing_is_not_run_for_it() -> None:
+    """The first call the analysis makes (for state a model fills then) is a real forward only where a run on the
+    meta device shows that the call changes the model: a plain transformer is not run for it, by the analysis or by
+    the Surgeon's install."""
+    torch.manual_seed(0)
+    model = TinyTransformer(Style(heads=2))
+    calls = _RealCalls(model)
+    Surgeon(model, (torch.randn(2, 4, 5),))
+    assert calls.count == 0
+
+
+class _Settings:
+    """A plain object a model holds (a config)."""
+
+    def __init__(self):
+        self.called = False
+
+
+class _ChangedByItsFirstCall(TinyTransformer):
+    """Counts its calls in a buffer written in place and notes the first call on the plain object it holds."""
+
+    def __init__(self):
+        super().__init__(Style(heads=2))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.settings = _Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        self.settings.called = True
+        return super().forward(x)
+
+
+def test_a_model_changed_by_its_first_call_is_called_for_real_once_and_the_meta_run_leaves_no_trace() -> None:
+    """A buffer written in place or an attribute of a held object set by the call: the meta run sees it, puts every
+    attribute back, and the real first call then fills the model as it would (the analysis runs a copy)."""
+    torch.manual_seed(0)
+    model = _ChangedByItsFirstCall()
+    settings = model.settings
+    Surgeon(model, (torch.randn(2, 4, 5),))
+    assert int(model.calls) == 1 and not model.calls.is_meta
+    assert model.settings is settings and settings.called

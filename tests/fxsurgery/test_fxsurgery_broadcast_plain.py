@@ -1,8 +1,8 @@
 """A tensor the code computes, broadcast along the heads by an ``expand`` (a token-type mask read by every head, as
 Funnel Transformer's relative token-type attention does: ``torch.where(mask.expand(b, heads, n, n), same, diff)``),
 is the same for every head: a head's slice of it is the tensor smaller, so it does not keep the heads from being
-units. One that differs from head to head still refuses them, at its expand. References come from the output projection's
-columns of a head, never from fxsurgery's slices."""
+units. One that differs from head to head still refuses them, at its expand. References come from the output
+projection's columns of a head, never from fxsurgery's slices."""
 from __future__ import annotations
 
 import copy

@@ -10,7 +10,7 @@ from torch.fx.node import Node
 from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
 from ..ids import align, compact, fold, reshape_blocks, reshape_ids
 from ..labeller import Label, Step
-from .base import COMPUTED_TENSOR, RULES, defer_pins, first_tensor, register_rule
+from .base import RULES, first_tensor, register_rule
 
 
 @register_rule(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
@@ -195,7 +195,7 @@ def expand(s: Step) -> Label | None:
     follows the units it lines up with by its size, a count constant."""
     x, xl = first_tensor(s)
     if xl is None:
-        return _broadcast_fill(s, x)
+        return _broadcast_fill(s, x) if s.node.target in ("expand", "broadcast_to", torch.broadcast_to) else None
     return Label(align(xl.ids, s.out.dim()), xl.param)
 
 
@@ -208,9 +208,9 @@ def _broadcast_fill(s: Step, x: torch.Tensor) -> Label | None:
     grown = tuple(size if was == 1 and size > 1 else 1 for was, size in zip(before, s.out.shape))
     if all(size == 1 for size in grown):
         return None
-    ids = s.rec.fresh(tuple(max(size, kept) for size, kept in zip(grown, before)))
+    ids = s.rec.fresh(grown)
     s.rec.uniform.append(ids)
-    defer_pins(s, ids, before, COMPUTED_TENSOR, benign=False)  # the dims it varies along hold no units
+    s.rec.broadcasts.append(ids)
     return Label(ids, True)
 
 

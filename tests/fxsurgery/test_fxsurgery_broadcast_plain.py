@@ -1,7 +1,7 @@
 """A tensor the code computes, broadcast along the heads by an ``expand`` (a token-type mask read by every head, as
 Funnel Transformer's relative token-type attention does: ``torch.where(mask.expand(b, heads, n, n), same, diff)``),
 is the same for every head: a head's slice of it is the tensor smaller, so it does not keep the heads from being
-units. One that differs from head to head still refuses them. References come from the output
+units. One that differs from head to head still refuses them, at its expand. References come from the output
 projection's columns of a head, never from fxsurgery's slices."""
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_a_computed_mask_broadcast_to_every_head_leaves_the_heads_units(literal:
 
 def test_a_computed_choice_that_differs_between_heads_still_refuses_them() -> None:
     x, token_types = _inputs()
-    with pytest.raises(AnalysisError, match=r"where.*a tensor the code computes .* lines up with the unit axis"):
+    with pytest.raises(AnalysisError, match=r"expand.*a tensor the code computes .* lines up with the unit axis"):
         Surgeon(PerHeadChoice().double(), (x, token_types))
 
 

@@ -57,17 +57,11 @@ def held(ids: torch.Tensor, starts: list[torch.Tensor]) -> bool:
     return any(int(u.reshape(-1)[0]) <= first <= int(u.reshape(-1)[-1]) for u in starts if u.numel())
 
 
-def varying_shape(value: torch.Tensor) -> tuple[int, ...]:
-    """``value``'s shape with 1 along the dims it is broadcast along (stride 0: the same tensor at every index)."""
-    return tuple(1 if stride == 0 else size for size, stride in zip(value.shape, value.stride()))
-
-
 def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: int) -> Label | None:
     """Output label of an elementwise op over tensor ``operands`` broadcast to rank ``ndim``."""
     acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
     params = [align(lab.ids, ndim) for _, lab in operands if lab is not None and lab.param]
     plain = [tuple(v.shape) for v, lab in operands if lab is None and torch.is_tensor(v)]
-    plain += [varying_shape(v) for v, lab in operands if lab is not None and held(lab.ids, s.rec.broadcasts)]
     if not acts:  # parameters, perhaps with plain tensors (a relative-position bias plus a window mask)
         fills = [p for p in params if held(p, s.rec.broadcasts)]
         merged = [p for p in params if not held(p, s.rec.broadcasts)] or fills

@@ -10,7 +10,7 @@ from torch.fx.node import Node
 from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
 from ..ids import align, compact, fold, reshape_blocks, reshape_ids
 from ..labeller import Label, Step
-from .base import RULES, first_tensor, register_rule
+from .base import COMPUTED_TENSOR, RULES, defer_pins, first_tensor, register_rule
 
 
 @register_rule(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
@@ -200,17 +200,18 @@ def expand(s: Step) -> Label | None:
 
 
 def _broadcast_fill(s: Step, x: torch.Tensor) -> Label | None:
-    """Fresh ids along the dims ``expand`` broadcast the plain floating or boolean tensor ``x`` along (integer
-    ones, indices, stay plain); None where it broadcast along none."""
+    """Fresh ids for the plain floating or boolean tensor ``x`` that ``expand`` broadcast along new dims (integer
+    ones, indices, stay plain), and a pin on the dims its own values vary along: units may lie along the new dims
+    only. None where it broadcast along none."""
     if not torch.is_tensor(s.out) or not (s.out.is_floating_point() or s.out.dtype == torch.bool):
         return None
     before = (1,) * (s.out.dim() - x.dim()) + tuple(x.shape)
-    grown = tuple(size if was == 1 and size > 1 else 1 for was, size in zip(before, s.out.shape))
-    if all(size == 1 for size in grown):
+    if not any(was == 1 and size > 1 for was, size in zip(before, s.out.shape)):
         return None
-    ids = s.rec.fresh(grown)
+    ids = s.rec.fresh(tuple(s.out.shape))
     s.rec.uniform.append(ids)
     s.rec.broadcasts.append(ids)
+    defer_pins(s, ids, before, COMPUTED_TENSOR, benign=False)  # the dims its own values vary along hold no units
     return Label(ids, True)
 
 

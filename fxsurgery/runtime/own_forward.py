@@ -8,9 +8,10 @@ the call: it adds nothing, as a removed unit does. Code that keeps a
 count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
 attributes follow the count: the int attributes of the host's own modules, and of the plain objects they hold (a
 config), that are a multiple of a group's count are the candidates, and the smallest set of them that passes
-both trials is kept, set from the current widths for every call the own forward serves and put back after it
-(an object such as a config is shared by every layer and the model: each sees its own value). The taps still
-run, from pre-hooks on the groups' output projections (modules there, not graph nodes).
+both trials is kept (the modules' own attributes searched first, a config's many ints only where none pass),
+set from the current widths for every call the own forward serves and put back after it (an object such as a
+config is shared by every layer and the model: each sees its own value). The taps still run, from pre-hooks
+on the groups' output projections (modules there, not graph nodes).
 """
 from __future__ import annotations
 
@@ -167,24 +168,37 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
     if any(expected is None for _, call, expected in checks if call is calls[0]):
         return None, "cannot run the call it was analysed on", ""
     checks = [check for check in checks if check[2] is not None]  # a later call the template cannot run
-    candidates = _candidates(trials[0].masked, groups) if trials else []
-    fault = ""
-    tried = 0
+    own, held = _candidates(trials[0].masked, groups) if trials else ([], [])
+    chosen, fault = _fitting(own, checks, needs_held=False)
+    if chosen is None and held:  # the host's own attributes first: a held config adds many candidates
+        chosen, _ = _fitting(own + held, checks, needs_held=True)
+    if chosen is None:
+        return None, fault, ""
+    checks.clear()  # the trials' copies of the host freed before the empty trial makes its two
+    trials.clear()
+    empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups])
+    return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
+
+
+def _fitting(candidates: list[CountAttribute], checks: list, *, needs_held: bool
+             ) -> tuple[tuple[CountAttribute, ...] | None, str]:
+    """The smallest set of ``candidates`` with which every check passes, among the first ``MAX_TRIALS`` sets tried
+    (with ``needs_held``, only sets that hold an attribute of a held object), or None; and what went wrong first."""
+    fault, tried = "", 0
     for size in range(len(candidates) + 1):
         for chosen in itertools.combinations(candidates, size):
             if len({(c.module, c.holder, c.name) for c in chosen}) < size:
                 continue  # one attribute follows one group
+            if needs_held and all(not c.holder for c in chosen):
+                continue  # tried already, among the host's own attributes
             why = next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
             if not why:
-                checks.clear()  # the trials' copies of the host freed before the empty trial makes its two
-                trials.clear()
-                empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups])
-                return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
+                return chosen, ""
             fault = fault or why
             tried += 1
             if tried >= MAX_TRIALS:
-                return None, fault, ""
-    return None, fault, ""
+                return None, fault
+    return None, fault
 
 
 def _removing(groups: list[GroupPlumbing], k: int) -> list[int]:
@@ -248,9 +262,9 @@ class _Trial:
         return "" if err <= 1e-4 else f"reads a unit count it stores (a removal differs from masking by {err:.1e})"
 
 
-def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> list[CountAttribute]:
+def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> tuple[list[CountAttribute], list[CountAttribute]]:
     """Plain positive int attributes that are a multiple of a group's count: the host's own modules' (torch's
-    modules keep theirs in step already), then those of the plain objects they hold (a config), each object once
+    modules keep theirs in step already), and those of the plain objects they hold (a config), each object once
     however many modules hold it."""
     own, held, seen = [], [], set()
     for path, m in host.named_modules():
@@ -261,7 +275,7 @@ def _candidates(host: nn.Module, groups: list[GroupPlumbing]) -> list[CountAttri
             if not holder.startswith("_") and _is_plain_object(value) and id(value) not in seen:
                 seen.add(id(value))
                 held += _multiples(vars(value), groups, path=path, holder=holder)
-    return own + held
+    return own, held
 
 
 def _multiples(attributes: dict[str, Any], groups: list[GroupPlumbing], *, path: str,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxsurgery import Surgeon
+from fxsurgery import Surgeon, UnitGroup
 
 HIDDEN, HEAD_DIM = 24, 4
 
@@ -98,12 +98,19 @@ def test_a_unit_in_three_pieces_of_the_fused_rows_is_removed_and_cloned_exactly(
     del by_tap
 
 
-def test_the_tap_equals_zeroing_the_columns_and_edits_reach_no_heads_and_back() -> None:
+def analysed(model_class: type[nn.Module]) -> tuple[nn.Module, torch.Tensor, Surgeon, UnitGroup]:
+    """``model_class(3, 2)`` in double precision (three key/value heads of two query heads each), an input, its
+    Surgeon and its head group."""
     torch.manual_seed(0)
-    model = FusedGroupedQuery(3, 2).double()
+    model = model_class(3, 2).double()
     x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
     s = Surgeon(model, (x,))
     (heads,) = [g for g in s.groups if g.kind == "head"]
+    return model, x, s, heads
+
+
+def test_the_tap_equals_zeroing_the_columns_and_edits_reach_no_heads_and_back() -> None:
+    model, x, s, heads = analysed(FusedGroupedQuery)
     with torch.no_grad():
         by_weights = masked_reference(model, [1])(x)
     handle = s.tap(heads, lambda a: a.select(-2, 1).zero_())
@@ -146,11 +153,7 @@ def test_the_own_forward_of_a_host_left_with_no_units_holds_one_zero_unit_in_eve
     """A call the graphs cannot take is served by the host's own forward; with every unit removed, for the call the
     group holds one zero unit, whose key and value rows lie after its query rows (the pieces of one dim placed by
     the counts, not where they lay at the analysed widths): the outputs equal the masked model's."""
-    torch.manual_seed(0)
-    model = GroupedByView(3, 2).double()
-    x = torch.randn(2, 5, HIDDEN, dtype=torch.float64)
-    s = Surgeon(model, (x,))
-    (heads,) = [g for g in s.groups if g.kind == "head"]
+    model, x, s, heads = analysed(GroupedByView)
     with torch.no_grad():
         reference = masked_reference(model, removed)(x)
     for unit in sorted(removed, reverse=True):
@@ -167,14 +170,9 @@ transformers = pytest.importorskip("transformers")
 def test_phi3_heads_in_its_fused_qkv_projection() -> None:
     """Phi-3 tiny, 4 query heads over 2 key/value heads: each layer's heads are a group, removal equals masking."""
     from tests.fxsurgery.test_fxsurgery_families_more import HEAD_DIM as HF_HEAD_DIM
-    from tests.fxsurgery.test_fxsurgery_families_more import HEADS, VOCAB, assert_head_1_removal_equals_masking
-    from tests.fxsurgery.test_fxsurgery_families_more import HIDDEN as HF_HIDDEN
+    from tests.fxsurgery.test_fxsurgery_families_more import assert_head_1_removal_equals_masking
 
-    torch.manual_seed(0)
-    config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=HF_HIDDEN, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32,
-                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
-    model = transformers.Phi3ForCausalLM(config).double().eval()
+    model = tiny_phi3(use_cache=False)
     projection = "model.layers.0.self_attn.o_proj.weight"
 
     def zero_head_1(copied: nn.Module) -> None:
@@ -188,14 +186,15 @@ def test_phi3_heads_in_its_fused_qkv_projection() -> None:
     assert_head_1_removal_equals_masking(model, heads, zero_head_1)
 
 
-def tiny_phi3() -> nn.Module:
+def tiny_phi3(**options) -> nn.Module:
+    """Phi-3 of 2 layers, 4 query heads over 2 key/value heads, in double precision (``options``: more config)."""
     from tests.fxsurgery.test_fxsurgery_families_more import HEADS, VOCAB
     from tests.fxsurgery.test_fxsurgery_families_more import HIDDEN as HF_HIDDEN
 
     torch.manual_seed(0)
     config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=HF_HIDDEN, intermediate_size=48, num_hidden_layers=2,
                                      num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=32,
-                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, **options)
     return transformers.Phi3ForCausalLM(config).double().eval()
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from zoo import masked_copy
 
-from fxsurgery import Surgeon
+from fxsurgery import Surgeon, UnitGroup
 
 
 class MultiQueryAttention(nn.Module):
@@ -100,6 +100,20 @@ class RepeatedModel(nn.Module):
         return self.head(h + self.attn(h))
 
 
+def zeroed_by_tap_then_kept(s: Surgeon, group: UnitGroup, model: nn.Module, x: torch.Tensor, *, kept: list[int],
+                            dead: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs with the ``dead`` units' activations zeroed through the tap, then with the Surgeon keeping only
+    ``kept`` (the two sides of removal equals masking)."""
+    def zero_dead(a: torch.Tensor) -> None:
+        a[..., dead, :] = 0
+    with torch.no_grad():
+        tap = s.tap(group, zero_dead)
+        by_tap = model(x)
+        tap.remove()
+        s.keep(group, kept)
+        return by_tap, model(x)
+
+
 @settings(max_examples=12, deadline=None)
 @given(kv_heads=st.sampled_from([1, 2]), n_rep=st.sampled_from([2, 3]), eager=st.booleans(), data=st.data())
 def test_repeated_key_value_heads_follow_the_query_heads(kv_heads: int, n_rep: int, eager: bool,
@@ -122,15 +136,8 @@ def test_repeated_key_value_heads_follow_the_query_heads(kv_heads: int, n_rep: i
     assert ({"k", "v"} & {sl.name.split(".")[1] for sl in group.slices}) == (set() if kv_heads == 1 else {"k", "v"})
     kept = data.draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=count, unique=True).map(sorted))
     dead = set(range(count)) - set(kept)
-
-    def zero_dead(a: torch.Tensor) -> None:
-        a[..., sorted(dead), :] = 0
+    by_tap, removed = zeroed_by_tap_then_kept(s, group, model, x, kept=kept, dead=sorted(dead))
     with torch.no_grad():
-        tap = s.tap(group, zero_dead)
-        by_tap = model(x)
-        tap.remove()
-        s.keep(group, kept)
-        removed = model(x)
         assert (removed - by_tap).abs().max() <= 1e-9
         assert (removed - masked_copy(original, {"attn.out.weight": dead}, {"attn.out.weight": width})(x)).abs().max() \
             <= 1e-9
@@ -178,15 +185,8 @@ def test_query_heads_fused_beside_one_key_value_head_remove_as_masking(kept: lis
     assert (group.module, group.count, group.exact) == ("attn", 2, True)
     dead = sorted({0, 1} - set(kept))
     key_value = model.attn.c_attn.weight[8:].clone()
-
-    def zero_dead(a: torch.Tensor) -> None:
-        a[..., dead, :] = 0
+    by_tap, removed = zeroed_by_tap_then_kept(s, group, model, x, kept=kept, dead=dead)
     with torch.no_grad():
-        tap = s.tap(group, zero_dead)
-        by_tap = model(x)
-        tap.remove()
-        s.keep(group, kept)
-        removed = model(x)
         assert model.attn.c_attn.weight.shape == (4 * len(kept) + 8, 8)
         assert torch.equal(model.attn.c_attn.weight[-8:], key_value)
         assert (removed - by_tap).abs().max() <= 1e-9

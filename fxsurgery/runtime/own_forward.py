@@ -231,13 +231,13 @@ class _Trial:
             rest = torch.arange(n, r.max_count)
             for k in range(len(slices[i])):  # each piece moves the others' and the group's own later pieces
                 sl = slices[i][k]
+                move = [(sl, -n * sl.outer * sl.inner)]
                 owner, _, name = sl.name.rpartition(".")
                 holder = self.removed.get_submodule(owner)
                 tensor = getattr(holder, name)
                 tensor.data = sl.keep(tensor.data, r.max_count, rest)
                 sync_sizes(holder, name)
-                slices = {j: tuple(o if (j, p) == (i, k) else o.shifted(sl, -n * sl.outer * sl.inner)
-                                   for p, o in enumerate(group)) for j, group in slices.items()}
+                slices = {j: tuple(moved_by(o, move) for o in group) for j, group in slices.items()}
 
     def expected(self, args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
         """The masked copy's output tensors on the call (None where it cannot run it)."""

@@ -55,6 +55,24 @@ class PerHeadChoice(TokenTypeAttention):
         return x + self.out(torch.einsum("bnij,bjnd->bind", scores.softmax(-1), v).reshape(b, n, INNER))
 
 
+class BroadcastPositions(TokenTypeAttention):
+    """Content scores plus position scores: a table the code computes, broadcast over the batch by an ``expand`` and
+    mapped to every head by a (features, heads, head_dim) parameter (XLNet's ``einsum("ibh,hnd->ibnd", pos, r)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r = nn.Parameter(torch.randn(DIM, HEADS, HEAD_DIM))
+
+    def forward(self, x: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, HEADS, HEAD_DIM) for p in (self.q, self.k, self.v))
+        table = (torch.arange(n, dtype=x.dtype)[:, None] * torch.arange(1, DIM + 1, dtype=x.dtype)).sin()
+        positions = torch.einsum("bjh,hnd->bjnd", table[None].expand(b, -1, -1), self.r)
+        scores = torch.einsum("bind,bjnd->bnij", q, k) + torch.einsum("bind,bjnd->bnij", q, positions)
+        attended = torch.einsum("bnij,bjnd->bind", scores.softmax(-1), v)
+        return x + self.out(attended.reshape(b, n, INNER))
+
+
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return (torch.randn(2, TOKENS, DIM, dtype=torch.float64, generator=generator),
@@ -106,6 +124,14 @@ def test_a_computed_choice_that_differs_between_heads_still_refuses_them() -> No
     x, token_types = _inputs()
     with pytest.raises(AnalysisError, match=r"expand.*a tensor the code computes .* lines up with the unit axis"):
         Surgeon(PerHeadChoice().double(), (x, token_types))
+
+
+def test_a_computed_table_broadcast_over_the_batch_and_mapped_by_a_parameter_leaves_the_heads_units() -> None:
+    """A product reads a broadcast table as the plain tensor it is: mapped by a parameter, it starts the position
+    heads that the queries read, as it does unbroadcast."""
+    x, token_types = _inputs()
+    assert_head_1_removal_equals_masking(BroadcastPositions().double().eval(), {"x": x, "token_types": token_types},
+                                         projection="out.weight", logits=lambda out: out)
 
 
 def tiny_funnel(cls_name: str) -> nn.Module:

@@ -156,6 +156,9 @@ class Records:
     shared_reads: list[SharedRead] = field(default_factory=list)
     # ids of values a factory filled with one number (``torch.zeros``): slicing one is rewriting its size
     uniform: list[torch.Tensor] = field(default_factory=list)
+    # ids of plain tensors an ``expand`` broadcast along new dims (also in ``uniform``): beside parameters alone they
+    # tie to them as a factory's fill does, not merged
+    broadcasts: list[torch.Tensor] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

@@ -166,7 +166,8 @@ class FoldedBlock(nn.Module):
 
 def test_a_learned_bias_added_by_baddbmm_keeps_its_heads_and_alibi_slopes_are_refused() -> None:
     """A per-head parameter added to the scores by ``baddbmm`` is sliced with its head (removal equals both
-    oracles); slopes the code computes from the head count cannot be, and the attention is left out saying so."""
+    oracles); slopes the code computes from the head count cannot be, and the attention is left out saying so (at
+    the ``expand`` that broadcasts them over the batch)."""
     torch.manual_seed(0)
     model, x = FoldedBlock(learned=True).double().eval(), torch.randn(2, 5, 3, dtype=torch.float64)
     zeroed = copy.deepcopy(model)
@@ -186,7 +187,8 @@ def test_a_learned_bias_added_by_baddbmm_keeps_its_heads_and_alibi_slopes_are_re
     computed = Surgeon(FoldedBlock(learned=False).double().eval(), (x,))
     assert not [g for g in computed.groups if g.kind == "head"]
     (reason,) = [r for lo in computed.left_out if lo.module == "attn" for r in lo.reasons]
-    assert reason.startswith("baddbmm: a tensor the code computes (no parameter or buffer), which no edit can slice")
+    # the slopes vary along the heads where the code broadcasts them over the batch: refused at that expand
+    assert reason.startswith("expand: a tensor the code computes (no parameter or buffer), which no edit can slice")
 
 
 def test_bloom_alibi_attention_is_left_out_with_its_reason() -> None:

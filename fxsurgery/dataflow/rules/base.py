@@ -51,16 +51,26 @@ def defer_pins(s: Step, ids: torch.Tensor, other: Sequence[int], what: str, beni
 COMPUTED_TENSOR = "a tensor the code computes (no parameter or buffer), which no edit can slice,"
 
 
+def held(ids: torch.Tensor, starts: list[torch.Tensor]) -> bool:
+    """Whether ``ids`` begin among the fresh ids of one of ``starts`` (a fill's, made by one rule)."""
+    first = int(ids.reshape(-1)[0]) if ids.numel() else NO_ID
+    return any(int(u.reshape(-1)[0]) <= first <= int(u.reshape(-1)[-1]) for u in starts if u.numel())
+
+
 def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: int) -> Label | None:
     """Output label of an elementwise op over tensor ``operands`` broadcast to rank ``ndim``."""
     acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
     params = [align(lab.ids, ndim) for _, lab in operands if lab is not None and lab.param]
     plain = [tuple(v.shape) for v, lab in operands if lab is None and torch.is_tensor(v)]
     if not acts:  # parameters, perhaps with plain tensors (a relative-position bias plus a window mask)
-        ids = params[0]
-        for p in params[1:]:
+        fills = [p for p in params if held(p, s.rec.broadcasts)]
+        merged = [p for p in params if not held(p, s.rec.broadcasts)] or fills
+        ids = merged[0]
+        for p in merged[1:]:
             ids, tie = merge(ids, p)
             s.rec.tie(tie)
+        for fill in (fills if merged is not fills else []):
+            uniform_ties(s, fill, ids)
         for sh in plain:
             defer_pins(s, ids, sh, COMPUTED_TENSOR)
         return Label(ids, True)
@@ -80,8 +90,7 @@ def uniform_ties(s: Step, fill: torch.Tensor, ids: torch.Tensor) -> bool:
     """Whether ``fill`` is a factory's fill of one number (``rules/factories.py``), and if so tie it to the
     coordinates ``ids`` where it lines up with them: it must follow them. Where it broadcasts along coordinates
     that vary (one fill beside every head) it is the same for each, and ties to none."""
-    first = int(fill.reshape(-1)[0]) if fill.numel() else NO_ID
-    if not any(int(u.reshape(-1)[0]) <= first <= int(u.reshape(-1)[-1]) for u in s.rec.uniform if u.numel()):
+    if not held(fill, s.rec.uniform):
         return False
     fill, ids = align(fill, max(fill.dim(), ids.dim())), align(ids, max(fill.dim(), ids.dim()))
     if all(fill.shape[d] > 1 or not varies(ids, d) for d in range(ids.dim())):

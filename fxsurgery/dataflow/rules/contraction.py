@@ -13,7 +13,7 @@ from torch.fx.node import Node
 from ..ids import NO_ID, align, compact, expand_dims, fold, merge, pairs, varies
 from ..labeller import Label, Step
 from ..records import Member, Note, Opaque, SharedRead, Sink, Space
-from .base import defer_pins, elementwise_labels, head_axis, mix, mixing_map, pin_all, register_rule
+from .base import defer_pins, elementwise_labels, head_axis, held, mix, mixing_map, pin_all, register_rule
 
 
 class Operand(NamedTuple):
@@ -53,7 +53,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     axis (units kept on another axis fold their coordinates along it, as against a parameter they share)."""
     letters = sorted(set("".join(subs)) | set(out_sub))
     pos = {c: i for i, c in enumerate(letters)}
-    views = [_operand(shape, lab, sub, letters) for (shape, lab), sub in zip(operands, subs)]
+    views = [_operand(shape, _unless_broadcast(s, lab), sub, letters) for (shape, lab), sub in zip(operands, subs)]
     if (weight := _weight_of_map(s, views, letters, out_sub)) is not None:
         return _linear_product(s, views, weight, letters, out_sub)
     shared = _share(s, views, letters, out_sub)
@@ -105,6 +105,13 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
         if len(s.rec.contracted) == before:
             s.rec.applied.append(out.ids)
     return out
+
+
+def _unless_broadcast(s: Step, lab: Label | None) -> Label | None:
+    """``lab``, or None for a plain tensor an ``expand`` broadcast (``Records.broadcasts``): a product reads its values,
+    which are no parameter's, as it reads the tensor before the broadcast (a position table broadcast over the
+    batch and mapped by a weight starts a space; beside the units it refuses them)."""
+    return None if lab is not None and held(lab.ids, s.rec.broadcasts) else lab
 
 
 class MapWeight(NamedTuple):

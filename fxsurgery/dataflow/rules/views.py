@@ -10,7 +10,7 @@ from torch.fx.node import Node
 from ..constants import ConstantSpec, Site, Unsupported, get_path, shape_paths
 from ..ids import align, compact, fold, reshape_blocks, reshape_ids
 from ..labeller import Label, Step
-from .base import RULES, first_tensor, register_rule
+from .base import COMPUTED_TENSOR, RULES, defer_pins, first_tensor, register_rule
 
 
 @register_rule(torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
@@ -187,14 +187,32 @@ def real_pairs(s: Step) -> Label:
     return Label(align(xl.ids, x.dim()).unsqueeze(-1), xl.param)
 
 
-@register_rule("expand", "expand_as", "broadcast_to", torch.broadcast_to)
+@register_rule("expand", "expand_as", "broadcast_to", torch.broadcast_to, always=True)
 def expand(s: Step) -> Label | None:
     """The expanded tensor's ids, repeated as its values are; the shape source of ``expand_as`` lends only its
-    shape, so its ids go nowhere."""
+    shape, so its ids go nowhere. A plain tensor broadcast along new dims (a mask the code computes, read by every
+    head) gets fresh ids along them, held like a factory's fill: every slice along them is the same tensor, so it
+    follows the units it lines up with by its size, a count constant."""
     x, xl = first_tensor(s)
     if xl is None:
-        return None
+        return _broadcast_fill(s, x) if s.node.target in ("expand", "broadcast_to", torch.broadcast_to) else None
     return Label(align(xl.ids, s.out.dim()), xl.param)
+
+
+def _broadcast_fill(s: Step, x: torch.Tensor) -> Label | None:
+    """Fresh ids for the plain floating or boolean tensor ``x`` that ``expand`` broadcast along new dims (integer
+    ones, indices, stay plain), and a pin on the dims its own values vary along: units may lie along the new dims
+    only. None where it broadcast along none."""
+    if not torch.is_tensor(s.out) or not (s.out.is_floating_point() or s.out.dtype == torch.bool):
+        return None
+    before = (1,) * (s.out.dim() - x.dim()) + tuple(x.shape)
+    if not any(was == 1 and size > 1 for was, size in zip(before, s.out.shape)):
+        return None
+    ids = s.rec.fresh(tuple(s.out.shape))
+    s.rec.uniform.append(ids)
+    s.rec.broadcasts.append(ids)
+    defer_pins(s, ids, before, COMPUTED_TENSOR, benign=False)  # the dims its own values vary along hold no units
+    return Label(ids, True)
 
 
 @RULES.constants("expand")
@@ -202,6 +220,6 @@ def expand_constants(site: Site) -> list[ConstantSpec]:
     if site.out_dim is None:
         return []
     paths = shape_paths(site.node, 1)
-    if get_path(site.node, paths[site.out_dim]) == -1:
+    if paths and get_path(site.node, paths[site.out_dim]) == -1:
         return []
-    return view_constants(site)
+    return view_constants(site)  # also a shape read off another tensor (``x.expand(y.shape)``)

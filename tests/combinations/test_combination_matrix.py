@@ -1,8 +1,8 @@
 """Features in combination: hypothesis draws one value of each axis, trains the drawn model through BARTER's
 transfers in the drawn runtime, takes the drawn lifecycle step, and checks what must hold in every combination.
 
-Axes: the model (`cases.CASES`: timm ViT, HF encoder, HF decoder with its cache, heads mixed by heads x heads maps,
-a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by the controller); the
+Axes: the model (`cases.CASES`: timm ViT, HF encoder, HF decoders with their cache (GPT-2, Phi-3's grouped-query
+heads in a fused projection, Falcon's multi-query heads), heads mixed by heads x heads maps, a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by the controller); the
 width the layers start at (every layer at its maximum, at one unit, at half: a head transfer then empties a layer
 of a model whose heads may all go, and fills its receiver to its maximum); the lifecycle step (transfers alone,
 checkpoint -> resume, export -> load). Every run ends by forcing a drawn layer to its edge (0 heads, or 1 channel)
@@ -289,6 +289,8 @@ def check_combination(tmp_path_factory, model: str, runtime: str, width: str, li
 @example(model="timm_vit", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=0)
 @example(model="hf_encoder", runtime="ema", width="one_unit", lifecycle="export_load", seed=1)
 @example(model="hf_decoder_cache", runtime="amp_bf16", width="half", lifecycle="transfers", seed=2)
+@example(model="hf_fused_gqa_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=5)
+@example(model="hf_multi_query_cache", runtime="amp_bf16", width="maximum", lifecycle="export_load", seed=6)
 @example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
 @example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
 @settings(max_examples=3 if settings.get_current_profile_name() == "ci" else 20)

@@ -172,8 +172,9 @@ def assert_scores_nonzero(run: Run) -> None:
 
 
 def train(run: Run, steps: range, checkpoint_at: int | None = None) -> bytes | None:
-    """Train `steps` through the controller's transfers, checking each transfer against masking (the live model at
-    the next forward, and the EMA copy); returns the checkpoint taken after `checkpoint_at` steps, if any."""
+    """Train `steps` through the controller's transfers, checking each transfer against masking (the live model's
+    outputs as the case probes them, the live model at the next forward, and the EMA copy); returns the checkpoint
+    taken after `checkpoint_at` steps, if any."""
     expected, checkpoint = None, None
     for step in steps:
         if step == checkpoint_at:
@@ -198,6 +199,8 @@ def train(run: Run, steps: range, checkpoint_at: int | None = None) -> bytes | N
         masked = transferred_units(twin, [e for e in run.controller.events[done:] if e["skipped"] is None])
         if masked:
             expected = masking_references(run, twin, masked, step + 1)
+            assert_close(run, outputs(run, run.model, step + 1), expected,
+                         f"step {step}: the outputs as probed (a cached call) after a transfer against masking")
             if run.ema is not None:
                 assert_close(run, outputs(run, run.ema.module, step + 1),
                              outputs(run, masked_by_weights(run.case, ema_before, masked), step + 1),

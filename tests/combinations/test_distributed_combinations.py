@@ -16,7 +16,7 @@ the outputs within 1e-5.
 CI runs a fixed slice: every model, width and lifecycle step, checkpoint -> resume and export -> load under both
 runtimes, and layers emptied of heads under FSDP2 (the ViT's by a transfer before its checkpoint and by the forced
 edge, the head-mixing model's by the forced edge before its export, Phi-3's, in pieces of its fused q/k/v
-projection, by a transfer and the forced edge before its export); `make soak` runs every combination, each with a
+projection, by the forced edge before its export); `make soak` runs every combination, each with a
 freshly drawn seed.
 """
 from __future__ import annotations

@@ -3,8 +3,10 @@
 It serves only where it follows the widths, which is checked on the host's template, never assumed: removing
 the first units of every group (one, then two, and counts that differ between any two groups) must equal masking
 them, on the analysed call. A group left with
-no units, where removing all of them did not pass (a view with a -1), holds one unit whose tensors are zero for
-the call: it adds nothing, as a removed unit does. Code that keeps a
+no units, where removing all of them did not pass (a view with a -1) or where the call passes an object (a
+key/value cache, which would store the group's empty tensors, and whose length code reads off a layer's keys,
+taking an empty tensor for no entries), holds one unit whose tensors are zero for the call: it adds nothing, as a
+removed unit does. Code that keeps a
 count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
 attributes follow the count: the int attributes of the host's own modules, and of the plain objects they hold (a
 config), that are a multiple of a group's count are the candidates, and the smallest set of them that passes
@@ -34,6 +36,7 @@ from ..groups import GroupPlumbing
 from ..module_sizes import sync_sizes
 from ..slicing import ParamSlice, by_tensor, moved_by, solve_counts
 from ..taps import TapPoint
+from .call_signature import holds_objects
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
 
@@ -130,8 +133,11 @@ class OwnForward:
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         counts = current_counts(module, self.groups)
-        emptied = [r for r, count in zip(self.groups, counts) if count == 0] if self.empty else []
-        held = [max(count, 1) if self.empty else count for count in counts]
+        # an object the call passes (a cache) may store an emptied group's tensors, and code reading it may take an
+        # empty tensor for no entries (a cache's length read off its first layer's keys): one zero unit is stored
+        zero_unit = bool(self.empty) or holds_objects((args, kwargs))
+        emptied = [r for r, count in zip(self.groups, counts) if count == 0] if zero_unit else []
+        held = [max(count, 1) if zero_unit else count for count in counts]
         with _one_zero_unit(module, self.groups, counts, emptied), counts_set(module, self.counts, held):
             return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
 

@@ -1,8 +1,9 @@
 """The models of the combination matrix, each tiny (a few thousand parameters, 2 layers of 2 heads and 4 FFN
-channels): a timm ViT, a captured Hugging Face encoder (BERT, called with keywords), a captured Hugging Face decoder
-called with its key/value cache (GPT-2), a hand-written model whose heads are mixed by heads x heads maps, and a
-convolutional transformer whose FFN is convolutional.
-
+channels): a timm ViT, a captured Hugging Face encoder (BERT, called with keywords), captured Hugging Face decoders
+called with their key/value cache (GPT-2; Phi-3, grouped-query attention in one fused q/k/v projection, 2 key/value
+heads of 2 query heads each; Falcon multi-query, 4 query heads beside one key/value head in a fused projection;
+Llama 4, rotary in complex form and chunked attention over grouped queries), a hand-written model whose heads are
+mixed by heads x heads maps, and a convolutional transformer whose FFN is convolutional.
 Each case names, in the model's own layout, the weights through which a unit writes (``writes``): the reference
 of a removal zeroes them on a copy, without reading fxsurgery's slices.
 """
@@ -117,6 +118,40 @@ def gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+def phi3() -> nn.Module:
+    """Grouped-query attention in one fused q/k/v projection: 4 query heads over 2 key/value heads."""
+    import transformers
+
+    config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=4, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.Phi3ForCausalLM(config)
+
+
+def falcon_multi_query() -> nn.Module:
+    """Multi-query attention with parallel attention and MLP: 4 query heads beside one key/value head, fused."""
+    import transformers
+
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                       multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                                       ffn_hidden_size=4, hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
+                                       eos_token_id=0)
+    return transformers.FalconForCausalLM(config)
+
+
+def llama4() -> nn.Module:
+    """Rotary in complex form (``view_as_complex``), chunked attention, 4 query heads over 2 key/value heads; dense
+    MLPs (a router's data-made top-k choice would be no unit)."""
+    import transformers
+
+    config = transformers.Llama4TextConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=4,
+                                           intermediate_size_mlp=4, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=4, max_position_embeddings=16,
+                                           moe_layers=[], attention_chunk_size=4, attention_dropout=0.0,
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.Llama4ForCausalLM(config)
+
+
 def head_mixing() -> nn.Module:
     from zoo_mixed import MixedStyle, MixedTransformer
 
@@ -151,6 +186,15 @@ CASES = {case.name: case for case in (
          rebuilt_by_load=True),
     Case("hf_decoder_cache", gpt2, _decoder_tokens, lambda out: out.logits,
          _writes([("c_proj.weight", 0, 8)], [("c_proj.weight", 0, 1)]), rebuilt_by_load=True, probe=_decoder_probe),
+    Case("hf_fused_gqa_cache", phi3, _decoder_tokens, lambda out: out.logits,
+         _writes([("o_proj.weight", 1, 8)], [("down_proj.weight", 1, 1)]), rebuilt_by_load=True,
+         probe=_decoder_probe),  # a unit: a key/value head with its 2 query heads
+    Case("hf_multi_query_cache", falcon_multi_query, _decoder_tokens, lambda out: out.logits,
+         _writes([("dense.weight", 1, 4)], [("dense_4h_to_h.weight", 1, 1)]), rebuilt_by_load=True,
+         probe=_decoder_probe),  # a unit: a query head; the one key/value head stays
+    Case("hf_complex_rotary_cache", llama4, _decoder_tokens, lambda out: out.logits,
+         _writes([("o_proj.weight", 1, 8)], [("down_proj.weight", 1, 1)]), rebuilt_by_load=True,
+         probe=_decoder_probe),  # a unit: a key/value head with its 2 query heads
     Case("head_mixing", head_mixing, _tokens, lambda out: out,
          _writes([("proj.weight", 1, 4), ("pre", 0, 1), ("post", 0, 1)], [("fc2.weight", 1, 1)]),
          rebuilt_by_load=False),

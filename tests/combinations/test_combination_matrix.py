@@ -1,12 +1,13 @@
 """Features in combination: hypothesis draws one value of each axis, trains the drawn model through BARTER's
 transfers in the drawn runtime, takes the drawn lifecycle step, and checks what must hold in every combination.
 
-Axes: the model (`cases.CASES`: timm ViT, HF encoder, HF decoder with its cache, heads mixed by heads x heads maps,
-a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by the controller); the
-width the layers start at (every layer at its maximum, at one unit, at half: a head transfer then empties a layer
-of a model whose heads may all go, and fills its receiver to its maximum); the lifecycle step (transfers alone,
-checkpoint -> resume, export -> load). Every run ends by forcing a drawn layer to its edge (0 heads, or 1 channel)
-on a copy.
+Axes: the model (`cases.CASES`: timm ViT, HF encoder, HF decoders with their cache (GPT-2, Phi-3's grouped-query
+heads in a fused projection, Falcon's multi-query heads, Llama 4's complex-form rotary), heads mixed by heads x
+heads maps, a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by the
+controller); the width the layers start at (every layer at its maximum, at one unit, at half: a head transfer then
+empties a layer of a model whose heads may all go, and fills its receiver to its maximum); the lifecycle step
+(transfers alone, checkpoint -> resume, export -> load). Every run ends by forcing a drawn layer to its edge (0
+heads, or 1 channel) on a copy.
 
 Properties: training stays finite; the scores are non-zero in every layer with units while they are collected;
 every transfer and every forced edge equals masking the removed units, by two references built without fxsurgery's
@@ -171,8 +172,9 @@ def assert_scores_nonzero(run: Run) -> None:
 
 
 def train(run: Run, steps: range, checkpoint_at: int | None = None) -> bytes | None:
-    """Train `steps` through the controller's transfers, checking each transfer against masking (the live model at
-    the next forward, and the EMA copy); returns the checkpoint taken after `checkpoint_at` steps, if any."""
+    """Train `steps` through the controller's transfers, checking each transfer against masking (the live model's
+    outputs as the case probes them, the live model at the next forward, and the EMA copy); returns the checkpoint
+    taken after `checkpoint_at` steps, if any."""
     expected, checkpoint = None, None
     for step in steps:
         if step == checkpoint_at:
@@ -197,6 +199,8 @@ def train(run: Run, steps: range, checkpoint_at: int | None = None) -> bytes | N
         masked = transferred_units(twin, [e for e in run.controller.events[done:] if e["skipped"] is None])
         if masked:
             expected = masking_references(run, twin, masked, step + 1)
+            assert_close(run, outputs(run, run.model, step + 1), expected,
+                         f"step {step}: the outputs as probed (a cached call) after a transfer against masking")
             if run.ema is not None:
                 assert_close(run, outputs(run, run.ema.module, step + 1),
                              outputs(run, masked_by_weights(run.case, ema_before, masked), step + 1),
@@ -289,6 +293,9 @@ def check_combination(tmp_path_factory, model: str, runtime: str, width: str, li
 @example(model="timm_vit", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=0)
 @example(model="hf_encoder", runtime="ema", width="one_unit", lifecycle="export_load", seed=1)
 @example(model="hf_decoder_cache", runtime="amp_bf16", width="half", lifecycle="transfers", seed=2)
+@example(model="hf_fused_gqa_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=5)
+@example(model="hf_multi_query_cache", runtime="amp_bf16", width="maximum", lifecycle="export_load", seed=6)
+@example(model="hf_complex_rotary_cache", runtime="ema", width="half", lifecycle="export_load", seed=7)
 @example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
 @example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
 @settings(max_examples=3 if settings.get_current_profile_name() == "ci" else 20)

@@ -15,7 +15,8 @@ the outputs within 1e-5.
 
 CI runs a fixed slice: every model, width and lifecycle step, checkpoint -> resume and export -> load under both
 runtimes, and layers emptied of heads under FSDP2 (the ViT's by a transfer before its checkpoint and by the forced
-edge, the head-mixing model's by the forced edge before its export); `make soak` runs every combination, each with a
+edge, the head-mixing model's by the forced edge before its export, Phi-3's, in pieces of its fused q/k/v
+projection, by the forced edge before its export); `make soak` runs every combination, each with a
 freshly drawn seed.
 """
 from __future__ import annotations
@@ -255,6 +256,7 @@ CI_SLICE = [
     Combination("hf_decoder_cache", "ddp", "half", "export_load", seed=2),
     Combination("head_mixing", "fsdp2", "half", "export_load", seed=3),
     Combination("conv_ffn", "fsdp2", "maximum", "transfers", seed=4),
+    Combination("hf_fused_gqa_cache", "fsdp2", "half", "export_load", seed=5),
 ]
 
 

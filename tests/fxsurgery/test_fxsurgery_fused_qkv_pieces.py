@@ -238,6 +238,35 @@ def test_phi3_cached_calls_are_served_by_its_own_forward_with_the_configs_head_c
     assert "own forward" in s.explain()
 
 
+def test_phi3_first_layer_emptied_decodes_from_its_cache_at_the_right_position():
+    """A cache reads its length off the first layer's keys, and takes an empty tensor for no entries: a first
+    layer left with no heads (an own forward that runs with none) holds one zero key/value head in the cache for
+    the call, so the next token from the returned cache sits at its position, and ``generate`` with the cache
+    equals it without, and equals the model with that layer's ``o_proj`` columns zeroed."""
+    from tests.fxsurgery.test_fxsurgery_families_more import VOCAB
+
+    model = tiny_phi3()
+    masked = copy.deepcopy(model)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    s = Surgeon(model, (), {"input_ids": ids, "use_cache": True})
+    first = s.group("model.layers.0.self_attn:head")
+    assert first.min_count == 0
+    with torch.no_grad():
+        masked.model.layers[0].self_attn.o_proj.weight.zero_()
+    s.keep(first, [])
+    more = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached, reference = model(ids, use_cache=True), masked(ids, use_cache=True)
+        assert cached.past_key_values.get_seq_length() == ids.shape[1]
+        step = model(more, past_key_values=cached.past_key_values, use_cache=True).logits
+        assert (step - masked(more, past_key_values=reference.past_key_values, use_cache=True).logits).abs().max() \
+            < 1e-10
+        generated = model.generate(ids, use_cache=True, **options)
+        assert torch.equal(generated, model.generate(ids, use_cache=False, **options))
+        assert torch.equal(generated, masked.generate(ids, use_cache=True, **options))
+
+
 class RepeatedKeyValue(nn.Module):
     """Multi-query attention whose one key/value head is copied to every query head by ``repeat_interleave`` (a copy,
     not a broadcast view); its generator of two views cannot be traced symbolically, so torch.export captures it."""

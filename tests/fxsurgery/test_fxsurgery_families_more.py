@@ -201,3 +201,35 @@ def test_llama4_heads_rotated_in_complex_form_are_a_group_per_layer() -> None:
         return s.group("model.layers.0.self_attn:head")
 
     assert_head_1_removal_equals_masking(tiny_llama4(), heads, zero_head_1, tol=1e-6)
+
+
+def tiny_diffllama(heads: int, key_value_heads: int) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.DiffLlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48,
+                                          num_hidden_layers=2, num_attention_heads=heads,
+                                          num_key_value_heads=key_value_heads, head_dim=4, max_position_embeddings=32,
+                                          use_cache=False)
+    return transformers.DiffLlamaForCausalLM(config).double().eval()
+
+
+@pytest.mark.parametrize("heads, key_value_heads", [(8, 4), (12, 6), (8, 8)])
+def test_differential_heads_paired_across_the_halves_are_a_group_per_layer(heads: int, key_value_heads: int) -> None:
+    """DiffLlama's output head j subtracts the attention of query head j + heads/2 from that of query head j, over
+    values made of key/value heads k and k + kv/2 (chunked, concatenated and repeated): a unit holds two key/value heads
+    with their query heads, and writes the ``o_proj`` columns of its output heads (each 2 · head_dim wide). Removing
+    unit 1 equals zeroing those columns and equals zeroing it at the tap; a clone keeps the logits."""
+    queries_per_kv, width = heads // key_value_heads, 2 * 4
+    units = key_value_heads // 2
+    projection = "model.layers.0.self_attn.o_proj.weight"
+
+    def zero_head_1(copied: nn.Module) -> None:
+        for output_head in range(heads // 2):
+            if (output_head // queries_per_kv) % units == 1:
+                copied.get_parameter(projection)[:, output_head * width:(output_head + 1) * width] = 0
+
+    def group(s: Surgeon) -> UnitGroup:
+        found = sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head")
+        assert found == [(f"model.layers.{i}.self_attn:head", units, True) for i in range(2)], s.explain()
+        return s.group("model.layers.0.self_attn:head")
+
+    assert_head_1_removal_equals_masking(tiny_diffllama(heads, key_value_heads), group, zero_head_1)

@@ -412,13 +412,13 @@ def einsum(s: Step) -> Label | None:
 
 
 def _repeat_heads(s: Step, t: torch.Tensor, lab: Label | None, times: int) -> tuple[torch.Tensor, Label | None]:
-    """Key or value heads as the query heads see them (each repeated ``times``), and a note that a unit is
-    one key/value head with its query heads."""
+    """Key or value heads as the query heads see them (each repeated ``times``), and a note that a key/value head's
+    query heads are in its unit (a unit may hold several key/value heads: differential attention pairs them)."""
     shape = (*t.shape[:-3], t.shape[-3] * times, *t.shape[-2:])
     if lab is None:
         return torch.empty(shape, device="meta"), None
     ids = expand_dims(align(lab.ids, t.dim()), t.shape, [t.dim() - 3]).repeat_interleave(times, dim=t.dim() - 3)
-    s.rec.notes.append(Note(lab.ids, f"a unit is one key/value head with its {times} query heads"))
+    s.rec.notes.append(Note(lab.ids, f"a key/value head and its {times} query heads are in one unit"))
     return torch.empty(shape, device="meta"), Label(ids, lab.param)
 
 

@@ -61,7 +61,8 @@ class Conformance:
 
 # The oracle's notion of an attention or FFN module, from timm's class names (fxsurgery itself never
 # looks at names): each such module, outermost only, must host a group of its kind or be reported.
-# Classifier heads (an MLP head such as NormMlpClassifierHead) are not FFN layers.
+# Classifier heads (an MLP head such as NormMlpClassifierHead) are not FFN layers, and a module without parameters
+# (Funnel's FunnelAttentionStructure, which computes position tables) holds no unit.
 UNIT_MODULES = {"head": re.compile(r"Att(n|ention)|^(XCA|MHSA|GPSA)$"),
                 "channel": re.compile(r"Mlp|MLP|FeedForward|^FFN|GLU")}
 
@@ -75,6 +76,8 @@ def unaccounted_modules(model: nn.Module, surgeon: Surgeon) -> list[str]:
         for kind, pattern in UNIT_MODULES.items():
             cls = type(module).__name__
             if not name or not pattern.search(cls) or cls.endswith("Head") or any(_within(name, c) for c in claimed):
+                continue
+            if next(module.parameters(), None) is None:
                 continue
             claimed.append(name)
             grouped = any(g.kind == kind and (_within(g.module, name) or any(_within(sl.name, name) for sl in g.slices))

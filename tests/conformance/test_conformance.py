@@ -47,6 +47,9 @@ HEADS_REQUIRED |= {"hf_xlnet", "hf_falcon", "hf_falcon_mq", "hf_falcon_gqa", "hf
 # and grouped-query attention fused in one projection whose rows are the query, key and value heads (Phi-3's
 # qkv_proj): a unit is a key/value head with its query heads, in pieces of the rows
 HEADS_REQUIRED |= {"hf_phi3"}
+# and a token-type bias each head picks by a mask every head reads (Funnel's relative attention), and differential
+# heads paired across the halves of the heads (DiffLlama: a unit holds two key/value heads with their query heads)
+HEADS_REQUIRED |= {"hf_funnel", "hf_diffllama"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

@@ -26,7 +26,8 @@ from torch.utils._pytree import (  # nested lists, tuples and dicts (tree_map si
 
 __all__ = ["PRIVATE_TORCH_NAMES", "tree_leaves", "tree_map", "tree_unflatten", "flatten_to_spec", "pytree_info",
            "GENERATED_SPEC_READS", "running_node", "rename_node", "OpOverload", "overload_name", "switch_grad_mode",
-           "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "own_tensor_tables", "NormBase", "ConvNd",
+           "EXPORT_SPECIALISATION_LOGGER", "module_hooks", "own_tensor_tables", "own_module_table",
+           "version_counter", "NormBase", "ConvNd",
            "self_attention_block", "feed_forward_block", "DispatchMode", "returns_new_tensors", "graph_module",
            "is_fake", "outside_traces", "is_pytree_node", "register_pytree_node", "pytree_node_registered",
            "spec_with_types", "set_out_spec"]
@@ -56,6 +57,8 @@ PRIVATE_TORCH_NAMES: dict[str, str] = {
     "._backward_hooks": "module_hooks",
     "._parameters": "own_tensor_tables",
     "._buffers": "own_tensor_tables",
+    "._modules": "own_module_table",
+    "._version": "version_counter",
     "torch.nn.modules.batchnorm._NormBase": "NormBase",
     "torch.nn.modules.conv._ConvNd": "ConvNd",
     "._sa_block": "self_attention_block",
@@ -224,6 +227,16 @@ def own_tensor_tables(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]
     """The dicts that hold ``module``'s own parameters and buffers by name (``Module._parameters`` and
     ``_buffers``): writing an entry replaces the tensor without the checks of ``setattr``, as a meta one must be."""
     return module._parameters, module._buffers
+
+
+def own_module_table(module: nn.Module) -> dict[str, Any]:
+    """The dict that holds ``module``'s own submodules by name (``Module._modules``)."""
+    return module._modules
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many times ``tensor`` was written in place (``Tensor._version``, bumped by every in-place op)."""
+    return tensor._version
 
 
 #: The base class of the batch and instance norms, whose feature count is ``num_features`` (torch >= 1.5).

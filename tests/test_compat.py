@@ -360,6 +360,22 @@ def test_own_tensor_tables():
     assert module.weight is parameters["weight"] and "weight" in dict(module.named_parameters())
 
 
+def test_own_module_table():
+    module = nn.Sequential(nn.Linear(2, 2))
+    table = compat.own_module_table(module)
+    assert table["0"] is module[0]
+    table["1"] = nn.ReLU()
+    assert isinstance(module[1], nn.ReLU) and len(module) == 2
+
+
+def test_version_counter():
+    t = torch.zeros(3)
+    before = compat.version_counter(t)
+    t.add_(1)
+    assert compat.version_counter(t) == before + 1
+    assert compat.version_counter(t.to("meta").add_(1)) == 1
+
+
 def test_normbase():
     for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm2d, nn.SyncBatchNorm):
         assert issubclass(cls, compat.NormBase) and cls(3).num_features == 3

@@ -23,7 +23,7 @@ import torch.nn as nn
 from ..capture.calls import forked_rng, training_mode
 from ..capture.front_ends import FrontEndUse
 from ..capture.meta_memo import MetaMemo
-from ..compat import tree_map
+from ..compat import own_module_table, own_tensor_tables, tree_map, version_counter
 from ..errors import AnalysisError
 from ..groups import GroupDescription, LeftOut
 from ..runtime.call_signature import value_signature, without_objects
@@ -132,17 +132,17 @@ def _first_call_changes(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -
     original = _attribute_tables(model)
     stand_ins: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        for table in own_tensor_tables(module):
             for name, t in table.items():
                 if t is not None:
                     table[name] = stand_ins.setdefault(id(t), _on_meta(t))
     swapped = _attribute_tables(model)
-    versions = [(t, t._version) for t in stand_ins.values()]
+    versions = [(t, version_counter(t)) for t in stand_ins.values()]
     meta_args, meta_kwargs = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, (args, kwargs))
     try:
         with torch.no_grad(), forked_rng([]), training_mode(model, False), MetaMemo():
             model(*meta_args, **meta_kwargs)
-        return any(t._version != version for t, version in versions) or any(
+        return any(version_counter(t) != version for t, version in versions) or any(
             table.keys() != entries.keys() or any(table[k] is not v for k, v in entries.items())
             for table, entries in swapped)
     except Exception:
@@ -165,7 +165,7 @@ def _attribute_tables(model: nn.Module) -> list[tuple[dict, dict]]:
     for module in model.modules():
         held = [getattr(value, "__dict__", None) for value in vars(module).values()
                 if not isinstance(value, (nn.Module, torch.Tensor, type))]
-        for table in (vars(module), module._parameters, module._buffers, module._modules, *held):
+        for table in (vars(module), *own_tensor_tables(module), own_module_table(module), *held):
             if isinstance(table, dict):
                 tables[id(table)] = (table, dict(table))
     return list(tables.values())

@@ -223,17 +223,10 @@ def test_phi3_cached_calls_are_served_by_its_own_forward_with_the_configs_head_c
     s.clone(first, 0, noise_std=0.1)
     assert (first.count, second.count) == (2, 2 - len(emptied))
     more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(1))
-    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     for served in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        cached = assert_decodes_as_masked(served, masked, ids, more)
         with torch.no_grad():
-            cached, reference = served(ids, use_cache=True), masked(ids, use_cache=True)
-            assert (cached.logits - reference.logits).abs().max() < 1e-10
-            step = served(more, past_key_values=cached.past_key_values, use_cache=True).logits
-            assert (step - masked(more, past_key_values=reference.past_key_values, use_cache=True).logits).abs().max() \
-                < 1e-10
-            generated = served.generate(ids, use_cache=True, **options)
-            assert torch.equal(generated, served.generate(ids, use_cache=False, **options))
-            assert torch.equal(generated, masked.generate(ids, use_cache=True, **options))
+            assert (cached.logits - masked(ids, use_cache=True).logits).abs().max() < 1e-10
         assert served.config.num_attention_heads == 4  # the shared config holds its own value between calls
     assert "own forward" in s.explain()
 
@@ -255,16 +248,23 @@ def test_phi3_first_layer_emptied_decodes_from_its_cache_at_the_right_position()
         masked.model.layers[0].self_attn.o_proj.weight.zero_()
     s.keep(first, [])
     more = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(1))
+    cached = assert_decodes_as_masked(model, masked, ids, more)
+    assert cached.past_key_values.get_seq_length() == ids.shape[1] + more.shape[1]  # the prompt, then the step
+
+
+def assert_decodes_as_masked(served: nn.Module, masked: nn.Module, ids: torch.Tensor, more: torch.Tensor):
+    """``more`` decoded from ``served``'s cache of ``ids`` equals it decoded by ``masked``, and ``generate`` with the
+    cache equals it without and equals ``masked``'s; returns ``served``'s cached call of ``ids``."""
     options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        cached, reference = model(ids, use_cache=True), masked(ids, use_cache=True)
-        assert cached.past_key_values.get_seq_length() == ids.shape[1]
-        step = model(more, past_key_values=cached.past_key_values, use_cache=True).logits
+        cached, reference = served(ids, use_cache=True), masked(ids, use_cache=True)
+        step = served(more, past_key_values=cached.past_key_values, use_cache=True).logits
         assert (step - masked(more, past_key_values=reference.past_key_values, use_cache=True).logits).abs().max() \
             < 1e-10
-        generated = model.generate(ids, use_cache=True, **options)
-        assert torch.equal(generated, model.generate(ids, use_cache=False, **options))
+        generated = served.generate(ids, use_cache=True, **options)
+        assert torch.equal(generated, served.generate(ids, use_cache=False, **options))
         assert torch.equal(generated, masked.generate(ids, use_cache=True, **options))
+    return cached
 
 
 class RepeatedKeyValue(nn.Module):

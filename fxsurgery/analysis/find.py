@@ -12,6 +12,7 @@ from ..capture.inline import inline_helpers
 from ..capture.tracer import MODULE_CALLS
 from ..compat import tree_map
 from ..dataflow.grouping import GraphGroups, group_graph
+from ..dataflow.input_gathers import insert_gathers
 from ..dataflow.labeller import Labeller
 from ..dataflow.repeats import find_repeats
 from ..dataflow.rules import RULES
@@ -78,6 +79,8 @@ def _labelled(gm: torch.fx.GraphModule, values: list, where: str, locate: bool) 
                 raise AnalysisError(f"analysis of {where or 'the model'} failed: {type(e).__name__}: {e}") from e
     if inline_helpers(gm.graph, lambda n: node_kind(lab, n)):  # helpers it could look into are now inline
         gm.recompile()
+        return _labelled(gm, values, where, locate)
+    if not locate and insert_gathers(gm, lab.rec.gathers):  # a host's inputs lined up with its heads: gathered
         return _labelled(gm, values, where, locate)
     return lab
 

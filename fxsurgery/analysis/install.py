@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ..capture.front_ends import FrontEnd
+from ..dataflow.input_gathers import add_index_buffers
 from ..dataflow.paths import within
 from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..groups import GroupPlumbing, UnitGroup
@@ -106,6 +107,7 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
                  shared: AnalysisCache, groups: list[tuple[int, UnitGroup]]) -> HostServer:
     """Install the host's graphs as its forward, give ``groups`` (each with its index in the host's analysis) their
     plumbing in ``editor``, and return the server of the host's other calls, which serves those groups."""
+    add_index_buffers(module, list(check.found.graphs.values()))  # its units as analysed, in the template too
     if check.key not in shared.meta_copies:  # before the host changes: other calls are captured from it
         shared.meta_copies[check.key] = meta_template(module)
     bound = bind(module, check.key, check.found, shared)
@@ -120,7 +122,8 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
             slots=list(bound.slots[index]),  # the host's own: a capture for another call may add to it
             tap_point=bound.points[index], tap_layout=hg.sites[0].layout)
         records.append(editor.plumbing[g])
-    forward.server = HostServer(shared.meta_copies[check.key], host, inputs, records, shared.recaptured)
+    forward.server = HostServer(shared.meta_copies[check.key], host, inputs, records, shared.recaptured,
+                                graph=next(iter(bound.analysis.graphs.values())))
     return forward.server
 
 

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 from torch.fx.node import Node
 
+from .input_gathers import GatherSite
+
 
 class Pin(NamedTuple):
     """Coordinates that cannot be sliced. ``benign``: they simply are no unit axis (residual stream,
@@ -159,6 +161,8 @@ class Records:
     # ids of plain tensors an ``expand`` broadcast along new dims (also in ``uniform``): beside parameters alone they
     # tie to them as a factory's fill does, not merged
     broadcasts: list[torch.Tensor] = field(default_factory=list)
+    # host inputs lined up with heads that the code computed outside the host: read through a gather of the units
+    gathers: list[GatherSite] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = 1

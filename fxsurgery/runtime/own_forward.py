@@ -29,6 +29,7 @@ import torch.nn as nn
 from ..analysis.verify import max_rel_diff
 from ..capture.calls import materialize, training_mode
 from ..compat import own_tensor_tables, tree_leaves
+from ..dataflow.input_gathers import Gather, forward_gathered
 from ..dataflow.paths import tensor_at
 from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
@@ -117,9 +118,10 @@ class OwnForward:
     """The host class's forward with its count attributes set from the current widths and its taps run."""
 
     def __init__(self, groups: list[GroupPlumbing], counts: list[CountAttribute], template: nn.Module, *,
-                 empty: str):
+                 empty: str, gathers: list[Gather]):
         self.groups = groups
         self.counts = counts
+        self.gathers = gathers
         self.empty = empty  # what goes wrong with a group left with no units ("" if nothing)
         shared = _shared_dims(groups)
         # units read in a segment of the projection's input (a fused output projection): the layout a hook on it
@@ -155,20 +157,21 @@ class OwnForward:
         handles = [module.get_submodule(path).register_forward_pre_hook(_through(point, layout))
                    for path, point, layout in points if point.hooks]
         try:
-            return type(module).forward(module, *args, **kwargs)
+            return forward_gathered(module, self.gathers, args, kwargs)
         finally:
             for handle in handles:
                 handle.remove()
 
 
-def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbing],
-                         calls: list[tuple[tuple, dict]]) -> tuple[list[CountAttribute] | None, str, str]:
+def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbing], calls: list[tuple[tuple, dict]],
+                         *, gathers: list[Gather]) -> tuple[list[CountAttribute] | None, str, str]:
     """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
     analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
-    at its analysed widths), or None and what went wrong without any; and what goes wrong with the groups that
-    may be emptied left with no units ("" if nothing)."""
-    trials = [_Trial(real, groups, _removing(groups, k)) for k in (1, 2) if any(r.max_count > k for r in groups)]
-    trials += [_Trial(real, groups, removals) for removals in _told_apart(groups)]
+    at its analysed widths; ``gathers``: the module inputs it reads as the graphs do), or None and what went wrong
+    without any; and what goes wrong with the groups that may be emptied left with no units ("" if nothing)."""
+    trials = [_Trial(real, groups, _removing(groups, k), gathers) for k in (1, 2)
+              if any(r.max_count > k for r in groups)]
+    trials += [_Trial(real, groups, removals, gathers) for removals in _told_apart(groups)]
     calls = [materialize(call) for call in calls]
     checks = [(trial, call, trial.expected(*call)) for call in calls for trial in trials]
     if any(expected is None for _, call, expected in checks if call is calls[0]):
@@ -182,7 +185,7 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
         return None, fault, ""
     checks.clear()  # the trials' copies of the host freed before the empty trial makes its two
     trials.clear()
-    empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups])
+    empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups], gathers)
     return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
 
 
@@ -224,8 +227,9 @@ class _Trial:
     """The template with the first ``removals[i]`` units of each group ``i`` masked, and a copy with them
     removed."""
 
-    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupPlumbing], removals: list[int]):
-        self.masked, self.removed, self.groups = real(), real(), groups
+    def __init__(self, real: Callable[[], nn.Module], groups: list[GroupPlumbing], removals: list[int],
+                 gathers: list[Gather]):
+        self.masked, self.removed, self.groups, self.gathers = real(), real(), groups, gathers
         slices = {i: r.slices for i, r in enumerate(groups)}  # segments move as the groups before them shrink
         for i, (r, n) in enumerate(zip(groups, removals)):
             if not n:
@@ -249,7 +253,7 @@ class _Trial:
         """The masked copy's output tensors on the call (None where it cannot run it)."""
         try:
             with training_mode(self.masked, False), torch.no_grad():
-                out = type(self.masked).forward(self.masked, *args, **kwargs)
+                out = forward_gathered(self.masked, self.gathers, args, kwargs)
         except Exception:  # a call the template cannot run tells nothing
             return None
         return [t for t in tree_leaves(out) if torch.is_tensor(t)]
@@ -261,7 +265,7 @@ class _Trial:
         now = current_counts(self.removed, self.groups)
         try:
             with counts_set(self.removed, counts, now), training_mode(self.removed, False), torch.no_grad():
-                out = type(self.removed).forward(self.removed, *args, **kwargs)
+                out = forward_gathered(self.removed, self.gathers, args, kwargs)
         except Exception as e:  # any failure means the forward does not follow the widths
             return f"fails once a unit is removed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         err = max_rel_diff(expected, [t for t in tree_leaves(out) if torch.is_tensor(t)])

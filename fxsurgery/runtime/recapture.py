@@ -28,6 +28,7 @@ from ..analysis.host import HostAnalysis, analyse_host, fingerprint
 from ..capture.calls import attributes_read, forked_rng, materialize
 from ..capture.tracer import CODE_CONSTANT
 from ..compat import tree_leaves, tree_map
+from ..dataflow.input_gathers import Gather, argument_gathers
 from ..editing import bind_constants
 from ..errors import AnalysisError, TraceError, UnservedCall
 from ..groups import GroupPlumbing
@@ -50,19 +51,22 @@ class CallKey(NamedTuple):
 
 class OwnForwardFit(NamedTuple):
     """Whether a host's own forward follows the widths: what goes wrong in it ("" if nothing), the attributes it
-    reads that follow the counts, and what goes wrong in it once a group has no units."""
+    reads that follow the counts, what goes wrong in it once a group has no units, and the module inputs it reads
+    through the units' index buffers, as the graphs do (``dataflow.input_gathers``)."""
 
     fault: str
     counts: list[CountAttribute]
     empty_fault: str
+    gathers: list[Gather]
 
 
 class HostServer:
     """Serves one host's calls of new signatures (see the module docstring)."""
 
     def __init__(self, template: nn.Module, host: str, analysed: tuple[tuple, dict], groups: list[GroupPlumbing],
-                 shared: LruCache[CallKey, HostAnalysis | Reason]):
+                 shared: LruCache[CallKey, HostAnalysis | Reason], *, graph: torch.fx.Graph):
         self.template = template
+        self.graph = graph  # an analysed graph: where it reads module inputs through the units' index buffers
         self.host = host
         self.analysed = analysed
         self.groups = groups
@@ -144,9 +148,13 @@ class HostServer:
         """Whether the host's own forward follows the widths on the analysed call (checked once): what goes wrong
         in it ("" if nothing), and what goes wrong once a group has no units."""
         if self.fit is None:
-            counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
-                                                              [self.analysed])
-            self.fit = OwnForwardFit(fault, counts or [], empty_fault)
+            gathers = argument_gathers(self.materialize(None), self.graph, materialize(self.analysed))
+            if isinstance(gathers, str):
+                self.fit = OwnForwardFit(gathers, [], "", [])
+            else:
+                counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
+                                                                  [self.analysed], gathers=gathers)
+                self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
         return self.fit.fault, self.fit.empty_fault
 
     def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
@@ -160,8 +168,8 @@ class HostServer:
             if not fit.fault:
                 trial = tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, without_objects(call))
                 counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
-                                                                  [self.analysed, trial])
-                fit = OwnForwardFit(fault, counts or [], empty_fault)
+                                                                  [self.analysed, trial], gathers=fit.gathers)
+                fit = OwnForwardFit(fault, counts or [], empty_fault, fit.gathers)
             self.fits[key] = fit
         return self.fits[key]
 
@@ -182,7 +190,7 @@ class HostServer:
         if fit is None:
             self.fit_own_forward()
             fit = self.fit
-        return OwnForward(self.groups, fit.counts, self.template, empty=fit.empty_fault)
+        return OwnForward(self.groups, fit.counts, self.template, empty=fit.empty_fault, gathers=fit.gathers)
 
     def materialize(self, like: nn.Module | None) -> nn.Module:
         """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""

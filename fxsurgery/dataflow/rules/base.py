@@ -12,7 +12,9 @@ import torch
 from torch.fx.node import Node
 
 from ..ids import NO_ID, align, broadcast, merge, pairs, unique_pairs, varies
+from ..input_gathers import GatherSite, module_input
 from ..labeller import Label, Step
+from ..paths import module_of
 from ..records import MixRead, Note
 from ..rule_table import RuleTable
 
@@ -61,7 +63,6 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
     """Output label of an elementwise op over tensor ``operands`` broadcast to rank ``ndim``."""
     acts = [align(lab.ids, ndim) for _, lab in operands if lab is not None and not lab.param]
     params = [align(lab.ids, ndim) for _, lab in operands if lab is not None and lab.param]
-    plain = [tuple(v.shape) for v, lab in operands if lab is None and torch.is_tensor(v)]
     if not acts:  # parameters, perhaps with plain tensors (a relative-position bias plus a window mask)
         fills = [p for p in params if held(p, s.rec.broadcasts)]
         merged = [p for p in params if not held(p, s.rec.broadcasts)] or fills
@@ -71,8 +72,9 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
             s.rec.tie(tie)
         for fill in (fills if merged is not fills else []):
             uniform_ties(s, fill, ids)
-        for sh in plain:
-            defer_pins(s, ids, sh, COMPUTED_TENSOR)
+        for v, lab in operands:
+            if lab is None and torch.is_tensor(v):
+                defer_pins(s, ids, tuple(v.shape), COMPUTED_TENSOR)
         return Label(ids, True)
     ids = acts[0]
     for a in acts[1:]:
@@ -81,9 +83,37 @@ def elementwise_labels(s: Step, operands: list[tuple[Any, Label | None]], ndim: 
     for p in params:
         if not uniform_ties(s, p, ids):
             s.rec.tentative.append(pairs(p, ids))
-    for sh in plain:
-        defer_pins(s, ids, sh, COMPUTED_TENSOR)
+    for v, lab in operands:
+        if lab is None and torch.is_tensor(v):
+            gathered = input_gathers(s, ids, v)  # no pin where the units' entries are gathered
+            shape = [1 if d + ids.dim() - v.dim() in gathered else n for d, n in enumerate(v.shape)]
+            defer_pins(s, ids, shape, COMPUTED_TENSOR)
     return Label(ids)
+
+
+def input_gathers(s: Step, ids: torch.Tensor, value: torch.Tensor) -> set[int]:
+    """The dims of ``ids``, heads of attention logits, that the plain operand ``value`` lines up with (in runs, one
+    entry per head: a batch dim may be merged before them) where it is an input of the module computing the logits
+    (``input_gathers.module_input``): the graph is then made to read it there through a gather of the units (the
+    site recorded here). None inside an opaque function."""
+    node = None if s.lab.nested else s.node_of(value)
+    if node is None:
+        return set()
+    ids = align(ids, max(ids.dim(), value.dim()))
+    lead = ids.dim() - value.dim()
+    dims = set()
+    for d in range(lead, ids.dim()):
+        heads = head_axis(s, ids, d)
+        if heads is None or value.shape[d - lead] != heads.numel() or bool((heads == NO_ID).any()):
+            continue
+        size = int(heads.unique().numel())
+        if heads.numel() % size or not torch.equal(heads, heads[:size].repeat(heads.numel() // size)):
+            continue
+        found = module_input(node, d - lead, module_of(s.node))
+        if found is not None:
+            dims.add(d)
+            s.rec.gathers.append(GatherSite(found.name, module_of(s.node), d - lead, size, s.lab.shapes[found]))
+    return dims
 
 
 def uniform_ties(s: Step, fill: torch.Tensor, ids: torch.Tensor) -> bool:

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from ...capture.held_objects import held_output_leaves
 from ...capture.tracer import CODE_CONSTANT
+from ..input_gathers import gather_units
 from ..labeller import Label, Step
 from ..rule_table import NodeKind
-from .base import param_label, register_rule
+from .base import param_label, pin_all, register_rule
 
 # functions whose rules read a parameter in these argument positions by its name, never by its labels
 _READ_BY_NAME = {F.linear: (1, 2), F.conv1d: (1, 2), F.conv2d: (1, 2), F.conv3d: (1, 2), torch.addmm: (0, 2)}
@@ -69,3 +70,19 @@ def output(s: Step) -> Any:
 @register_rule(NodeKind("placeholder"), always=True)
 def placeholder(s: Step) -> Any:
     return s.lab.seeds.get(s.node.target) if s.lab.nested else None
+
+
+@register_rule(gather_units, always=True)
+def gathered_input(s: Step) -> Label | None:
+    """A host input read by the units' index buffer (``input_gathers``): the buffer is a member along its dim 0, one
+    fresh id per entry, and the input's entries along ``dim`` carry the ids of the units they are read for, in runs,
+    as a per-head parameter laid out along that dim would. An input that carries ids itself is refused."""
+    if s.has_labels():
+        pin_all(s, "a host input gathered by units carries unit coordinates of its own")
+        return None
+    index, dim = s.node.args[1], s.node.kwargs["dim"]
+    ids = s.rec.fresh((s.args[1].numel(),))
+    s.rec.member(index.target, ids)
+    shape = [1] * s.out.dim()
+    shape[dim] = s.out.shape[dim]
+    return Label(ids.repeat(s.out.shape[dim] // max(ids.numel(), 1)).reshape(shape), True)

@@ -1,0 +1,153 @@
+"""Heads of ALiBi attention: per-head slopes the model computes once, at its head count, and hands to every
+attention layer (added to the scores as (H, 1, S), or merged with the batch as (B·H, 1, S) under ``baddbmm``). Each
+layer reads its kept heads' slopes through an index buffer of its own, a member of its heads' group: a removal equals
+zeroing the head's output-projection columns and equals zeroing it at its tap, a clone leaves the outputs unchanged."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxsurgery import Surgeon
+from tests.fxsurgery.test_fxsurgery_families_more import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    VOCAB,
+    assert_head_1_removal_equals_masking,
+)
+from tests.zoo import masked_copy
+
+
+class AlibiAttention(nn.Module):
+    """Attention whose scores get the per-head position bias it is handed: ``(H, 1, S)`` added to ``(B, H, S, S)``,
+    or (``merged``) ``(B·H, 1, S)`` that ``baddbmm`` adds to the scores with the batch and heads merged."""
+
+    def __init__(self, *, merged: bool):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.heads, self.merged = HEADS, merged
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, HEAD_DIM).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        if self.merged:
+            flat = [t.reshape(b * self.heads, n, HEAD_DIM) for t in (q, k)]
+            scores = bias.baddbmm(flat[0], flat[1].transpose(1, 2), beta=1.0, alpha=HEAD_DIM ** -0.5)
+            scores = scores.view(b, self.heads, n, n)
+        else:
+            scores = q @ k.transpose(-1, -2) * HEAD_DIM ** -0.5 + bias[:, :, :n]
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+class AlibiModel(nn.Module):
+    """Two blocks; the model computes the slopes once from its head count and hands the bias to every layer."""
+
+    def __init__(self, *, merged: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(2))
+        self.attns = nn.ModuleList(AlibiAttention(merged=merged) for _ in range(2))
+        self.heads, self.merged = HEADS, merged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        slopes = 2.0 ** (-8.0 * torch.arange(1, self.heads + 1, dtype=x.dtype) / self.heads)
+        bias = slopes[:, None, None] * torch.arange(n, dtype=x.dtype)[None, None, :]  # (H, 1, S)
+        if self.merged:
+            bias = bias.repeat(b, 1, 1)  # (B·H, 1, S)
+        for norm, attn in zip(self.norms, self.attns):
+            x = x + attn(norm(x), bias)
+        return x
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_heads_handed_slopes_computed_by_the_model_are_a_group_per_layer(merged: bool) -> None:
+    """Each layer's heads are a group holding the layer's index buffer: removing head 1 equals zeroing its ``out``
+    columns and equals zeroing it at the tap; a clone of head 0 keeps the outputs and the buffer says which heads'
+    slopes the layer reads; kept heads (head 0 whole again from its two halves) and a layer at one head read their
+    own slopes."""
+    model = AlibiModel(merged=merged).double().eval()
+    model_before = copy.deepcopy(model)
+    x = torch.randn(2, 6, HIDDEN, dtype=torch.double)
+    oracle = masked_copy(model, {"attns.1.out.weight": {1}}, width={"attns.1.out.weight": HEAD_DIM})
+    with torch.no_grad():
+        reference, by_weights = model(x), oracle(x)
+    s = Surgeon(model, (x,))
+    groups = sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head")
+    assert groups == [(f"attns.{i}:head", HEADS, True) for i in range(2)], s.explain()
+    heads = s.group("attns.1:head")
+    assert "attns.1.unit_index_0" in {sl.name for sl in heads.slices}
+    handle = s.tap(heads, lambda a: a.select(-2, 1).zero_())
+    with torch.no_grad():
+        tapped = model(x)
+    handle.remove()
+    s.remove(heads, 1)
+    with torch.no_grad():
+        removed = model(x)
+    assert (removed - by_weights).abs().max() < 1e-10 and (removed - tapped).abs().max() < 1e-10
+    assert not torch.allclose(removed, reference, atol=1e-6)
+    s.clone(heads, 0, noise_std=0.1)
+    with torch.no_grad():
+        assert (model(x) - removed).abs().max() < 1e-10
+    assert model.state_dict()["attns.1.unit_index_0"].tolist() == [0, 2, 3, 0]
+    s.keep(heads, [0, 3])  # head 0 whole again: its two halves
+    s.keep(s.group("attns.0:head"), [2])  # a layer at one head
+    dead = {"attns.1.out.weight": {1, 2, 3}, "attns.0.out.weight": {0, 1, 3}}
+    only = masked_copy(model_before, dead, width=dict.fromkeys(dead, HEAD_DIM))
+    assert model.state_dict()["attns.0.unit_index_0"].tolist() == [2]
+    with torch.no_grad():
+        assert (model(x) - only(x)).abs().max() < 1e-10
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_mpt() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, n_layers=2, vocab_size=VOCAB, max_seq_len=32,
+                                    expansion_ratio=2)
+    return transformers.MptForCausalLM(config).double().eval()
+
+
+def tiny_bloom() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(hidden_size=HIDDEN, n_head=HEADS, n_layer=2, vocab_size=VOCAB)
+    return transformers.BloomForCausalLM(config).double().eval()
+
+
+def zero_mpt_head_1(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.transformer.blocks[1].attn.out_proj.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
+
+
+def zero_bloom_head_1(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.transformer.h[1].self_attention.dense.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
+
+
+@pytest.mark.parametrize("family", ["mpt", "bloom"])
+def test_alibi_heads_are_a_group_per_layer(family: str) -> None:
+    model, zero, layer = {"mpt": (tiny_mpt, zero_mpt_head_1, "transformer.blocks.{}.attn:head"),
+                          "bloom": (tiny_bloom, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}[family]
+    model = model()
+    assert_head_1_removal_equals_masking(model, lambda s: s.group(layer.format(1)), zero)
+
+
+@pytest.mark.parametrize("family", ["mpt", "bloom"])
+def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family: str) -> None:
+    from tests.fxsurgery.test_fxsurgery_fused_qkv_pieces import assert_decodes_as_masked
+
+    model, zero, layer = {"mpt": (tiny_mpt, zero_mpt_head_1, "transformer.blocks.{}.attn:head"),
+                          "bloom": (tiny_bloom, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}[family]
+    model = model()
+    masked = copy.deepcopy(model)
+    zero(masked)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    s = Surgeon(model, (), {"input_ids": ids})
+    heads = s.group(layer.format(1))
+    s.remove(heads, 1)
+    s.clone(heads, 0, noise_std=0.1)
+    more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(1))
+    assert_decodes_as_masked(model, masked, ids, more)

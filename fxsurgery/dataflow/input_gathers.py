@@ -20,6 +20,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from ..reason import Reason
 from .paths import join_path, module_of, within
 
 INDEX_PREFIX = "unit_index_"  # a module's index buffers: unit_index_0, unit_index_1, ...
@@ -129,7 +130,7 @@ def add_index_buffers(host: nn.Module, graphs: list[torch.fx.Graph]) -> None:
             owner.register_buffer(name, torch.arange(n.kwargs["size"], device=device))
 
 
-def argument_gathers(host: nn.Module, graph: torch.fx.Graph, call: tuple[tuple, dict]) -> list[Gather] | str:
+def argument_gathers(host: nn.Module, graph: torch.fx.Graph, call: tuple[tuple, dict]) -> list[Gather] | Reason:
     """The gathers of ``graph`` as arguments of the modules they feed, told by running ``host`` (a copy at the
     analysed widths, whose own forward it runs) on the call the graph was analysed on: the one argument of each
     module's first call holding a tensor of the shape the graph's input had. What cannot be told, if any."""
@@ -158,8 +159,8 @@ def argument_gathers(host: nn.Module, graph: torch.fx.Graph, call: tuple[tuple, 
         shape = n.meta.get(GATHERED_SHAPE)
         names = [k for k, v in calls.get(path, {}).items() if torch.is_tensor(v) and tuple(v.shape) == shape]
         if len(names) != 1:
-            return (f"cannot tell which argument of {path or 'the host'} it reads through {n.name} "
-                    f"({len(names)} of shape {shape})")
+            return Reason(f"cannot tell which argument of {path or 'the host'} it reads through {n.name} "
+                          f"({len(names)} of shape {shape})", module=path, node=n.name)
         gathers.append(Gather(path, names[0], n.kwargs["dim"], n.kwargs["size"], index))
     return gathers
 

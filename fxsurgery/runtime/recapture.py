@@ -149,8 +149,8 @@ class HostServer:
         in it ("" if nothing), and what goes wrong once a group has no units."""
         if self.fit is None:
             gathers = argument_gathers(self.materialize(None), self.graph, materialize(self.analysed))
-            if isinstance(gathers, str):
-                self.fit = OwnForwardFit(gathers, [], "", [])
+            if isinstance(gathers, Reason):
+                self.fit = OwnForwardFit(gathers.text, [], "", [])
             else:
                 counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
                                                                   [self.analysed], gathers=gathers)

@@ -68,7 +68,7 @@ def test_heads_handed_slopes_computed_by_the_model_are_a_group_per_layer(merged:
     """Each layer's heads are a group holding the layer's index buffer: removing head 1 equals zeroing its ``out``
     columns and equals zeroing it at the tap; a clone of head 0 keeps the outputs and the buffer says which heads'
     slopes the layer reads; kept heads (head 0 whole again from its two halves) and a layer at one head read their
-    own slopes."""
+    own slopes, through the installed graph and through the host's own forward (a hook inside the host)."""
     model = AlibiModel(merged=merged).double().eval()
     model_before = copy.deepcopy(model)
     x = torch.randn(2, 6, HIDDEN, dtype=torch.double)
@@ -100,6 +100,9 @@ def test_heads_handed_slopes_computed_by_the_model_are_a_group_per_layer(merged:
     assert model.state_dict()["attns.0.unit_index_0"].tolist() == [2]
     with torch.no_grad():
         assert (model(x) - only(x)).abs().max() < 1e-10
+        model.attns[1].qkv.register_forward_hook(lambda module, args, out: None)  # its own forward serves the host
+        assert (model(x) - only(x)).abs().max() < 1e-10
+    assert "its own forward" in s.explain()
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,6 +20,8 @@ from tests.fxsurgery.test_fxsurgery_families_more import (
 )
 from tests.zoo import masked_copy
 
+transformers = pytest.importorskip("transformers")  # the helpers shared with the Hugging Face families' tests
+
 
 class AlibiAttention(nn.Module):
     """Attention whose scores get the per-head position bias it is handed: ``(H, 1, S)`` added to ``(B, H, S, S)``,
@@ -104,8 +106,6 @@ def test_heads_handed_slopes_computed_by_the_model_are_a_group_per_layer(merged:
         assert (model(x) - only(x)).abs().max() < 1e-10
     assert "its own forward" in s.explain()
 
-transformers = pytest.importorskip("transformers")
-
 
 def tiny_mpt() -> nn.Module:
     torch.manual_seed(0)
@@ -120,6 +120,15 @@ def tiny_bloom() -> nn.Module:
     return transformers.BloomForCausalLM(config).double().eval()
 
 
+def tiny_falcon() -> nn.Module:
+    """Falcon's multi-head attention with ALiBi, whose slopes (B·H, 1, S) are added to the scores inside it."""
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
+                                       vocab_size=VOCAB, alibi=True, multi_query=False,
+                                       new_decoder_architecture=False)
+    return transformers.FalconForCausalLM(config).double().eval()
+
+
 def zero_mpt_head_1(model: nn.Module) -> None:
     with torch.no_grad():
         model.transformer.blocks[1].attn.out_proj.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
@@ -130,25 +139,36 @@ def zero_bloom_head_1(model: nn.Module) -> None:
         model.transformer.h[1].self_attention.dense.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
 
 
-@pytest.mark.parametrize("family", ["mpt", "bloom"])
+FAMILIES = {"mpt": (tiny_mpt, zero_mpt_head_1, "transformer.blocks.{}.attn:head"),
+            "bloom": (tiny_bloom, zero_bloom_head_1, "transformer.h.{}.self_attention:head"),
+            "falcon": (tiny_falcon, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_alibi_heads_are_a_group_per_layer(family: str) -> None:
-    model, zero, layer = {"mpt": (tiny_mpt, zero_mpt_head_1, "transformer.blocks.{}.attn:head"),
-                          "bloom": (tiny_bloom, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}[family]
+    """MPT's attention, handed the slopes by its model (whose blocks return per-head weights, so the model hosts
+    them), Bloom's and Falcon's: removing head 1 of a layer equals zeroing its output-projection columns and equals
+    zeroing it at the tap; a clone of head 0 keeps the logits."""
+    model, zero, layer = FAMILIES[family]
     model = model()
     assert_head_1_removal_equals_masking(model, lambda s: s.group(layer.format(1)), zero)
 
 
-@pytest.mark.parametrize("family", ["mpt", "bloom"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family: str) -> None:
+    """Every layer's heads are an exact group; after a removal and a clone, decoding from the cache (served by the
+    host's own forward, which gathers the slopes it hands on as the graph does) and ``generate`` with the cache equal
+    the masked model and ``generate`` without."""
     from tests.fxsurgery.test_fxsurgery_fused_qkv_pieces import assert_decodes_as_masked
 
-    model, zero, layer = {"mpt": (tiny_mpt, zero_mpt_head_1, "transformer.blocks.{}.attn:head"),
-                          "bloom": (tiny_bloom, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}[family]
+    model, zero, layer = FAMILIES[family]
     model = model()
     masked = copy.deepcopy(model)
     zero(masked)
     ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     s = Surgeon(model, (), {"input_ids": ids})
+    assert sorted((g.name, g.exact) for g in s.groups if g.kind == "head") == [(layer.format(i), True)
+                                                                                for i in range(2)], s.explain()
     heads = s.group(layer.format(1))
     s.remove(heads, 1)
     s.clone(heads, 0, noise_std=0.1)

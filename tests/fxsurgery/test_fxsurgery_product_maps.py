@@ -107,14 +107,14 @@ def test_falcon_multi_query_heads_leave_the_one_key_and_value_whole() -> None:
     assert model(TOKENS).logits.shape == (2, 9, 100)
 
 
-def test_falcon_alibi_attention_is_told_at_its_module() -> None:
-    """ALiBi's per-head slopes are computed by the code, which no edit slices: each attention is left out with its
-    reason, and its MLP is grouped."""
+def test_falcon_alibi_heads_are_groups() -> None:
+    """ALiBi's per-head slopes, computed by the model and handed to each attention, are read there through a gather
+    of its kept heads: each attention's heads are a group holding its index buffer, and its MLP is grouped."""
     analysis = fxsurgery.analyse(falcon(alibi=True, multi_query=False, new_decoder_architecture=False).eval(),
                                  (TOKENS,))
-    assert [g.kind for g in analysis.groups] == ["channel", "channel"]
-    for layer in ("transformer.h.0.self_attention", "transformer.h.1.self_attention"):
-        assert [r for lo in analysis.left_out if lo.module == layer for r in lo.reasons if "lm_head" not in r]
+    assert sorted(g.kind for g in analysis.groups) == ["channel", "channel", "head", "head"]
+    for g in (g for g in analysis.groups if g.kind == "head"):
+        assert f"{g.module}.unit_index_0" in {sl.name for sl in g.slices}
 
 
 def test_a_position_table_read_through_heads_is_no_linear_map() -> None:

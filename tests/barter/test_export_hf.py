@@ -301,3 +301,23 @@ def test_fused_multi_query_heads_found_again_at_load(tmp_path):
     assert {g.name: g.count for g in loaded.barter_base.analysis.groups if g.kind == "head"} == {
         name: 4 for name in heads}
     assert torch.allclose(logits(loaded, **example), logits(model, **example), atol=1e-5)
+
+
+def test_alibi_model_round_trip_carries_the_heads_each_layer_reads(tmp_path):
+    """Bloom's layers read their kept heads' ALiBi slopes through index buffers that installing the groups adds: the
+    export records which heads each layer kept (after a removal and a clone), and the loaded model reads the same
+    slopes and gives the same logits."""
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_head=4, n_layer=2,
+                                                                   vocab_size=100))
+    ids = torch.randint(3, 100, (2, 6))
+    ctl = barter.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10, density=0.5,
+                      example_kwargs={"input_ids": ids})
+    heads = ctl.surgeon.group("transformer.h.1.self_attention:head")
+    ctl.surgeon.remove(heads, 0)
+    ctl.surgeon.clone(heads, 0)
+    indices = {name: b.tolist() for name, b in model.named_buffers() if "unit_index" in name}
+    assert indices["transformer.h.1.self_attention.unit_index_0"] == [1, 1]
+    loaded = barter.load(barter.export(model, tmp_path / "model", program=False))
+    assert {name: b.tolist() for name, b in loaded.named_buffers() if "unit_index" in name} == indices
+    assert torch.allclose(logits(loaded, input_ids=ids), logits(model, input_ids=ids), atol=1e-5)

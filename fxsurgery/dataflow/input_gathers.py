@@ -90,33 +90,27 @@ def insert_gathers(gm: torch.fx.GraphModule, sites: list[GatherSite]) -> bool:
     (``arange`` of the size); False where there is none to insert (each input is gathered once per module)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     sites = [site for site in dict.fromkeys(sites) if site.input in nodes]
-    inserted = False
     for site in sites:
         source = nodes[site.input]
         try:
             owner = gm.get_submodule(site.module)
-        except AttributeError:  # a module the graph holds nothing of: its input stays refused
-            continue
+        except AttributeError:  # a module the graph reads no attribute of: made to hold the buffer
+            gm.add_submodule(site.module, nn.Module())
+            owner = gm.get_submodule(site.module)
         read = [n.args[1].target for n in gm.graph.nodes if n.op == "call_function" and n.target is gather_units]
         k = sum(target.rpartition(".")[0] == site.module for target in read)  # named in the graph's order
         owner.register_buffer(f"{INDEX_PREFIX}{k}", torch.arange(site.size))
-        anchor = max((n for n in gm.graph.nodes if n.op == "placeholder"), key=_position, default=source)
-        with gm.graph.inserting_after(source if source.op != "placeholder" else anchor):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]  # a gather of one follows them all
+        with gm.graph.inserting_after(placeholders[-1] if source.op == "placeholder" else source):
             index = gm.graph.get_attr(join_path(site.module, f"{INDEX_PREFIX}{k}"))
         with gm.graph.inserting_after(index):
             gathered = gm.graph.call_function(gather_units, (source, index), {"dim": site.dim, "size": site.size})
         gathered.meta[GATHERED_SHAPE] = site.shape
         for user in [u for u in source.users if u is not gathered and within(module_of(u), site.module)]:
             user.replace_input_with(source, gathered)
-        inserted = True
-    if inserted:
+    if sites:
         gm.recompile()
-    return inserted
-
-
-def _position(node: torch.fx.Node) -> int:
-    """Where ``node`` stands in its graph (placeholders all come first: a gather of one follows the last)."""
-    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
+    return bool(sites)
 
 
 def add_index_buffers(host: nn.Module, graphs: list[torch.fx.Graph]) -> None:
@@ -150,6 +144,8 @@ def argument_gathers(host: nn.Module, graph: torch.fx.Graph, call: tuple[tuple, 
     try:
         with torch.no_grad():
             host(*call[0], **call[1])
+    except Exception as e:  # any failure: the own forward cannot be fitted
+        return Reason(f"cannot run the call it was analysed on ({type(e).__name__})")
     finally:
         for handle in handles:
             handle.remove()

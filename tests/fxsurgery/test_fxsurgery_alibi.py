@@ -5,6 +5,7 @@ zeroing the head's output-projection columns and equals zeroing it at its tap, a
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -158,7 +159,7 @@ def test_alibi_heads_are_a_group_per_layer(family: str) -> None:
 def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family: str) -> None:
     """Every layer's heads are an exact group; after a removal and a clone, decoding from the cache (served by the
     host's own forward, which gathers the slopes it hands on as the graph does) and ``generate`` with the cache equal
-    the masked model and ``generate`` without."""
+    the masked model and ``generate`` without, in the model, a copy and a pickled one."""
     from tests.fxsurgery.test_fxsurgery_fused_qkv_pieces import assert_decodes_as_masked
 
     model, zero, layer = FAMILIES[family]
@@ -173,4 +174,5 @@ def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family
     s.remove(heads, 1)
     s.clone(heads, 0, noise_std=0.1)
     more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(1))
-    assert_decodes_as_masked(model, masked, ids, more)
+    for served in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert_decodes_as_masked(served, masked, ids, more)

@@ -161,7 +161,8 @@ class Records:
     # ids of plain tensors an ``expand`` broadcast along new dims (also in ``uniform``): beside parameters alone they
     # tie to them as a factory's fill does, not merged
     broadcasts: list[torch.Tensor] = field(default_factory=list)
-    # host inputs lined up with heads that the code computed outside the host: read through a gather of the units
+    # inputs of a module computing attention logits that line up with their heads, computed at the analysed count:
+    # the graph is made to read them through a gather of the units (``input_gathers``)
     gathers: list[GatherSite] = field(default_factory=list)
 
     def fresh(self, shape: tuple[int, ...]) -> torch.Tensor:

@@ -102,9 +102,18 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     out = _output_label(s, views, reps, consumed, letters, out_sub)
     if out is not None and sum(v.activation for v in views) + len(shared) >= 2:
         s.rec.products.append(out.ids)
-        if len(s.rec.contracted) == before:
+        if len(s.rec.contracted) == before or _reads_applied(s, views):
             s.rec.applied.append(out.ids)
     return out
+
+
+def _reads_applied(s: Step, views: list[Operand]) -> bool:
+    """Whether an activation operand already holds weights applied to values (``Records.applied``): a product with
+    it is values too, whatever it contracts (linear attention's ``q @ (softmax(k)ᵀ @ v)``), never attention logits."""
+    if not s.rec.applied:
+        return False
+    applied = torch.cat([ids.flatten() for ids in s.rec.applied])
+    return any(torch.isin(v.label.ids, applied).any() for v in views if v.activation)
 
 
 def _unless_broadcast(s: Step, lab: Label | None) -> Label | None:

@@ -10,6 +10,7 @@ gives a controller of a copy of the model and of its optimizer, with its own tap
 from __future__ import annotations
 
 import copy
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ from .averaging import AveragedCopy
 from .compat import copy_plainly, copy_with, hooks_set_aside
 from .fsdp import check_optimizer, hold_empty_parameters, sharded_access
 from .loss_scale import Scaler, current_scale
+from .meta_build import restore_installed
 from .options import Options
 from .schedule import KINDS, Schedule
 from .scores import ScoreTable
@@ -32,6 +34,23 @@ from .transfer_event import TransferEvent
 from .transfer_policy import CloneState, Removal, TransferParts
 from .transfer_probe import LossFn, TransferProbe, choice_scores
 
+
+class _RestoreInstalled:
+    """A forward pre-hook on a model `barter.wrap` wrapped on the meta device whose install added buffers: at its first
+    call with its values allocated (`to_empty`), before any step, those buffers get the values the wrap kept
+    (`meta_build.restore_installed`; a build replayed by `meta_build.materialise` got them already), then it goes."""
+
+    def __init__(self, controller: Controller):
+        self.controller = weakref.ref(controller)
+        self.handle = controller.model.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        controller = self.controller()
+        if controller is not None and any(p.is_meta for p in module.parameters()):
+            return
+        self.handle.remove()
+        if controller is not None and controller.step_count == 0:  # after a resume the buffers are as loaded
+            restore_installed(controller, module)
 
 @dataclass
 class Fade:
@@ -106,6 +125,8 @@ class Controller:
         self.scaler: Scaler | None = None
         self.averaged: list[AveragedCopy] = []
         self.probe: TransferProbe | None = None
+        if self.noise_seeded_on_meta and self.surgeon.installed_state():
+            _RestoreInstalled(self)
         self._install_taps()
 
     def _install_taps(self) -> None:

@@ -227,9 +227,24 @@ def materialise(model: nn.Module, record: BuildRecord, device: torch.device | st
     if missing:
         raise ValueError(f"the model has lost {missing} since its build was recorded")
     replayed = replay(record, lambda name, full: _write(live[name], _keep(full, positions.get(name))))
+    if controller is not None:
+        restore_installed(controller, model)
     if not torch.equal(found, record.end_rng_state):
         torch.set_rng_state(found)  # used since the build (seeded again, say): as it was
     return replayed
+
+
+def restore_installed(controller: Any, model: nn.Module) -> None:
+    """Write into `model` (which holds `controller.model`, the module `barter.wrap` wrapped on the meta device,
+    allocated since) the buffers the wrap's install added to it (`fxsurgery.Surgeon.installed_state`: which of a
+    module input's entries a layer's units read), at the units the wrap kept: no build made them."""
+    prefix = next(f"{path}." if path else "" for path, module in model.named_modules() if module is controller.model)
+    full = controller.surgeon.installed_state()
+    kept = kept_positions(controller.surgeon.analysis.groups, controller.initial_units,
+                          {name: values.shape for name, values in full.items()})
+    for name, values in full.items():
+        buffer = model.get_buffer(prefix + name)
+        _write(buffer, _keep(values, kept.get(name)).to(buffer.device))
 
 
 def replay(record: BuildRecord, write: Callable[[str, Tensor], None]) -> Replayed:

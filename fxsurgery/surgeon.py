@@ -14,6 +14,8 @@ from .analysis.value import Analysis, analyse, run_once, structure, structure_di
 from .capture.calls import materialize
 from .clone_state import StateAtClone
 from .compat import tree_leaves, tree_map
+from .dataflow.input_gathers import index_values
+from .dataflow.paths import join_path
 from .editing import Editor, TensorAccess
 from .groups import LeftOut, UnitGroup
 from .report import explain
@@ -183,6 +185,18 @@ class Surgeon:
             served[host] = list(installed.served.values()) if installed is not None else []
         return explain(type(self.model).__name__, self.groups, self.left_out, self._editor.plumbing,
                        front_ends=self._front_ends, served=served)
+
+    def installed_state(self) -> dict[str, torch.Tensor]:
+        """The buffers the install added to the model (the index buffers by which a layer reads its units' entries of
+        a module input, as ALiBi slopes), by state_dict name, each on the CPU at its width as analysed: a model
+        materialised from the meta device (``to_empty``) must be given them again, each at the units it keeps."""
+        found = {}
+        for host in self._front_ends:
+            installed = GraphForward.of(self.model.get_submodule(host))
+            for graph in ([] if installed is None else installed.graphs.values()):
+                if graph is not None:
+                    found.update({join_path(host, name): values for name, values in index_values(graph).items()})
+        return found
 
     def _own(self, group: UnitGroup) -> UnitGroup:
         if not any(group is g for g in self.groups):

@@ -124,6 +124,13 @@ def add_index_buffers(host: nn.Module, graphs: list[torch.fx.Graph]) -> None:
             owner.register_buffer(name, torch.arange(n.kwargs["size"], device=device))
 
 
+def index_values(graph: torch.fx.Graph) -> dict[str, torch.Tensor]:
+    """The index buffers the gathers of ``graph`` read (named within its module), each with every unit as analysed:
+    what a model whose values were lost (made on the meta device, then ``to_empty``) must hold again there."""
+    return {n.args[1].target: torch.arange(n.kwargs["size"]) for n in graph.nodes
+            if n.op == "call_function" and n.target is gather_units}
+
+
 def argument_gathers(host: nn.Module, graph: torch.fx.Graph, call: tuple[tuple, dict]) -> list[Gather] | Reason:
     """The gathers of ``graph`` as arguments of the modules they feed, told by running ``host`` (a copy at the
     analysed widths, whose own forward it runs) on the call the graph was analysed on: the one argument of each

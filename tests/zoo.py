@@ -211,6 +211,34 @@ def masked_copy(model: nn.Module, dead: dict[str, set[int]], width: dict[str, in
     return ref
 
 
+def masked_outputs(model: nn.Module, x: torch.Tensor, weight: str, unit: int, width: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s output on ``x``, and that of a copy with ``unit``'s run of ``width`` columns of ``weight`` zeroed
+    (the weights' oracle of removing it)."""
+    with torch.no_grad():
+        return model(x), masked_copy(model, {weight: {unit}}, width={weight: width})(x)
+
+
+def assert_removal_masks_and_clone_keeps(surgeon, group, unit: int, run, *, by_weights: torch.Tensor,
+                                         reference: torch.Tensor, tol: float = 1e-10) -> torch.Tensor:
+    """Removing ``unit`` of ``group`` (a head group: the tap sees ``[..., heads, head_dim]``) equals ``by_weights``
+    (the model with its output columns zeroed) and equals zeroing it at the tap, and changes ``reference``; a clone
+    of unit 0 afterwards keeps the outputs. ``run()``: the model's output now. Returns the output after the removal."""
+    handle = surgeon.tap(group, lambda a: a.select(-2, unit).zero_())
+    with torch.no_grad():
+        tapped = run()
+    handle.remove()
+    surgeon.remove(group, unit)
+    with torch.no_grad():
+        removed = run()
+    assert (removed - by_weights).abs().max() < tol and (removed - tapped).abs().max() < tol
+    assert not torch.allclose(removed, reference, atol=1e-6)
+    surgeon.clone(group, 0, noise_std=0.1)
+    with torch.no_grad():
+        assert (run() - removed).abs().max() < tol
+    return removed
+
+
 def train_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int = 2) -> torch.Tensor:
     """A few optimizer steps on a toy loss, so optimizer state exists; returns the last loss."""
     for _ in range(steps):

@@ -19,7 +19,7 @@ from tests.fxsurgery.test_fxsurgery_families_more import (
     VOCAB,
     assert_head_1_removal_equals_masking,
 )
-from tests.zoo import masked_copy
+from tests.zoo import assert_removal_masks_and_clone_keeps, masked_copy, masked_outputs
 
 transformers = pytest.importorskip("transformers")  # the helpers shared with the Hugging Face families' tests
 
@@ -75,26 +75,13 @@ def test_heads_handed_slopes_computed_by_the_model_are_a_group_per_layer(merged:
     model = AlibiModel(merged=merged).double().eval()
     model_before = copy.deepcopy(model)
     x = torch.randn(2, 6, HIDDEN, dtype=torch.double)
-    oracle = masked_copy(model, {"attns.1.out.weight": {1}}, width={"attns.1.out.weight": HEAD_DIM})
-    with torch.no_grad():
-        reference, by_weights = model(x), oracle(x)
+    reference, by_weights = masked_outputs(model, x, "attns.1.out.weight", 1, HEAD_DIM)
     s = Surgeon(model, (x,))
     groups = sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head")
     assert groups == [(f"attns.{i}:head", HEADS, True) for i in range(2)], s.explain()
     heads = s.group("attns.1:head")
     assert "attns.1.unit_index_0" in {sl.name for sl in heads.slices}
-    handle = s.tap(heads, lambda a: a.select(-2, 1).zero_())
-    with torch.no_grad():
-        tapped = model(x)
-    handle.remove()
-    s.remove(heads, 1)
-    with torch.no_grad():
-        removed = model(x)
-    assert (removed - by_weights).abs().max() < 1e-10 and (removed - tapped).abs().max() < 1e-10
-    assert not torch.allclose(removed, reference, atol=1e-6)
-    s.clone(heads, 0, noise_std=0.1)
-    with torch.no_grad():
-        assert (model(x) - removed).abs().max() < 1e-10
+    assert_removal_masks_and_clone_keeps(s, heads, 1, lambda: model(x), by_weights=by_weights, reference=reference)
     assert model.state_dict()["attns.1.unit_index_0"].tolist() == [0, 2, 3, 0]
     s.keep(heads, [0, 3])  # head 0 whole again: its two halves
     s.keep(s.group("attns.0:head"), [2])  # a layer at one head

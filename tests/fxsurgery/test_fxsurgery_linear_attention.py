@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from fxsurgery import Surgeon
-from tests.zoo import masked_copy
+from tests.zoo import assert_removal_masks_and_clone_keeps, masked_copy, masked_outputs
 
 HIDDEN, HEADS, HEAD_DIM, TOKENS = 16, 4, 4, 9
 
@@ -59,27 +59,15 @@ def test_linear_attention_heads_are_a_group_per_layer(position_term: bool) -> No
     model_before = copy.deepcopy(model)
     x = torch.randn(2, TOKENS, HIDDEN, dtype=torch.double)
     head = random.Random(seed).randrange(HEADS)
-    oracle = masked_copy(model, {"attns.1.proj.weight": {head}}, width={"attns.1.proj.weight": HEAD_DIM})
-    with torch.no_grad():
-        reference, by_weights = model(x), oracle(x)
+    reference, by_weights = masked_outputs(model, x, "attns.1.proj.weight", head, HEAD_DIM)
     s = Surgeon(model, (x,))
     groups = sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head")
     assert groups == [(f"attns.{i}:head", HEADS, True) for i in range(2)], s.explain()
     heads = s.group("attns.1:head")
     if position_term:
         assert {"attns.1.conv.weight", "attns.1.conv.bias"} <= {sl.name for sl in heads.slices}
-    handle = s.tap(heads, lambda a: a.select(-2, head).zero_())
-    with torch.no_grad():
-        tapped = model(x)
-    handle.remove()
-    s.remove(heads, head)
-    with torch.no_grad():
-        removed = model(x)
-    assert (removed - by_weights).abs().max() < 1e-10 and (removed - tapped).abs().max() < 1e-10
-    assert not torch.allclose(removed, reference, atol=1e-6)
-    s.clone(heads, 0, noise_std=0.1)
-    with torch.no_grad():
-        assert (model(x) - removed).abs().max() < 1e-10
+    assert_removal_masks_and_clone_keeps(s, heads, head, lambda: model(x), by_weights=by_weights,
+                                         reference=reference)
     s.keep(s.group("attns.0:head"), [0])  # one head left
     first = 0 if head else 1  # the kept head the clone copied: its two halves make it whole again
     if position_term:  # a depthwise convolution of no channels cannot run: the layer keeps that head

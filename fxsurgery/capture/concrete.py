@@ -81,6 +81,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
         if fixed:
             node.meta[FIXED_SIZES] = fixed
     _keep_constants(module, exported, graph)
+    _follow_device(module, graph)
     values = flatten_to_spec((args, kwargs), pytree_info(graph).in_spec)
     gm = torch.fx.GraphModule(module, graph, type(module).__name__)  # run at once: no lazy code
     gm.graph.lint()  # against the module the graph now reads, with the lifted constants it was given
@@ -208,6 +209,28 @@ def _keep_constants(module: nn.Module, exported: torch.fx.GraphModule, graph: to
             k += 1
         module.__dict__[f"{CODE_CONSTANT}{k}"] = value
         node.target = f"{CODE_CONSTANT}{k}"
+
+
+def _follow_device(module: nn.Module, graph: torch.fx.Graph) -> None:
+    """Export writes the device of the tensors the code makes (``torch.arange(n, device=x.device)``) as the one it
+    ran on: each becomes the device of ``module``'s first tensor at run time, so the graph runs where the module is
+    moved (a model analysed on the CPU and trained on a GPU, or built on the meta device and allocated since)."""
+    state = next((name for name, _ in (*module.named_parameters(), *module.named_buffers())), None)
+    if state is None:
+        return
+    ran_on = _lookup(module, state).device
+    baked = [n for n in graph.nodes if n.op in ("call_function", "call_method")
+             and any(isinstance(v, torch.device) and v == ran_on for v in (*n.args, *n.kwargs.values()))]
+    if not baked:
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None):
+        tensor = graph.get_attr(state)
+    with graph.inserting_after(tensor):
+        device = graph.call_function(getattr, (tensor, "device"))
+    for node in baked:
+        node.args = tuple(device if isinstance(v, torch.device) and v == ran_on else v for v in node.args)
+        node.kwargs = {k: device if isinstance(v, torch.device) and v == ran_on else v for k, v in node.kwargs.items()}
 
 
 def _lookup(root: nn.Module, target: str) -> Any:

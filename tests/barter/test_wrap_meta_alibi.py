@@ -68,3 +68,24 @@ def test_materialise_writes_the_index_buffers_the_build_did_not_make() -> None:
     assert _indices(model) == _indices(direct.model)
     with torch.no_grad():
         assert torch.equal(model(X), direct.model(X))
+
+
+def test_a_meta_hf_model_captured_by_export_computes_as_the_one_wrapped_with_weights() -> None:
+    """MPT (ALiBi, captured by torch.export) wrapped on meta finds the heads it finds with weights, and once allocated
+    and given the same weights computes the same logits: its graph makes its tensors where the model is now."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MptConfig(d_model=HIDDEN, n_heads=HEADS, n_layers=2, vocab_size=64, max_seq_len=32,
+                                    expansion_ratio=2)
+    ids = torch.randint(3, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    direct = barter.wrap(transformers.MptForCausalLM(config), example_kwargs={"input_ids": ids}, **OPTIONS)
+    with torch.device("meta"):
+        built = transformers.MptForCausalLM(config)
+    on_meta = barter.wrap(built, example_kwargs={"input_ids": ids.to("meta")}, **OPTIONS)
+    assert [g.name for g in on_meta.surgeon.groups] == [g.name for g in direct.surgeon.groups]
+    on_meta.model.to_empty(device="cpu")
+    on_meta.model.load_state_dict({k: v for k, v in direct.model.state_dict().items() if "unit_index" not in k},
+                                  strict=False)
+    with torch.no_grad():
+        assert torch.equal(on_meta.model(input_ids=ids).logits, direct.model(input_ids=ids).logits)
+    assert _indices(on_meta.model) == _indices(direct.model)

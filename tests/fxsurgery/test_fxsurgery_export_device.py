@@ -1,0 +1,47 @@
+"""A host captured by torch.export makes tensors in its code (ALiBi slopes, position ranges, masks): export writes
+the device it ran on into those calls, and the installed graph makes them on the device the module is on at run
+time instead. A model analysed on one device runs on another; one built on the meta device is analysed as on the
+CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxsurgery import Surgeon, analyse
+from tests.fxsurgery.test_fxsurgery_alibi import tiny_mpt
+from tests.fxsurgery.test_fxsurgery_families_more import LENGTH, VOCAB
+
+transformers = pytest.importorskip("transformers")
+IDS = torch.randint(3, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+def _heads_removed(model: torch.nn.Module) -> Surgeon:
+    s = Surgeon(model, (), {"input_ids": IDS})
+    assert "export" in s.explain()  # the symbolic trace cannot take MPT: torch.export captured it
+    s.remove(s.group("transformer.blocks.1.attn:head"), 1)
+    return s
+
+
+def test_an_exported_host_runs_where_the_model_is_moved() -> None:
+    model = tiny_mpt()
+    _heads_removed(model)
+    with torch.no_grad():
+        expected = model(input_ids=IDS).logits
+    model.to("meta")  # the one other device every machine has: shapes only
+    assert model(input_ids=IDS.to("meta")).logits.shape == expected.shape
+    if torch.cuda.is_available():
+        moved = tiny_mpt()
+        _heads_removed(moved)
+        moved.cuda()
+        with torch.no_grad():
+            got = moved(input_ids=IDS.cuda()).logits.cpu()
+        assert (got - expected).abs().max() < 1e-8
+
+
+def test_a_model_built_on_meta_is_analysed_as_on_the_cpu() -> None:
+    on_cpu = analyse(tiny_mpt().float(), (), {"input_ids": IDS})
+    with torch.device("meta"):
+        built = transformers.MptForCausalLM(tiny_mpt().config)
+    on_meta = analyse(built, (), {"input_ids": IDS.to("meta")})
+    assert [(g.name, g.count) for g in on_meta.groups] == [(g.name, g.count) for g in on_cpu.groups]
+    assert sum(g.kind == "head" for g in on_meta.groups) == 2

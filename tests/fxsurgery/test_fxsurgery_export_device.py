@@ -45,3 +45,13 @@ def test_a_model_built_on_meta_is_analysed_as_on_the_cpu() -> None:
     on_meta = analyse(built, (), {"input_ids": IDS.to("meta")})
     assert [(g.name, g.count) for g in on_meta.groups] == [(g.name, g.count) for g in on_cpu.groups]
     assert sum(g.kind == "head" for g in on_meta.groups) == 2
+
+
+def test_an_exported_host_keeps_the_dtypes_it_was_captured_with() -> None:
+    """The dtypes of the code's own tensors stay as captured (an upcast the code writes cannot be told from a dtype
+    copied off an input): a model cast after its analysis fails with torch's dtype error, as the README says."""
+    model = tiny_mpt().float()
+    _heads_removed(model)
+    model.double()
+    with pytest.raises(RuntimeError, match="expected scalar type Float but found Double"):
+        model(input_ids=IDS)

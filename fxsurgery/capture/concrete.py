@@ -213,24 +213,38 @@ def _keep_constants(module: nn.Module, exported: torch.fx.GraphModule, graph: to
 
 def _follow_device(module: nn.Module, graph: torch.fx.Graph) -> None:
     """Export writes the device of the tensors the code makes (``torch.arange(n, device=x.device)``) as the one it
-    ran on: each becomes the device of ``module``'s first tensor at run time, so the graph runs where the module is
-    moved (a model analysed on the CPU and trained on a GPU, or built on the meta device and allocated since)."""
+    ran on, and the constants it lifts (``torch.tensor(..., device=x.device)``, kept as plain attributes) stay
+    there: each call makes its tensor on the device of ``module``'s first tensor at run time, and each such constant
+    is moved there (no copy where it is), so the graph runs where the module is moved (a model analysed on the CPU
+    and trained on a GPU, or built on the meta device and allocated since)."""
     state = next((name for name, _ in (*module.named_parameters(), *module.named_buffers())), None)
     if state is None:
         return
     ran_on = _lookup(module, state).device
-    baked = [n for n in graph.nodes if n.op in ("call_function", "call_method")
-             and any(isinstance(v, torch.device) and v == ran_on for v in (*n.args, *n.kwargs.values()))]
-    if not baked:
+
+    def baked(value: Any) -> bool:
+        return isinstance(value, torch.device) and value == ran_on
+
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method")
+             and any(baked(v) for v in (*n.args, *n.kwargs.values()))]
+    constants = [n for n in graph.nodes if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)
+                 and torch.is_tensor(value := _lookup(module, n.target)) and value.device == ran_on]
+    if not calls and not constants:
         return
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None):
         tensor = graph.get_attr(state)
     with graph.inserting_after(tensor):
         device = graph.call_function(getattr, (tensor, "device"))
-    for node in baked:
-        node.args = tuple(device if isinstance(v, torch.device) and v == ran_on else v for v in node.args)
-        node.kwargs = {k: device if isinstance(v, torch.device) and v == ran_on else v for k, v in node.kwargs.items()}
+    for node in calls:
+        node.args = tuple(device if baked(v) else v for v in node.args)
+        node.kwargs = {k: device if baked(v) else v for k, v in node.kwargs.items()}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in constants:
+        with graph.inserting_after(node if order[node] > order[device] else device):
+            moved = graph.call_method("to", (node, device))
+        for user in [u for u in node.users if u is not moved]:
+            user.replace_input_with(node, moved)
 
 
 def _lookup(root: nn.Module, target: str) -> Any:

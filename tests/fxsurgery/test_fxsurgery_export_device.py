@@ -4,8 +4,11 @@ time instead. A model analysed on one device runs on another; one built on the m
 CPU."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn as nn
 
 from fxsurgery import Surgeon, analyse
 from tests.fxsurgery.test_fxsurgery_alibi import tiny_mpt
@@ -13,6 +16,40 @@ from tests.fxsurgery.test_fxsurgery_families_more import LENGTH, VOCAB
 
 transformers = pytest.importorskip("transformers")
 IDS = torch.randint(3, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(0))
+
+
+class ShapeBranchingAttention(nn.Module):
+    """Attention whose code branches on a size (so torch.export captures it) and makes tensors on its input's device:
+    a constant (``torch.tensor``, which export lifts) and a range (``torch.arange``, which it records as a call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(16, 48), nn.Linear(16, 16), 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        if n > 3:
+            x = x * torch.tensor([1.5], device=x.device)
+        position = torch.arange(n, device=x.device, dtype=x.dtype)[:, None] / n
+        q, k, v = self.qkv(x + position).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attention = (q @ k.transpose(-1, -2)).softmax(-1) @ v
+        return self.out(attention.transpose(1, 2).reshape(b, n, c))
+
+
+def test_an_exported_hosts_constants_and_ranges_follow_the_module() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ShapeBranchingAttention(), nn.Linear(16, 16))
+    original = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    s = Surgeon(model, (x,))
+    assert "export" in s.explain()
+    s.remove(s.group("0:head"), 1)
+    for module in (model, original):
+        module.to("meta")
+    assert model(x.to("meta")).shape == original(x.to("meta")).shape == (2, 5, 16)
+    if torch.cuda.is_available():
+        model.to_empty(device="cuda")
+        assert model(x.cuda()).device.type == "cuda"
 
 
 def _heads_removed(model: torch.nn.Module) -> Surgeon:

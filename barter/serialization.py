@@ -101,14 +101,14 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
             raise ExportError(f"{path} records no base architecture; pass the freshly built model: "
                               "load(path, model=...)")
         model = _build(topology["architecture"], topology["model_kwargs"])
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if len(dtypes) == 1:  # a model exported in half precision comes back in it, analysed in it (a captured graph
+        model.to(dtypes.pop())  # makes the code's own tensors in the dtypes it was captured with)
     surgeon, plan = _resize_plan(model, topology, path)
     _check_fits(model, weights, plan, path / WEIGHTS)
     for group, count in plan:
         if count < group.count:
             surgeon.keep(group, range(count))
-    dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
-    if len(dtypes) == 1:  # a model exported in half precision comes back in it
-        model.to(dtypes.pop())
     model.load_state_dict(weights)
     keep_base(model, ModelBase(None if surgeon is None else surgeon.analysis,
                                architecture=topology["architecture"] if built else None,

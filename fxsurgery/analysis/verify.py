@@ -63,6 +63,11 @@ def twin(editor: Editor, g: UnitGroup, host: torch.nn.Module) -> Iterator[None]:
         editor.settle(g, count)
 
 
+# the largest relative difference a trial accepts, by the host's dtype: a few dozen rounding steps through a block
+# (bfloat16 keeps 8 bits, so a clone's halves and a sum over heads differ by a percent where float16 differs by 0.1%)
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
 class _Trial:
     """The trial edits of one self-check on the group's live host, the outputs they give, and the restore that undoes
     them: `check` compares, the other methods each make one edit or one run."""
@@ -74,7 +79,7 @@ class _Trial:
         self.saved = [(t, t.data, t.grad) for t in itertools.chain(self.module.parameters(), self.module.buffers())]
         self.count = g.count  # the count before any trial edit, restored after each
         dtype = self.saved[0][1].dtype if self.saved else torch.float32
-        self.tol = {torch.float64: 1e-9, torch.float32: 1e-5}.get(dtype, 1e-2)
+        self.tol = _TOLERANCE.get(dtype, _TOLERANCE[torch.float16])
 
     def check(self) -> Reason | None:
         """Unit 0 cloned and unit 1 removed against unit 1 zeroed at the tap point, in one forward where the group

@@ -321,3 +321,19 @@ def test_alibi_model_round_trip_carries_the_heads_each_layer_reads(tmp_path):
     loaded = barter.load(barter.export(model, tmp_path / "model", program=False))
     assert {name: b.tolist() for name, b in loaded.named_buffers() if "unit_index" in name} == indices
     assert torch.allclose(logits(loaded, input_ids=ids), logits(model, input_ids=ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_captured_model_comes_back_in_the_dtype_it_was_exported_in(tmp_path, dtype):
+    """MPT is captured by torch.export, whose graph makes the code's own tensors in the dtypes it was captured with:
+    a model exported in double or bfloat16 is analysed again in that dtype at load, and gives the same logits."""
+    torch.manual_seed(0)
+    model = transformers.MptForCausalLM(transformers.MptConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=100,
+                                                               max_seq_len=32, expansion_ratio=2)).to(dtype)
+    ids = torch.randint(3, 100, (2, 6))
+    ctl = barter.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10, density=0.5,
+                      example_kwargs={"input_ids": ids})
+    assert "export" in ctl.surgeon.explain()
+    loaded = barter.load(barter.export(model, tmp_path / "model", program=False))
+    assert {p.dtype for p in loaded.parameters()} == {dtype}
+    assert torch.equal(logits(loaded, input_ids=ids), logits(model, input_ids=ids))

@@ -235,3 +235,16 @@ def test_a_citation_of_what_does_not_exist_is_caught() -> None:
 def test_relative_links_resolve(page: Path) -> None:
     links = [t for t in re.findall(r"\]\(([^)\s]+)\)", page.read_text()) if not re.match(r"[a-z]+:|#", t)]
     assert [t for t in links if not (page.parent / t.split("#")[0]).exists()] == []
+
+
+def test_the_self_checks_tolerances_are_those_the_readme_gives() -> None:
+    import torch
+
+    from fxsurgery.analysis.verify import _TOLERANCE
+
+    text = " ".join(README.read_text().split())
+    stated = re.search(r"self-check accepts a relative difference of (\S+) in float64, (\S+) in float32, (\S+) in "
+                       r"float16 and (\S+) in bfloat16", text)
+    assert stated, "the README no longer gives the self-check's tolerances"
+    dtypes = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    assert {dtype: float(value.rstrip(").,")) for dtype, value in zip(dtypes, stated.groups())} == _TOLERANCE

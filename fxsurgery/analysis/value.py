@@ -88,6 +88,9 @@ def analyse(model: nn.Module, example_inputs: Any = (), example_kwargs: dict[str
     kwargs = dict(example_kwargs or {})
     if not args and not kwargs:
         raise ValueError("analyse needs an example call of the model: example_inputs and/or example_kwargs")
+    if torch.get_default_device().type == "meta":
+        raise ValueError("the analysis runs inside a torch.device('meta') context, where the tensors it makes "
+                         "would hold no values: build the model inside the context and analyse (or wrap) it outside")
     with collector_paused():
         working = working_copy(model)
         run_once(working, args, kwargs)

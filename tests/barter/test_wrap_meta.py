@@ -56,3 +56,15 @@ def test_the_meta_path_chooses_as_the_materialised_path() -> None:
                          channel_ratio=0.5)
     on_meta = _wrapped_on_meta(init="first", head_ratio=0.5, channel_ratio=0.5)
     assert_meta_path_equals_materialised(direct, on_meta, lambda ctl: _train(ctl, 12))
+
+
+def test_a_wrap_inside_a_meta_device_context_is_refused_naming_it() -> None:
+    """Built and wrapped inside `with torch.device("meta")`: the analysis's own tensors would hold no values. The
+    refusal says where to wrap instead, and the model is left as built."""
+    with torch.device("meta"):
+        model = build_vit()
+        before = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=r"inside a torch.device\('meta'\) context.*wrap\) it outside"):
+            barter.wrap(model, total_steps=12, density=0.5, init="first", example_inputs=(X.to("meta"),))
+    assert {name: tuple(p.shape) for name, p in model.named_parameters()} == before
+    assert barter.wrap(model, total_steps=12, density=0.5, init="first", example_inputs=(X.to("meta"),)).surgeon.groups

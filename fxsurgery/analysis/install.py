@@ -107,7 +107,8 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
                  shared: AnalysisCache, groups: list[tuple[int, UnitGroup]]) -> HostServer:
     """Install the host's graphs as its forward, give ``groups`` (each with its index in the host's analysis) their
     plumbing in ``editor``, and return the server of the host's other calls, which serves those groups."""
-    add_index_buffers(module, list(check.found.graphs.values()))  # its units as analysed, in the template too
+    held = {sl.name for index, _ in groups for sl in check.found.groups[index].spec.members}
+    add_index_buffers(module, list(check.found.graphs.values()), held)  # its units as analysed, in the template too
     if check.key not in shared.meta_copies:  # before the host changes: other calls are captured from it
         shared.meta_copies[check.key] = meta_template(module)
     bound = bind(module, check.key, check.found, shared)

@@ -113,15 +113,18 @@ def insert_gathers(gm: torch.fx.GraphModule, sites: list[GatherSite]) -> bool:
     return bool(sites)
 
 
-def add_index_buffers(host: nn.Module, graphs: list[torch.fx.Graph]) -> None:
+def add_index_buffers(host: nn.Module, graphs: list[torch.fx.Graph], held: set[str]) -> None:
     """Give ``host``'s modules the index buffers the gathers in ``graphs`` read that they lack, with every unit as
-    analysed, on the device of the host's parameters."""
+    analysed, on the device of the host's parameters. One that no installed group holds (``held``: their tensors'
+    names within the host), whose group failed its self-check, reads every unit for good: it stays out of the
+    state_dict, which says only which units a layer's groups keep."""
     device = next(host.parameters(), torch.empty(0)).device
     for n in (n for graph in graphs for n in graph.nodes if n.op == "call_function" and n.target is gather_units):
         path, _, name = n.args[1].target.rpartition(".")
         owner = host.get_submodule(path)
         if name not in dict(owner.named_buffers(recurse=False)):
-            owner.register_buffer(name, torch.arange(n.kwargs["size"], device=device))
+            owner.register_buffer(name, torch.arange(n.kwargs["size"], device=device),
+                                  persistent=n.args[1].target in held)
 
 
 def index_values(graph: torch.fx.Graph) -> dict[str, torch.Tensor]:

@@ -163,3 +163,32 @@ def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family
     more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(1))
     for served in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert_decodes_as_masked(served, masked, ids, more)
+
+
+def test_slopes_whose_heads_fail_their_self_check_are_read_whole_and_kept_out_of_the_state_dict(monkeypatch,
+                                                                                                  tmp_path) -> None:
+    """A head group that fails its self-check is left out; its layer keeps reading every head's slope through its
+    index buffer, which stays out of the state_dict (no group edits it), so the model exports and loads as built."""
+    import barter
+    import fxsurgery.analysis.install as install
+    from fxsurgery import UnitKind
+    from fxsurgery.reason import Reason
+
+    checked = install.self_check
+    monkeypatch.setattr(install, "self_check", lambda editor, g, inputs: Reason("refused by the test")
+                        if g.kind == UnitKind.HEAD else checked(editor, g, inputs))
+    model = tiny_mpt()
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    ctl = barter.wrap(model, total_steps=10, density=0.5, example_kwargs={"input_ids": ids})
+    assert not [g for g in ctl.surgeon.groups if g.kind == UnitKind.HEAD]
+    assert "refused by the test" in ctl.surgeon.explain()
+    buffers = {name for name, _ in model.named_buffers() if "unit_index" in name}
+    assert buffers and not buffers & set(model.state_dict())
+    channels = ctl.surgeon.group("transformer.blocks.0.ffn:channel")
+    assert channels.count < channels.max_count  # the wrap made the channels compact, the heads whole
+    loaded = barter.load(barter.export(model, tmp_path / "model", program=False))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+        assert not torch.equal(model(input_ids=ids).logits, expected)

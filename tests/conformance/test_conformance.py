@@ -50,6 +50,9 @@ HEADS_REQUIRED |= {"hf_phi3"}
 # and a token-type bias each head picks by a mask every head reads (Funnel's relative attention), and differential
 # heads paired across the halves of the heads (DiffLlama: a unit holds two key/value heads with their query heads)
 HEADS_REQUIRED |= {"hf_funnel", "hf_diffllama"}
+# and ALiBi slopes the model computes once at its head count and hands to every layer, each layer reading its kept
+# heads' slopes through an index buffer of its own (MPT adds them to the scores, Bloom through baddbmm)
+HEADS_REQUIRED |= {"hf_mpt", "hf_bloom"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

@@ -101,9 +101,11 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
             raise ExportError(f"{path} records no base architecture; pass the freshly built model: "
                               "load(path, model=...)")
         model = _build(topology["architecture"], topology["model_kwargs"])
+    # a model exported in one float dtype comes back in it, cast before it is analysed again: a graph torch.export
+    # captured makes the code's own tensors in the dtypes it was captured with
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
-    if len(dtypes) == 1:  # a model exported in half precision comes back in it, analysed in it (a captured graph
-        model.to(dtypes.pop())  # makes the code's own tensors in the dtypes it was captured with)
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
     surgeon, plan = _resize_plan(model, topology, path)
     _check_fits(model, weights, plan, path / WEIGHTS)
     for group, count in plan:

@@ -200,7 +200,7 @@ def group_description(host: str, spec: GroupSpec, slices: tuple[ParamSlice, ...]
     elif fit is not None and fit.empty_fault and min_count == 0:
         min_count = 1
         notes += (f"keeps one unit: its host's own forward, which serves the calls that pass an object (a key/value "
-                  f"cache), {fit.empty_fault} with none",)
+                  f"cache), {fit.empty_fault} with none (holding one zero unit)",)
     return GroupDescription(name=name, kind=spec.kind, module=group_module(host, spec), max_count=spec.count,
                             exact=spec.exact, slices=slices, notes=notes, min_count=min_count)
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx
 
+from ..capture.held_objects import held_output_leaves
 from ..compat import GENERATED_SPEC_READS, outside_traces, pytree_info, tree_map
 from .call_signature import call_signature, call_sizes, fixed_dims, hooked_submodules
 
@@ -59,6 +60,12 @@ class CallServer(Protocol):
         """The host's own forward for calls of signature ``key``, as a function of (module, *args, **kwargs), its
         taps still run."""
 
+    def state_forward(self, module: torch.nn.Module, key: tuple,
+                      call: tuple[tuple, dict]) -> Callable[..., Any] | None:
+        """For a call of signature ``key`` whose graph returns state (a key/value cache): the host's own forward,
+        storing one zero unit for each group left with no units, or None where no group is empty or the own
+        forward does not follow the widths."""
+
 
 class GraphForward:
     """Runs the graph captured for the call's signature (train/eval mode included)."""
@@ -76,6 +83,7 @@ class GraphForward:
         self.graphs: OrderedDict[tuple, torch.fx.Graph | None] = OrderedDict()
         self.served: dict[tuple, str] = {}
         self.fns: dict[tuple, Callable[..., Any]] = {}
+        self.stores_state: set[tuple] = set()  # keys whose graph returns state (a cache) at the units' widths
         self.analysed_in: dict[bool, tuple] = {}
         for mode, g in graphs.items():
             self.analysed_in[mode] = self._admit(call_signature(*analysed, mode), g, analysed, "analysed")
@@ -99,7 +107,14 @@ class GraphForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values())):  # a symbolic trace runs through
             return self.fns[self.analysed_in[self.module.training]](self.module, *args, **kwargs)
-        return self.fns[self._held(args, kwargs, self.module.training)](self.module, *args, **kwargs)
+        key = self._held(args, kwargs, self.module.training)
+        fn = self.fns[key]
+        if key in self.stores_state and self.server is not None:
+            # a group left with no units would be stored empty, and code reading the state takes an empty tensor
+            # for no entries (a cache's length read off its first layer's keys): the own forward stores one zero
+            # unit, as it does for the calls that pass the state back
+            fn = self.server.state_forward(self.module, key[0], (args, kwargs)) or fn
+        return fn(self.module, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -136,12 +151,15 @@ class GraphForward:
             for key in [k for k in self.graphs if k[0] == signature]:
                 held, held_how = self.graphs.pop(key), self.served.pop(key)
                 self.fns.pop(key, None)
+                self.stores_state.discard(key)
                 if held_how == "analysed":
                     mode = next(m for m, k in self.analysed_in.items() if k == key)
                     self.analysed_in[mode] = self._admit(signature, held, self.analysed_call, held_how)
             self.analysed = set(self.analysed_in.values())
         key = self._key(signature, *call)
         self.graphs[key], self.served[key] = graph, how
+        if graph is not None and held_output_leaves(graph):
+            self.stores_state.add(key)
         return key
 
     @torch.compiler.disable
@@ -158,6 +176,7 @@ class GraphForward:
             oldest = next(k for k in self.graphs if k not in self.analysed)
             del self.graphs[oldest], self.served[oldest]
             self.fns.pop(oldest, None)
+            self.stores_state.discard(oldest)
         key = self._admit(signature, graph, (args, kwargs), how)
         self.compile()
         return key

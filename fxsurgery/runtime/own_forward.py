@@ -1,19 +1,19 @@
 """The host class's own forward, serving the calls no graph can take (a key/value cache, hooks inside the host).
 
-It serves only where it follows the widths, which is checked on the host's template, never assumed: removing
-the first units of every group (one, then two, and counts that differ between any two groups) must equal masking
-them, on the analysed call. A group left with
-no units, where removing all of them did not pass (a view with a -1) or where the call passes an object (a
-key/value cache, which would store the group's empty tensors, and whose length code reads off a layer's keys,
-taking an empty tensor for no entries), holds one unit whose tensors are zero for the call: it adds nothing, as a
-removed unit does. Code that keeps a
-count in a plain attribute and reads it (a split size, a fused projection's output width) passes once those
-attributes follow the count: the int attributes of the host's own modules, and of the plain objects they hold (a
-config), that are a multiple of a group's count are the candidates, and the smallest set of them that passes
-both trials is kept (the modules' own attributes searched first, a config's many ints only where none pass),
-set from the current widths for every call the own forward serves and put back after it (an object such as a
-config is shared by every layer and the model: each sees its own value). The taps still run, from pre-hooks
-on the groups' output projections (modules there, not graph nodes).
+It serves only where it follows the widths, which is checked on the host's template, never assumed: removing the
+first units of every group (one, then two, and counts that differ between any two groups) must equal masking them,
+on the analysed call. A group left with no units holds one unit whose tensors are zero for the call: it adds
+nothing, as a removed unit does, and the host's code runs as it does with units (a view with a -1 fails on an empty
+dim; a key/value cache passed or returned would store the group's empty tensors, and code reading its length off a
+layer's keys takes an empty tensor for no entries: a graph returning a cache hands such calls to the own forward);
+where the host's code fails even so, or differs from masking, its groups keep one unit. Code that keeps a count in a
+plain attribute and reads it (a split size, a fused projection's output width) passes once those attributes follow
+the count: the int attributes of the host's own modules, and of the plain objects they hold (a config), that are a
+multiple of a group's count are the candidates, and the smallest set of them that passes both trials is kept (the
+modules' own attributes searched first, a config's many ints only where none pass), set from the current widths for
+every call the own forward serves and put back after it (an object such as a config is shared by every layer and the
+model: each sees its own value). The taps still run, from pre-hooks on the groups' output projections (modules
+there, not graph nodes).
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ from ..groups import GroupPlumbing
 from ..module_sizes import sync_sizes
 from ..slicing import ParamSlice, by_tensor, moved_by, solve_counts
 from ..taps import TapPoint
-from .call_signature import holds_objects
 
 MAX_TRIALS = 200  # sets of count attributes tried before the own forward is given up
 
@@ -94,18 +93,59 @@ def _one_zero_unit(module: nn.Module, groups: list[GroupPlumbing], counts: list[
     them (a fused q/k/v projection's key rows after its query rows), filled in order along each dim."""
     held = [1 if r in emptied else count for r, count in zip(groups, counts)]
     moves = [(sl, (count - r.max_count) * sl.outer * sl.inner) for r, count in zip(groups, held) for sl in r.slices]
-    kept: list[tuple[dict, str, torch.Tensor]] = []
-    try:
+    with contextlib.ExitStack() as stack:
         for path, slices in by_tensor([moved_by(sl, moves) for r in emptied for sl in r.slices]):
-            owner, _, name = path.rpartition(".")
-            table = next(t for t in own_tensor_tables(module.get_submodule(owner)) if name in t)
-            kept.append((table, name, table[name]))
-            for sl in sorted(slices, key=lambda sl: (sl.dim, sl.start)):
-                table[name] = _zero_unit_added(replace(sl, after=table[name].shape[sl.dim] - sl.start), table[name])
+            owner_path, _, name = path.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            if owner is not module and type(_table(owner, name)[name]) not in (torch.Tensor, nn.Parameter):
+                stack.enter_context(_padded_in_forward(owner, name, slices))
+            else:
+                stack.enter_context(_padded(_table(owner, name), name, slices))
+        yield
+
+
+def _table(owner: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    return next(t for t in own_tensor_tables(owner) if name in t)
+
+
+@contextlib.contextmanager
+def _padded(table: dict[str, torch.Tensor], name: str, slices: list[ParamSlice]) -> Iterator[None]:
+    """``table[name]`` with one zero unit in each of its empty segments ``slices`` while the block runs."""
+    kept = table[name]
+    table[name] = _zero_units_added(slices, kept)
+    try:
         yield
     finally:
-        for table, name, tensor in reversed(kept):
-            table[name] = tensor
+        table[name] = kept
+
+
+@contextlib.contextmanager
+def _padded_in_forward(owner: nn.Module, name: str, slices: list[ParamSlice]) -> Iterator[None]:
+    """``owner``'s tensor ``name`` padded as ``_padded`` does, but inside each of its forwards: a tensor subclass (a
+    sharded tensor) is replaced there by the tensor its wrapper gathers for the forward, and put back after it."""
+    kept: list[torch.Tensor] = []
+
+    def pad(_module: nn.Module, _args: tuple) -> None:
+        table = _table(owner, name)
+        kept.append(table[name])
+        table[name] = _zero_units_added(slices, table[name])
+
+    def restore(_module: nn.Module, _args: tuple, _output: Any) -> None:
+        _table(owner, name)[name] = kept.pop()  # before a wrapper's own hook puts its sharded tensor back
+
+    handles = [owner.register_forward_pre_hook(pad), owner.register_forward_hook(restore, prepend=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _zero_units_added(slices: list[ParamSlice], t: torch.Tensor) -> torch.Tensor:
+    """``t`` with one unit of zeros in each of its empty segments ``slices``, in order along each dim."""
+    for sl in sorted(slices, key=lambda sl: (sl.dim, sl.start)):
+        t = _zero_unit_added(replace(sl, after=t.shape[sl.dim] - sl.start), t)
+    return t
 
 
 def _zero_unit_added(sl: ParamSlice, t: torch.Tensor) -> torch.Tensor:
@@ -118,11 +158,10 @@ class OwnForward:
     """The host class's forward with its count attributes set from the current widths and its taps run."""
 
     def __init__(self, groups: list[GroupPlumbing], counts: list[CountAttribute], template: nn.Module, *,
-                 empty: str, gathers: list[Gather]):
+                 gathers: list[Gather]):
         self.groups = groups
         self.counts = counts
         self.gathers = gathers
-        self.empty = empty  # what goes wrong with a group left with no units ("" if nothing)
         shared = _shared_dims(groups)
         # units read in a segment of the projection's input (a fused output projection): the layout a hook on it
         # would see moves with the other groups' counts
@@ -135,24 +174,28 @@ class OwnForward:
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         counts = current_counts(module, self.groups)
-        # an object the call passes (a cache) may store an emptied group's tensors, and code reading it may take an
-        # empty tensor for no entries (a cache's length read off its first layer's keys): one zero unit is stored
-        zero_unit = bool(self.empty) or holds_objects((args, kwargs))
-        emptied = [r for r, count in zip(self.groups, counts) if count == 0] if zero_unit else []
-        held = [max(count, 1) if zero_unit else count for count in counts]
+        emptied = [r for r, count in zip(self.groups, counts) if count == 0]
+        held = [max(count, 1) for count in counts]
         with _one_zero_unit(module, self.groups, counts, emptied), counts_set(module, self.counts, held):
             return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
 
-    def _run(self, module: nn.Module, untapped: set[str], args: tuple, kwargs: dict) -> Any:
-        """The class's forward with the taps run (but those of the groups in ``untapped``, which hold no unit)."""
+    def refusal(self, module: nn.Module) -> str:
+        """Why the own forward cannot serve a call now ("" if it can): a tap it would not run where it should."""
         tapped = [r.sink for r in self.unseen if module.__dict__[r.tap_point].hooks]
         if tapped:
-            raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
-                               f"of the heads read by {tapped[0]} would not see them enter their mixing maps there")
+            return (f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps of the "
+                    f"heads read by {tapped[0]} would not see them enter their mixing maps there")
         tapped = [r.sink for r in self.segmented if module.__dict__[r.tap_point].hooks]
         if tapped:
-            raise UnservedCall(f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps "
-                               f"of the units {tapped[0]} reads in a segment of its input would not see them there")
+            return (f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps of the "
+                    f"units {tapped[0]} reads in a segment of its input would not see them there")
+        return ""
+
+    def _run(self, module: nn.Module, untapped: set[str], args: tuple, kwargs: dict) -> Any:
+        """The class's forward with the taps run (but those of the groups in ``untapped``, which hold no unit)."""
+        refusal = self.refusal(module)
+        if refusal:
+            raise UnservedCall(refusal)
         points = [(path, module.__dict__[attr], layout) for path, attr, layout in self.sinks if attr not in untapped]
         handles = [module.get_submodule(path).register_forward_pre_hook(_through(point, layout))
                    for path, point, layout in points if point.hooks]
@@ -168,7 +211,8 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
     """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
     analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
     at its analysed widths; ``gathers``: the module inputs it reads as the graphs do), or None and what went wrong
-    without any; and what goes wrong with the groups that may be emptied left with no units ("" if nothing)."""
+    without any; and what goes wrong with the groups that may be emptied left with no units, each holding one zero
+    unit ("" if nothing)."""
     trials = [_Trial(real, groups, _removing(groups, k), gathers) for k in (1, 2)
               if any(r.max_count > k for r in groups)]
     trials += [_Trial(real, groups, removals, gathers) for removals in _told_apart(groups)]
@@ -263,8 +307,11 @@ class _Trial:
         """What goes wrong with ``counts`` set on the removed copy ("" if its outputs equal the masked copy's,
         ``expected``)."""
         now = current_counts(self.removed, self.groups)
+        emptied = [r for r, count in zip(self.groups, now) if count == 0]
         try:
-            with counts_set(self.removed, counts, now), training_mode(self.removed, False), torch.no_grad():
+            with _one_zero_unit(self.removed, self.groups, now, emptied), \
+                    counts_set(self.removed, counts, [max(count, 1) for count in now]), \
+                    training_mode(self.removed, False), torch.no_grad():
                 out = forward_gathered(self.removed, self.gathers, args, kwargs)
         except Exception as e:  # any failure means the forward does not follow the widths
             return f"fails once a unit is removed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

@@ -51,8 +51,8 @@ class CallKey(NamedTuple):
 
 class OwnForwardFit(NamedTuple):
     """Whether a host's own forward follows the widths: what goes wrong in it ("" if nothing), the attributes it
-    reads that follow the counts, what goes wrong in it once a group has no units, and the module inputs it reads
-    through the units' index buffers, as the graphs do (``dataflow.input_gathers``)."""
+    reads that follow the counts, what goes wrong in it once a group has no units (holding one zero unit), and the
+    module inputs it reads through the units' index buffers, as the graphs do (``dataflow.input_gathers``)."""
 
     fault: str
     counts: list[CountAttribute]
@@ -74,6 +74,7 @@ class HostServer:
         self.fit: OwnForwardFit | None = None  # fitted on the analysed call, or a host alike's
         # by the signature of each call its own forward serves, at most as many as the graphs a host keeps
         self.fits: LruCache[tuple, OwnForwardFit] = LruCache(MAX_GRAPHS)
+        self.state_forwards: LruCache[tuple, OwnForward] = LruCache(MAX_GRAPHS)  # by signature, see state_forward
         self.analysed_reads: set[tuple[str, str]] | None = None  # the attributes the analysed call reads
 
     def serve(self, module: nn.Module, args: tuple, kwargs: dict, training: bool,
@@ -144,9 +145,9 @@ class HostServer:
                 differing.append(f"{path}.{name}" if path else name)
         return differing
 
-    def fit_own_forward(self) -> tuple[str, str]:
+    def fit_own_forward(self) -> str:
         """Whether the host's own forward follows the widths on the analysed call (checked once): what goes wrong
-        in it ("" if nothing), and what goes wrong once a group has no units."""
+        in it ("" if nothing)."""
         if self.fit is None:
             gathers = argument_gathers(self.materialize(None), self.graph, materialize(self.analysed))
             if isinstance(gathers, Reason):
@@ -155,7 +156,7 @@ class HostServer:
                 counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
                                                                   [self.analysed], gathers=gathers)
                 self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
-        return self.fit.fault, self.fit.empty_fault
+        return self.fit.fault
 
     def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
         """The own forward's fit for a call it serves (of signature ``key``), checked on that call too: a path the
@@ -190,7 +191,17 @@ class HostServer:
         if fit is None:
             self.fit_own_forward()
             fit = self.fit
-        return OwnForward(self.groups, fit.counts, self.template, empty=fit.empty_fault, gathers=fit.gathers)
+        return OwnForward(self.groups, fit.counts, self.template, gathers=fit.gathers)
+
+    def state_forward(self, module: nn.Module, key: tuple, call: tuple[tuple, dict]) -> OwnForward | None:
+        """For a call whose graph returns state (a key/value cache) while a group of the host has no units: the
+        own forward, which stores one zero unit for that group as it does for the calls that pass the state back
+        (a graph would store an empty tensor, which a cache takes for no entries); None where no group is empty or
+        the own forward cannot serve it (the calls passing the state back are then refused)."""
+        if all(current_counts(module, self.groups)) or self.fit_call(key, call).fault:
+            return None
+        own = self.state_forwards.get_or_make(key, lambda: self.own_forward(key))
+        return None if own.refusal(module) else own
 
     def materialize(self, like: nn.Module | None) -> nn.Module:
         """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""

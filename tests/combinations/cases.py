@@ -152,6 +152,16 @@ def llama4() -> nn.Module:
     return transformers.Llama4ForCausalLM(config)
 
 
+def mpt() -> nn.Module:
+    """ALiBi: slopes the model computes once at its head count, read per head through an index buffer; the whole
+    model captured by torch.export, its cache among the outputs."""
+    import transformers
+
+    config = transformers.MptConfig(vocab_size=VOCAB, d_model=16, n_heads=4, n_layers=2, expansion_ratio=1,
+                                    max_seq_len=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.MptForCausalLM(config)
+
+
 def head_mixing() -> nn.Module:
     from zoo_mixed import MixedStyle, MixedTransformer
 
@@ -195,6 +205,9 @@ CASES = {case.name: case for case in (
     Case("hf_complex_rotary_cache", llama4, _decoder_tokens, lambda out: out.logits,
          _writes([("o_proj.weight", 1, 8)], [("down_proj.weight", 1, 1)]), rebuilt_by_load=True,
          probe=_decoder_probe),  # a unit: a key/value head with its 2 query heads
+    Case("hf_alibi_cache", mpt, _decoder_tokens, lambda out: out.logits,
+         _writes([("out_proj.weight", 1, 4)], [("down_proj.weight", 1, 1)]), rebuilt_by_load=True,
+         probe=_decoder_probe),
     Case("head_mixing", head_mixing, _tokens, lambda out: out,
          _writes([("proj.weight", 1, 4), ("pre", 0, 1), ("post", 0, 1)], [("fc2.weight", 1, 1)]),
          rebuilt_by_load=False),

@@ -2,10 +2,10 @@
 transfers in the drawn runtime, takes the drawn lifecycle step, and checks what must hold in every combination.
 
 Axes: the model (`cases.CASES`: timm ViT, HF encoder, HF decoders with their cache (GPT-2, Phi-3's grouped-query
-heads in a fused projection, Falcon's multi-query heads, Llama 4's complex-form rotary), heads mixed by heads x
-heads maps, a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by the
-controller); the width the layers start at (every layer at its maximum, at one unit, at half: a head transfer then
-empties a layer of a model whose heads may all go, and fills its receiver to its maximum); the lifecycle step
+heads in a fused projection, Falcon's multi-query heads, Llama 4's complex-form rotary, MPT's ALiBi), heads mixed by
+heads x heads maps, a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by
+the controller); the width the layers start at (every layer at its maximum, at one unit, at half: a head transfer
+then empties a layer of a model whose heads may all go, and fills its receiver to its maximum); the lifecycle step
 (transfers alone, checkpoint -> resume, export -> load). Every run ends by forcing a drawn layer to its edge (0
 heads, or 1 channel) on a copy.
 
@@ -296,6 +296,9 @@ def check_combination(tmp_path_factory, model: str, runtime: str, width: str, li
 @example(model="hf_fused_gqa_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=5)
 @example(model="hf_multi_query_cache", runtime="amp_bf16", width="maximum", lifecycle="export_load", seed=6)
 @example(model="hf_complex_rotary_cache", runtime="ema", width="half", lifecycle="export_load", seed=7)
+@example(model="hf_alibi_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=8)
+@example(model="hf_alibi_cache", runtime="eager", width="one_unit", lifecycle="transfers", seed=8)
+@example(model="hf_alibi_cache", runtime="amp_bf16", width="half", lifecycle="export_load", seed=9)
 @example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
 @example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
 @settings(max_examples=3 if settings.get_current_profile_name() == "ci" else 20)

@@ -257,6 +257,7 @@ CI_SLICE = [
     Combination("head_mixing", "fsdp2", "half", "export_load", seed=3),
     Combination("conv_ffn", "fsdp2", "maximum", "transfers", seed=4),
     Combination("hf_fused_gqa_cache", "fsdp2", "half", "export_load", seed=5),
+    Combination("hf_alibi_cache", "fsdp2", "one_unit", "transfers", seed=8),
 ]
 
 

@@ -165,6 +165,33 @@ def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family
         assert_decodes_as_masked(served, masked, ids, more)
 
 
+OUTPUT_PROJECTIONS = {"mpt": "transformer.blocks.{}.attn.out_proj", "bloom": "transformer.h.{}.self_attention.dense",
+                      "falcon": "transformer.h.{}.self_attention.dense"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_alibi_first_layer_emptied_decodes_from_its_cache_as_masked(family: str) -> None:
+    """The first layer left with no heads: the call that makes the cache (MPT's graph returns it, the whole model
+    captured by torch.export) stores one zero head for it, as the calls that pass the cache back do, so decoding from
+    the cache and cached ``generate`` equal the model with that layer's output-projection weight zeroed (an empty
+    entry would read as an empty cache, and the next call's zero head would not match it)."""
+    from tests.fxsurgery.test_fxsurgery_fused_qkv_pieces import assert_decodes_as_masked
+
+    model, _, layer = FAMILIES[family]
+    model = model()
+    masked = copy.deepcopy(model)
+    with torch.no_grad():
+        masked.get_submodule(OUTPUT_PROJECTIONS[family].format(0)).weight.zero_()
+    s = Surgeon(model, (), {"input_ids": torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))})
+    first = s.group(layer.format(0))
+    s.keep(first, [])
+    assert first.count == 0
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    more = torch.randint(3, VOCAB, (2, 2), generator=torch.Generator().manual_seed(3))
+    cached = assert_decodes_as_masked(model, masked, ids, more)
+    assert cached.past_key_values.get_seq_length() == ids.shape[1] + more.shape[1]  # the decoding call added to it
+
+
 def test_slopes_whose_heads_fail_their_self_check_are_read_whole_and_kept_out_of_the_state_dict(monkeypatch,
                                                                                                   tmp_path) -> None:
     """A head group that fails its self-check is left out; its layer keeps reading every head's slope through its

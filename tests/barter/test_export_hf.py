@@ -282,15 +282,17 @@ def test_relative_position_bias_heads_round_trip(name, tmp_path):
         g.name: g.count for g in ctl.surgeon.groups}
 
 
-def test_fused_multi_query_heads_found_again_at_load(tmp_path):
+@pytest.mark.parametrize("alibi", [False, True])
+def test_fused_multi_query_heads_found_again_at_load(tmp_path, alibi):
     """Multi-query Falcon's query heads are a segment of its fused projection's rows, beside the one key and value
     head's rows, which no group holds: the export's shape check counts those rows (``ParamSlice.fixed``), and the
-    reloaded compact model finds the heads again and equals the trained one."""
+    reloaded compact model finds the heads again and equals the trained one (with ALiBi, each layer's kept heads'
+    slopes too)."""
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
         return transformers.FalconForCausalLM(transformers.FalconConfig(
             vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-            new_decoder_architecture=False))
+            new_decoder_architecture=False, alibi=alibi))
     model = build()
     example = {"input_ids": torch.randint(0, 100, (4, 12))}
     ctl = train_with_transfers(model, [((), example) for _ in range(3)], example_kwargs=example)

@@ -117,6 +117,16 @@ def tiny_falcon() -> nn.Module:
     return transformers.FalconForCausalLM(config).double().eval()
 
 
+def tiny_falcon_multi_query() -> nn.Module:
+    """Falcon's multi-query attention with ALiBi: one key/value head beside the query heads in the fused projection,
+    parallel attention and MLP; a unit is a query head (the key/value head stays)."""
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
+                                       vocab_size=VOCAB, alibi=True, multi_query=True, new_decoder_architecture=False,
+                                       parallel_attn=True)
+    return transformers.FalconForCausalLM(config).double().eval()
+
+
 def zero_mpt_head_1(model: nn.Module) -> None:
     with torch.no_grad():
         model.transformer.blocks[1].attn.out_proj.weight[:, HEAD_DIM:2 * HEAD_DIM] = 0
@@ -129,7 +139,8 @@ def zero_bloom_head_1(model: nn.Module) -> None:
 
 FAMILIES = {"mpt": (tiny_mpt, zero_mpt_head_1, "transformer.blocks.{}.attn:head"),
             "bloom": (tiny_bloom, zero_bloom_head_1, "transformer.h.{}.self_attention:head"),
-            "falcon": (tiny_falcon, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}
+            "falcon": (tiny_falcon, zero_bloom_head_1, "transformer.h.{}.self_attention:head"),
+            "falcon_multi_query": (tiny_falcon_multi_query, zero_bloom_head_1, "transformer.h.{}.self_attention:head")}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -166,7 +177,8 @@ def test_alibi_cached_generate_after_a_removal_and_a_clone_equals_masking(family
 
 
 OUTPUT_PROJECTIONS = {"mpt": "transformer.blocks.{}.attn.out_proj", "bloom": "transformer.h.{}.self_attention.dense",
-                      "falcon": "transformer.h.{}.self_attention.dense"}
+                      "falcon": "transformer.h.{}.self_attention.dense",
+                      "falcon_multi_query": "transformer.h.{}.self_attention.dense"}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

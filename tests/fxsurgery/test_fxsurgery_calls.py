@@ -323,16 +323,20 @@ def test_an_installed_forward_keeps_the_signature_frameworks_read() -> None:
     assert "attention_mask" in inspect.signature(prepared.model.forward).parameters
 
 
-@pytest.mark.parametrize("name, config, fewest_heads", [
-    ("LlamaModel", lambda: transformers.LlamaConfig(vocab_size=50, **HIDDEN), 0),
-    ("Qwen2Model", lambda: transformers.Qwen2Config(vocab_size=50, num_key_value_heads=2, **HIDDEN), 0),
-    ("GPT2Model", lambda: transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=24), 1),
+@pytest.mark.parametrize("name, config, output_projection", [
+    ("LlamaModel", lambda: transformers.LlamaConfig(vocab_size=50, **HIDDEN), "layers.0.self_attn.o_proj"),
+    ("Qwen2Model", lambda: transformers.Qwen2Config(vocab_size=50, num_key_value_heads=2, **HIDDEN),
+     "layers.0.self_attn.o_proj"),
+    ("GPT2Model", lambda: transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_inner=24),
+     "h.0.attn.c_proj"),
 ])
-def test_decoders_at_their_default_configs_have_head_groups(name: str, config: Callable, fewest_heads: int) -> None:
+def test_decoders_at_their_default_configs_have_head_groups(name: str, config: Callable,
+                                                            output_projection: str) -> None:
     """use_cache=True by default: the analysis reads the call without the cache object, and the cached calls
     (a forward that returns the cache, then one that reads it) equal the untouched model's. Their hosts' own
-    forwards serve the cached calls: GPT-2's cannot run with no heads (it splits its fused projection by a
-    count it stores), so its layers keep one head, and say why."""
+    forwards serve the cached calls, and a layer left with no heads holds one zero head there (GPT-2's splits its
+    fused projection by a count it stores, which cannot be split with none): the first layer emptied, the cached
+    calls equal the model with that layer's output projection zeroed."""
     cfg = config()
     assert cfg.use_cache
     torch.manual_seed(0)
@@ -341,8 +345,7 @@ def test_decoders_at_their_default_configs_have_head_groups(name: str, config: C
     s = Surgeon(model, (torch.randint(0, 50, (2, 6)),))
     assert [g.kind for g in s.groups] == ["head", "channel"] * 2 and all(g.exact for g in s.groups)
     heads = [g for g in s.groups if g.kind == "head"]
-    assert all(g.min_count == fewest_heads for g in heads)
-    assert all(any("keeps one unit" in note for note in g.notes) == bool(fewest_heads) for g in heads)
+    assert all(g.min_count == 0 and not any("keeps one unit" in note for note in g.notes) for g in heads)
     ids, more = torch.randint(0, 50, (2, 6)), torch.randint(0, 50, (2, 1))
     with torch.no_grad():
         first, reference = model(ids), original(ids)
@@ -350,6 +353,12 @@ def test_decoders_at_their_default_configs_have_head_groups(name: str, config: C
         assert first.cache.get_seq_length() == 6
         step = model(more, cache=first.cache)
         assert first.cache.get_seq_length() == 7  # the own forward updated the cache the call passed
+        assert _rel_diff(step, original(more, cache=reference.cache)) <= 1e-5
+        s.keep(heads[0], [])
+        original.get_submodule(output_projection).weight.zero_()
+        first, reference = model(ids), original(ids)
+        step = model(more, cache=first.cache)
+        assert first.cache.get_seq_length() == 7
         assert _rel_diff(step, original(more, cache=reference.cache)) <= 1e-5
 
 

@@ -592,10 +592,11 @@ class _Builder:
             shape = self.shape_of(name)
             if bool(self.is_space[ids[unit]].all()):
                 members.append((name, ids, unit, shape))
-            else:  # a tensor of the head's own (one id per element)
+            else:  # a tensor of the head's own (one id per element), or one every head reads alike
                 found = head.element_seed(name, shape)
                 seeds.update(found)
-                members.append(ParamSlice(name, next(iter(found.values())), 1, 1, False))
+                if found:
+                    members.append(ParamSlice(name, next(iter(found.values())), 1, 1, False))
         axes = head.axes(seeds)  # also where reshapes split and merge the coordinates
         slices = [m if isinstance(m, ParamSlice) else head.coordinate_slice(*m, sink) for m in members]
         return list(dict.fromkeys(slices)), axes

@@ -171,9 +171,12 @@ class SingleHead:
 
     def element_seed(self, name: str, shape: tuple) -> dict[Node, int]:
         """The dim of a per-head tensor (a relative-position table, a per-head scale) that holds the head: the one
-        size-1 dim whose widening reaches the head's values where the head is, and breaks nothing."""
+        size-1 dim whose widening reaches the head's values where the head is, and breaks nothing; none (an empty
+        seed) for a tensor every head reads alike (a rotary table: the widened head broadcasts over it)."""
         nodes = [n for n in self.lab.module.graph.nodes if n.op == "get_attr" and n.target == name]
         ones = [d for d, size in enumerate(shape) if size == 1]
+        if not ones and self.read_alike(nodes):
+            return {}
         fits = []
         base_nodes = {k[0] for k in self.base.axes}
         for d in ones:
@@ -188,6 +191,26 @@ class SingleHead:
                                                         "it has no dim of size 1")
             raise Unsupported(f"{name}: a tensor of the one head whose head dim cannot be located ({told})")
         return {n: fits[0] for n in nodes}
+
+    def read_alike(self, nodes: list[Node]) -> bool:
+        """Whether the values computed from ``nodes`` alone meet the head's values only in ops the widened head
+        passes (broadcast along the head axis), none of them failing: every head would read them alike, as they
+        are read where a layer has several heads."""
+        axes = {key[0] for key in self.base.axes}
+        seen, frontier, meets = set(nodes), list(nodes), []
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if user in self.base.failures:
+                    return False
+                if user in axes:
+                    meets.append(user)
+                elif user.op != "output":
+                    frontier.append(user)
+        return bool(meets)
 
     def coordinate_slice(self, name: str, ids: torch.Tensor, unit: torch.Tensor, shape: tuple,
                          sink: Sink) -> ParamSlice:

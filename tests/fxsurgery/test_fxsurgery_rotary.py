@@ -116,3 +116,65 @@ def test_partial_rotary_written_in_place_keeps_exact_heads(mode: str) -> None:
     (heads,) = [g for g in s.groups if g.kind == "head"]
     assert (heads.count, heads.exact) == (3, True)
     assert_head_oracles(original, model, s, x, out_weight="proj.weight", head_dim=4, mode=mode)
+
+
+class OwnTableRopeAttention(RopeAttention):
+    """Rotary attention that computes its table from an inverse-frequency buffer of its own (Llama's form, inside
+    the layer): the table has no head dim at all, and every head reads it alike."""
+
+    def __init__(self, heads: int, head_dim: int = 4):
+        super().__init__(heads=heads, head_dim=head_dim, half=True)
+        inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.register_buffer("inv_freq", inverse, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        freqs = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * self.inv_freq[None]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return super().forward(x, torch.cat([angles.sin(), angles.cos()], dim=-1))
+
+
+class OneHeadRopeModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, 8), nn.Linear(8, 2)
+        self.blocks = nn.ModuleList(OwnTableRopeAttention(heads=1) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def test_one_head_layers_reading_their_own_rotary_table_are_exact_groups() -> None:
+    """A layer of one head whose rotary table comes from its own inverse frequencies (a tensor with no size-1 dim,
+    which the widened head broadcasts over) is a group of its own: its head removed equals its output-projection
+    columns zeroed and equals zeroing the head at its tap; a clone keeps the outputs; the cloned pair's second
+    head removed equals its columns zeroed (before: refused, the frequencies taken for a tensor of the head)."""
+    from tests.zoo import assert_removal_masks_and_clone_keeps
+
+    torch.manual_seed(0)
+    model, x = OneHeadRopeModel().double(), torch.randn(2, 5, 3, dtype=torch.double)
+    masked = copy.deepcopy(model)
+    with torch.no_grad():
+        masked.blocks[1].proj.weight.zero_()
+    s = Surgeon(model, (x,))
+    assert sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head") == [
+        ("blocks.0:head", 1, True), ("blocks.1:head", 1, True)], s.explain()
+    second = s.group("blocks.1:head")
+    with torch.no_grad():
+        handle = s.tap(second, lambda heads: heads.zero_())
+        by_tap = model(x)
+        handle.remove()
+        s.remove(second, 0)
+        assert second.count == 0 and model.blocks[1].qkv.weight.shape[0] == 0
+        assert (model(x) - masked(x)).abs().max() <= 1e-9 and (model(x) - by_tap).abs().max() <= 1e-9
+    first = s.group("blocks.0:head")
+    with torch.no_grad():
+        before = model(x)
+        s.clone(first, 0, noise_std=0.1)
+        assert first.count == 2 and (model(x) - before).abs().max() <= 1e-9
+        by_weights = copy.deepcopy(model)
+        by_weights.blocks[0].proj.weight[:, 4:8] = 0
+        expected = by_weights(x)
+    assert_removal_masks_and_clone_keeps(s, first, 1, lambda: model(x), by_weights=expected, reference=before)

@@ -105,12 +105,42 @@ def solve_counts(groups: Sequence[Sequence[ParamSlice]], size: Callable[[str, in
             fixed[(sl.name, sl.dim)] = sl.fixed
     if not groups or not widths:
         return [] if not groups else None
-    rows = [[Fraction(held.get(i, 0)) for i in range(len(groups))] + [Fraction(int(size(*key)) - fixed[key])]
-            for key, held in widths.items()]
-    counts = _exact_solution(rows, len(groups))
-    if counts is None or any(c.denominator != 1 or c < 0 for c in counts):
+    counts: list[Fraction] = [Fraction(0)] * len(groups)
+    for members, keys in _blocks(widths, len(groups)):  # groups that share no dim are solved apart
+        rows = [[Fraction(widths[key].get(i, 0)) for i in members] + [Fraction(int(size(*key)) - fixed[key])]
+                for key in keys]
+        solved = _exact_solution(rows, len(members))
+        if solved is None:
+            return None
+        for i, count in zip(members, solved):
+            counts[i] = count
+    if any(c.denominator != 1 or c < 0 for c in counts):
         return None
     return [int(c) for c in counts]
+
+
+def _blocks(widths: dict[tuple[str, int], dict[int, int]], count: int) -> list[tuple[list[int], list[tuple]]]:
+    """The groups linked by the dims they share, each block with its dims: the system ``solve_counts`` solves is
+    block-diagonal, and each block is solved alone (a model's layers share no dim: one small system each)."""
+    root = list(range(count))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for held in widths.values():
+        first, *rest = held
+        for i in rest:
+            root[find(i)] = find(first)
+    members: dict[int, list[int]] = {}
+    for i in range(count):
+        members.setdefault(find(i), []).append(i)
+    keys: dict[int, list[tuple]] = {r: [] for r in members}
+    for key, held in widths.items():
+        keys[find(next(iter(held)))].append(key)
+    return [(members[r], keys[r]) for r in members]
 
 
 def _exact_solution(rows: list[list[Fraction]], unknowns: int) -> list[Fraction] | None:

@@ -198,10 +198,18 @@ class HostServer:
         own forward, which stores one zero unit for that group as it does for the calls that pass the state back
         (a graph would store an empty tensor, which a cache takes for no entries); None where no group is empty or
         the own forward cannot serve it (the calls passing the state back are then refused)."""
-        if all(current_counts(module, self.groups)) or self.fit_call(key, call).fault:
+        if not self.has_empty_group(module) or self.fit_call(key, call).fault:
             return None
         own = self.state_forwards.get_or_make(key, lambda: self.own_forward(key))
         return None if own.refusal(module) else own
+
+    def has_empty_group(self, module: nn.Module) -> bool:
+        """Whether a group of the host has no units now: read off a count slot of the group (each edit sets it),
+        one lookup per group and call; off the tensors' sizes only where a group that may be emptied has none."""
+        if any(r.slots and module.__dict__[r.slots[0].attr] == 0 for r in self.groups):
+            return True
+        return any(not r.slots and r.min_count == 0 for r in self.groups) and not all(current_counts(module,
+                                                                                                   self.groups))
 
     def materialize(self, like: nn.Module | None) -> nn.Module:
         """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fxsurgery.slicing import MAX_RUNS, ParamSlice
+from fxsurgery.slicing import MAX_RUNS, ParamSlice, solve_counts
 
 
 def positions(sl: ParamSlice, count: int, units: list[int]) -> list[int]:
@@ -54,3 +54,36 @@ def test_append_puts_the_new_unit_last_in_every_outer_block(case):
     out = sl.append(t, count, new)
     assert torch.equal(out.index_select(sl.dim, torch.tensor(positions(sl, count + 1, list(range(count))))), t)
     assert torch.equal(sl.unit(out, count + 1, count), new)
+
+
+@st.composite
+def layers(draw: st.DrawFn) -> tuple[list[list[ParamSlice]], list[int]]:
+    """Groups over a few tensors: each group has a dim of its own (its output projection's columns) and some share a
+    fused projection's rows with other groups, one segment each, beside rows no group holds; and their counts."""
+    groups_count = draw(st.integers(1, 6))
+    counts = [draw(st.integers(0, 5)) for _ in range(groups_count)]
+    fused = draw(st.lists(st.integers(0, 2), min_size=groups_count, max_size=groups_count))  # which fused tensor
+    groups = []
+    for i in range(groups_count):
+        own = ParamSlice(f"out{i}", 1, 1, draw(st.integers(1, 3)), True)
+        shared = ParamSlice(f"qkv{fused[i]}", 0, draw(st.integers(1, 2)), draw(st.integers(1, 3)), False,
+                            fixed=fused[i])
+        groups.append([own, shared] if draw(st.booleans()) else [own])
+    return groups, counts
+
+
+@given(layers())
+def test_counts_are_solved_from_the_sizes_block_by_block(drawn) -> None:
+    """``solve_counts`` finds every group's count from the sizes its slices imply (groups sharing a fused
+    projection's rows are solved together, the others alone), and None where a size contradicts them."""
+    groups, counts = drawn
+    sizes: dict[tuple[str, int], int] = {}
+    for slices, count in zip(groups, counts):
+        for sl in slices:
+            sizes[(sl.name, sl.dim)] = sizes.get((sl.name, sl.dim), sl.fixed) + sl.outer * sl.inner * count
+    assert solve_counts(groups, lambda name, dim: sizes[(name, dim)]) == counts
+    own = groups[0][0]  # one more unit's columns in group 0's output projection
+    wider = {**sizes, (own.name, own.dim): sizes[(own.name, own.dim)] + own.inner}
+    solved = solve_counts(groups, lambda name, dim: wider[(name, dim)])
+    # its rows of a fused projection then contradict the columns; alone, it has one unit more
+    assert solved == (None if len(groups[0]) > 1 else [counts[0] + 1, *counts[1:]])

@@ -47,6 +47,7 @@ SIZES = {  # config attribute -> tiny value, by the names transformers' configs 
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"),
                     HIDDEN // ATTENTION_HEADS),
     "qk_head_dim": 2 * HIDDEN // ATTENTION_HEADS,  # multi-head latent attention: nope + rope
+    "rotary_dim": HIDDEN // ATTENTION_HEADS,  # the rotated dims of a head (GPT-J, CodeGen): at most its head dim
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), HIDDEN // 2),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "top_k", "moe_topk"), 2),
@@ -134,6 +135,8 @@ def shrink(config: Any, seen: set[int] | None = None) -> None:
     if getattr(config, "num_key_value_heads", None) and getattr(config, "num_attention_heads", None):
         if isinstance(config.num_attention_heads, int):
             config.num_key_value_heads = min(config.num_key_value_heads, config.num_attention_heads)
+            if getattr(config, "kv_lora_rank", None):  # latent attention: a key/value head per query head
+                config.num_key_value_heads = config.num_attention_heads
     layers = getattr(config, "num_hidden_layers", None)
     for name in ("layer_types", "block_types", "attention_layers"):
         if isinstance(getattr(config, name, None), list) and isinstance(layers, int):

@@ -106,7 +106,7 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         model.to(dtypes.pop())
-    surgeon, plan = _resize_plan(model, topology, path)
+    surgeon, plan = _resize_plan(model, topology, path, weights=weights)
     _check_fits(model, weights, plan, path / WEIGHTS)
     for group, count in plan:
         if count < group.count:
@@ -328,11 +328,13 @@ def _build(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
             raise ExportError(f"cannot build {architecture} with {kwargs}: {e}") from e
 
 
-def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path
+def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path, *, weights: dict[str, Tensor]
                  ) -> tuple[Surgeon | None, list[tuple[UnitGroup, int]]]:
-    """`model`'s unit groups with their recorded counts; no analysis when every group keeps all its units."""
+    """`model`'s unit groups with their recorded counts; no analysis when every group keeps all its units and the
+    weights hold nothing that installing the groups adds (the index buffers of heads that read their slopes
+    through a gather: a clone at the full count changes them)."""
     recorded = topology["groups"]
-    if all(g["count"] == g["max_count"] for g in recorded):
+    if all(g["count"] == g["max_count"] for g in recorded) and weights.keys() <= model.state_dict().keys():
         return None, []
     try:
         surgeon = Surgeon(model, *_recorded_call(model, topology))

@@ -325,6 +325,27 @@ def test_alibi_model_round_trip_carries_the_heads_each_layer_reads(tmp_path):
     assert torch.allclose(logits(loaded, input_ids=ids), logits(model, input_ids=ids), atol=1e-5)
 
 
+def test_alibi_model_at_its_full_width_round_trip_carries_the_heads_each_layer_reads(tmp_path):
+    """Every layer at its full head count after a removal and a clone: no count changed, yet the heads each layer
+    reads moved (its index buffer `[1, 2, 3, 1]`); the load analyses the rebuilt model (it skips that only where the
+    weights hold nothing the groups' installation adds) and reads the same slopes."""
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_head=4, n_layer=2,
+                                                                   vocab_size=100))
+    ids = torch.randint(3, 100, (2, 6))
+    ctl = barter.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10, density=1.0,
+                      example_kwargs={"input_ids": ids})
+    heads = ctl.surgeon.group("transformer.h.1.self_attention:head")
+    ctl.surgeon.remove(heads, 0)
+    ctl.surgeon.clone(heads, 0)
+    assert heads.count == heads.max_count
+    indices = {name: b.tolist() for name, b in model.named_buffers() if "unit_index" in name}
+    assert indices["transformer.h.1.self_attention.unit_index_0"] == [1, 2, 3, 1]
+    loaded = barter.load(barter.export(model, tmp_path / "model", program=False))
+    assert {name: b.tolist() for name, b in loaded.named_buffers() if "unit_index" in name} == indices
+    assert torch.allclose(logits(loaded, input_ids=ids), logits(model, input_ids=ids), atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_captured_model_comes_back_in_the_dtype_it_was_exported_in(tmp_path, dtype):
     """MPT is captured by torch.export, whose graph makes the code's own tensors in the dtypes it was captured with:

@@ -299,6 +299,7 @@ def check_combination(tmp_path_factory, model: str, runtime: str, width: str, li
 @example(model="hf_alibi_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=8)
 @example(model="hf_alibi_cache", runtime="eager", width="one_unit", lifecycle="transfers", seed=8)
 @example(model="hf_alibi_cache", runtime="amp_bf16", width="half", lifecycle="export_load", seed=9)
+@example(model="hf_alibi_cache", runtime="ema", width="maximum", lifecycle="export_load", seed=688)
 @example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
 @example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
 @settings(max_examples=3 if settings.get_current_profile_name() == "ci" else 20)

@@ -145,9 +145,9 @@ class HostServer:
                 differing.append(f"{path}.{name}" if path else name)
         return differing
 
-    def fit_own_forward(self) -> str:
-        """Whether the host's own forward follows the widths on the analysed call (checked once): what goes wrong
-        in it ("" if nothing)."""
+    def fit_own_forward(self) -> None:
+        """Fit the host's own forward on the analysed call, once (``self.fit``: what goes wrong in it, "" if
+        nothing)."""
         if self.fit is None:
             gathers = argument_gathers(self.materialize(None), self.graph, materialize(self.analysed))
             if isinstance(gathers, Reason):
@@ -156,7 +156,6 @@ class HostServer:
                 counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
                                                                   [self.analysed], gathers=gathers)
                 self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
-        return self.fit.fault
 
     def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
         """The own forward's fit for a call it serves (of signature ``key``), checked on that call too: a path the

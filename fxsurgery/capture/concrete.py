@@ -25,6 +25,7 @@ from ..runtime.call_signature import FIXED_SIZES
 from .aten import lower
 from .calls import buffers_kept, forked_rng, materialize, real_values, training_mode
 from .grad_regions import inline_grad_regions
+from .slice_fills import fills_as_concatenation
 from .held_objects import holders_registered, rebuild_held_outputs, tensor_holders
 from .tracer import CODE_CONSTANT
 
@@ -73,6 +74,7 @@ def capture(module: nn.Module, name: str, args: tuple, kwargs: dict, training: b
         inline_grad_regions(exported, graph)
     except TraceError as e:
         raise TraceError(f"cannot capture {name or 'the model'} ({type(module).__name__}): {e}") from e
+    fills_as_concatenation(graph)
     lower(graph)
     _drop_reassignments(exported, graph, label=name or "the model")
     for node in graph.nodes:  # the analysis reads module paths; export's fake values are neither needed nor picklable

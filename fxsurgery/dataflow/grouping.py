@@ -614,7 +614,7 @@ class _Builder:
             u = torch.where(c >= 0, index[c.clamp(min=0)], c)
             if not (u >= 0).any():
                 continue
-            dims = [d for d in range(u.dim()) if varies(u, d)]
+            dims = [d for d in range(u.dim()) if _varies_among_units(u, d)]
             if n == 1:  # a unit of one coordinate lies along a dim of size 1 (the only one, to be sure)
                 dims = self.size_one_dims(act)
                 if len(dims) > 1 and not act.param and RULES.constants_hook(act.node):
@@ -624,7 +624,8 @@ class _Builder:
             if len(dims) != 1:
                 raise Unsupported(f"{act.node.name}: carries the units along {len(dims)} axes")
             if (u < 0).any() and not act.param:
-                line = u.movedim(dims[0], -1).reshape(-1, u.shape[dims[0]])[0]
+                lines = u.movedim(dims[0], -1).reshape(-1, u.shape[dims[0]])
+                line = lines[(lines >= 0).any(dim=1).nonzero()[0, 0]]  # one along which the units lie
                 span = segment(line)
                 if span is None or layout(line[span[0]:span[1]], n) is None:
                     raise Unsupported(f"{act.node.name}: mixes units with other coordinates on the unit axis")
@@ -672,6 +673,13 @@ class _Builder:
             consts += found
             notes += site.notes
         return consts, notes
+
+
+def _varies_among_units(u: torch.Tensor, dim: int) -> bool:
+    """Whether the unit ids ``u`` (negative: no unit of the group) change along ``dim`` among the positions that hold
+    units: a unit's coordinates beside coordinates of no unit (a shared rotary part after a head's own) lie along
+    one axis, the one its units vary along."""
+    return varies(torch.where(u >= 0, u, u.amax(dim=dim, keepdim=True)), dim)
 
 
 def listed(names: list[str], shown: int = 3) -> str:

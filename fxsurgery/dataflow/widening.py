@@ -23,6 +23,7 @@ from torch.fx.node import Node, map_arg
 from ..capture.calls import meta_state
 from ..reason import Reason
 from .constants import Unsupported
+from .ids import align, varies
 from .labeller import Labeller
 from .records import SharedRead
 
@@ -130,23 +131,44 @@ def repeat_axes(lab: Labeller, read: SharedRead) -> dict[Key, int]:
     if read.node is None:
         raise Unsupported(f"{read.at}: an operand its units read alike, inside an opaque call: where its size along "
                           "their axis is set cannot be told")
-    node, dim = read.node, read.dim
-    if lab.shapes[node][dim] == 1:
+    if lab.shapes[read.node][read.dim] == 1:
         return {}
     axes: dict[Key, int] = {}
-    while dim is not None:
+    todo = [(read.node, read.dim)]
+    while todo:
+        node, dim = todo.pop()
         axes[(node, None)] = dim
+        if (parts := _parts_read_alike(lab, node, dim)) is not None:
+            todo += [(part, dim) for part in parts]
+            continue
         sources = [a for a in node.all_input_nodes if a in lab.shapes]
         if node.op not in ("call_function", "call_method", "call_module") or len(sources) != 1:
             raise Unsupported(f"{read.at}: {node.name} holds an operand its units read alike, repeated to their "
                               "count; where that size is set cannot be told (no single input to follow it to)")
-        node, dim = sources[0], _input_dim(lab, node, sources[0], dim)
+        if (source_dim := _input_dim(lab, node, sources[0], dim)) is not None:
+            todo.append((sources[0], source_dim))
     chain = {n for n, _ in axes}
     for n in chain - {read.node}:
         if any(u not in chain for u in n.users):
             raise Unsupported(f"{read.at}: {n.name}, an operand its units read alike repeated to their count, is "
                               "read elsewhere too")
     return axes
+
+
+def _parts_read_alike(lab: Labeller, node: Node, dim: int) -> list[Node] | None:
+    """Where ``node`` concatenates along another dim than ``dim`` (the units' own coordinates beside a part they
+    read alike): the parts whose ids do not vary along ``dim``, which hold it at the same dim; None for any other
+    node."""
+    if node.op != "call_function" or node.target not in (torch.cat, torch.concat) or not node.args:
+        return None
+    rank = len(lab.shapes[node])
+    along = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(along, int) or along % rank == dim:
+        return None
+    parts = [a for a in node.args[0] if isinstance(a, Node)]
+    labels = [lab.labels.get(a) for a in parts]
+    return [a for a, label in zip(parts, labels)
+            if label is None or not varies(align(label.ids, rank), dim)]
 
 
 def _repeats_size_one(source: torch.Size, out: torch.Size, dim: int) -> bool:

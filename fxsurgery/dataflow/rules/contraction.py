@@ -57,7 +57,7 @@ def contract(s: Step, operands: list[tuple[Sequence[int], Label | None]], subs: 
     if (weight := _weight_of_map(s, views, letters, out_sub)) is not None:
         return _linear_product(s, views, weight, letters, out_sub)
     shared = _share(s, views, letters, out_sub)
-    reps, consumed = [v.ids for v in views], [set() for _ in views]  # consumed: the axes a sink reads, per operand
+    reps, consumed = _share_positions(s, views, letters, out_sub), [set() for _ in views]  # consumed: a sink's axes
     read: set[int] = set()  # the parameters an activation is contracted against
     before = len(s.rec.contracted)
     for c in letters:
@@ -281,6 +281,32 @@ def _share(s: Step, views: list[Operand], letters: list[str], out_sub: str) -> d
             s.rec.shared_reads.append(SharedRead(s.name, node, v.subs.index(c), views[j].label.ids))
         views[i] = v._replace(label=Label(v.label.ids, True))
     return shared
+
+
+def _share_positions(s: Step, views: list[Operand], letters: list[str], out_sub: str) -> list[torch.Tensor | None]:
+    """Positions of a contracted letter at which the units of another activation read an activation alike, beside
+    positions of their own (a key of per-head coordinates with one rotary part every head shares:
+    ``cat([k_heads, k_rot.expand(...)], -1)``): like an operand read alike as a whole (``_share``), those
+    coordinates join no unit (pinned, dropped from ``reps`` in place) and their size along the units' letter still
+    follows the units' count (``SharedRead``). Returns the operands' ids over every letter, without them."""
+    pos = {c: i for i, c in enumerate(letters)}
+    acts = [i for i, v in enumerate(views) if v.activation]
+    reps = [v.ids for v in views]
+    for i in acts:
+        for c in (c for c in views[i].subs if c not in out_sub and reps[i].shape[pos[c]] > 1):
+            for k, j in ((k, j) for k in out_sub for j in acts if j != i and k in views[i].subs and
+                         varies(reps[j], pos[k]) and varies(reps[i], pos[k])):
+                alike = torch.tensor([not varies(part, pos[k]) and bool((part != NO_ID).any())
+                                      for part in reps[i].split(1, dim=pos[c])])
+                if not alike.any() or alike.all():
+                    continue
+                at = alike.nonzero().flatten()
+                s.rec.pin(reps[i].index_select(pos[c], at), f"{s.name}: coordinates read alike by each of the "
+                          "units they are contracted with", benign=True)
+                reps[i] = reps[i].clone().index_fill_(pos[c], at, NO_ID)
+                node = None if s.lab.nested else _node_of(s, views[i].label)
+                s.rec.shared_reads.append(SharedRead(s.name, node, views[i].subs.index(k), views[j].label.ids))
+    return reps
 
 
 def _mixed_heads(s: Step, views: list[Operand], ids: torch.Tensor, params: list[int], c: str, letters: list[str],

@@ -162,6 +162,19 @@ def mpt() -> nn.Module:
     return transformers.MptForCausalLM(config)
 
 
+def deepseek_v3() -> nn.Module:
+    """Multi-head latent attention: keys assembled in place from per-head parts and one rotary part every head
+    shares; the whole model captured by torch.export, its cache (of the latents) among the outputs."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=4, q_lora_rank=8,
+                                           kv_lora_rank=8, qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=4,
+                                           first_k_dense_replace=2, max_position_embeddings=16, pad_token_id=0,
+                                           bos_token_id=1, eos_token_id=2)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
 def head_mixing() -> nn.Module:
     from zoo_mixed import MixedStyle, MixedTransformer
 
@@ -208,6 +221,9 @@ CASES = {case.name: case for case in (
     Case("hf_alibi_cache", mpt, _decoder_tokens, lambda out: out.logits,
          _writes([("out_proj.weight", 1, 4)], [("down_proj.weight", 1, 1)]), rebuilt_by_load=True,
          probe=_decoder_probe),
+    Case("hf_latent_cache", deepseek_v3, _decoder_tokens, lambda out: out.logits,
+         _writes([("o_proj.weight", 1, 4)], [("down_proj.weight", 1, 1)]), rebuilt_by_load=True,
+         probe=_decoder_probe),  # the latents' channel groups are not exact: barter keeps them dense
     Case("head_mixing", head_mixing, _tokens, lambda out: out,
          _writes([("proj.weight", 1, 4), ("pre", 0, 1), ("post", 0, 1)], [("fc2.weight", 1, 1)]),
          rebuilt_by_load=False),

@@ -258,6 +258,8 @@ CI_SLICE = [
     Combination("conv_ffn", "fsdp2", "maximum", "transfers", seed=4),
     Combination("hf_fused_gqa_cache", "fsdp2", "half", "export_load", seed=5),
     Combination("hf_alibi_cache", "fsdp2", "one_unit", "transfers", seed=8),
+    Combination("hf_latent_cache", "ddp", "one_unit", "export_load", seed=10),
+    Combination("hf_latent_cache", "fsdp2", "half", "checkpoint_resume", seed=11),
 ]
 
 

@@ -44,7 +44,10 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     element that meets one class in each of its uses joins them (a per-unit parameter; a per-head bias table every
     layer adds ties head h of each layer into one unit); one that meets several classes in one use is broadcast
     beside them, shared by them, and stays out (a norm weight over the head dim, a position table every head
-    multiplies). A pair within one class counts as no partner."""
+    multiplies). A pair within one class counts as no partner. Where a use meets one class only (a layer of one
+    head), an element that would join several is shared too if in that use several elements of it meet the class
+    along several of its coordinates (a rotary table every layer's head multiplies): a per-head table read by the
+    scores meets one id of the head in each use, and still joins."""
     tent = [t for t in tentative if t.numel()]
     if not tent:
         return rep
@@ -59,11 +62,33 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     low = torch.full((len(keys),), n).scatter_reduce_(0, which, partner, "amin")
     high = torch.full((len(keys),), -1).scatter_reduce_(0, which, partner, "amax")
     shared = torch.zeros(n, dtype=torch.bool).index_fill_(0, (keys % n)[low != high], True)
+    along = _along_one_class(use, partner, torch.cat(tent)[apart])
+    shared.index_fill_(0, element[along & _spans_classes(element, partner, n)], True)
     joined = ~shared.index_select(0, element)
     ids = torch.arange(n)
     moved = rep != ids
     return classes(n, [torch.stack([ids[moved], rep[moved]], 1),
                        torch.stack([element[joined], partner[joined]], 1)])
+
+
+def _along_one_class(use: torch.Tensor, partner: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """For each pair (``raw``: its element and activation ids): whether its use meets one class only, with several
+    elements meeting several coordinates of it (a rotary table read along a layer's one head), rather than each
+    element meeting one id of it (a per-head table read by the scores of that head)."""
+    uses = int(use.max()) + 1
+
+    def distinct(ids: torch.Tensor) -> torch.Tensor:
+        seen = torch.unique(torch.stack([use, ids], 1), dim=0)
+        return torch.bincount(seen[:, 0], minlength=uses)
+    along = (distinct(raw[:, 0]) > 1) & (distinct(raw[:, 1]) > 1) & (distinct(partner) == 1)
+    return along.index_select(0, use)
+
+
+def _spans_classes(element: torch.Tensor, partner: torch.Tensor, n: int) -> torch.Tensor:
+    """For each pair: whether its element meets more than one class over all its uses."""
+    low = torch.full((n,), n).scatter_reduce_(0, element, partner, "amin")
+    high = torch.full((n,), -1).scatter_reduce_(0, element, partner, "amax")
+    return (low != high).index_select(0, element)
 
 
 def shared_uses(members: list[Member]) -> list[torch.Tensor]:

@@ -178,3 +178,48 @@ def test_one_head_layers_reading_their_own_rotary_table_are_exact_groups() -> No
         by_weights.blocks[0].proj.weight[:, 4:8] = 0
         expected = by_weights(x)
     assert_removal_masks_and_clone_keeps(s, first, 1, lambda: model(x), by_weights=expected, reference=before)
+
+
+def test_one_head_layers_of_a_model_sharing_its_rotary_table_and_mask_are_a_group_each() -> None:
+    """Llama with one head per layer: the model computes the rotary table and the causal mask once and hands them to
+    every layer; with one head, each frequency meets one coordinate of a layer's head and each mask element the
+    head's scores, which read alone cannot tell a table every head reads alike from one of the head. A table met
+    along a head's coordinates and a mask broadcast beside it tie no layers together (before: one group refused at
+    ``model.layers``), so each layer's head is a group: removing the second layer's head equals zeroing its
+    ``o_proj`` and equals zeroing it at its tap, and decoding from the cache then equals that masked model; a clone
+    of the first layer's head keeps the logits and its copy removed equals its columns zeroed."""
+    transformers = pytest.importorskip("transformers")
+    from tests.fxsurgery.test_fxsurgery_fused_qkv_pieces import assert_decodes_as_masked
+    from tests.zoo import assert_removal_masks_and_clone_keeps
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                      num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    ids = torch.randint(3, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    masked = copy.deepcopy(model)
+    with torch.no_grad():
+        masked.model.layers[1].self_attn.o_proj.weight.zero_()
+    s = Surgeon(model, (), {"input_ids": ids})
+    assert sorted((g.name, g.count, g.exact) for g in s.groups if g.kind == "head") == [
+        (f"model.layers.{i}.self_attn:head", 1, True) for i in range(2)], s.explain()
+    second = s.group("model.layers.1.self_attn:head")
+    with torch.no_grad():
+        handle = s.tap(second, lambda heads: heads.zero_())
+        by_tap = model(ids).logits
+        handle.remove()
+        s.remove(second, 0)
+        assert (model(ids).logits - masked(ids).logits).abs().max() <= 1e-10
+        assert (model(ids).logits - by_tap).abs().max() <= 1e-10
+    more = torch.randint(3, 64, (2, 2), generator=torch.Generator().manual_seed(1))
+    assert_decodes_as_masked(model, masked, ids, more)
+    first = s.group("model.layers.0.self_attn:head")
+    with torch.no_grad():
+        before = model(ids).logits
+        s.clone(first, 0, noise_std=0.1)
+        assert first.count == 2 and (model(ids).logits - before).abs().max() <= 1e-10
+        by_weights = copy.deepcopy(model)
+        by_weights.model.layers[0].self_attn.o_proj.weight[:, 16:] = 0
+        expected = by_weights(ids).logits
+    assert_removal_masks_and_clone_keeps(s, first, 1, lambda: model(ids).logits, by_weights=expected,
+                                         reference=before)

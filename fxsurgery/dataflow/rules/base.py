@@ -119,11 +119,14 @@ def input_gathers(s: Step, ids: torch.Tensor, value: torch.Tensor) -> set[int]:
 def uniform_ties(s: Step, fill: torch.Tensor, ids: torch.Tensor) -> bool:
     """Whether ``fill`` is a factory's fill of one number (``rules/factories.py``), and if so tie it to the
     coordinates ``ids`` where it lines up with them: it must follow them. Where it broadcasts along coordinates
-    that vary (one fill beside every head) it is the same for each, and ties to none."""
+    that vary (one fill beside every head) it is the same for each, and ties to none; where they vary along no dim
+    (a layer of one head) it lines up with nothing, serves any count by broadcasting, and ties to none either (a
+    mask made once would otherwise tie every layer's one head into one)."""
     if not held(fill, s.rec.uniform):
         return False
     fill, ids = align(fill, max(fill.dim(), ids.dim())), align(ids, max(fill.dim(), ids.dim()))
-    if all(fill.shape[d] > 1 or not varies(ids, d) for d in range(ids.dim())):
+    lined_up = [d for d in range(ids.dim()) if varies(ids, d)]
+    if lined_up and all(fill.shape[d] > 1 for d in lined_up):
         s.rec.tie(pairs(fill, ids))
     return True
 

@@ -287,7 +287,7 @@ def _share_positions(s: Step, views: list[Operand], letters: list[str], out_sub:
     """Positions of a contracted letter at which the units of another activation read an activation alike, beside
     positions of their own (a key of per-head coordinates with one rotary part every head shares:
     ``cat([k_heads, k_rot.expand(...)], -1)``): like an operand read alike as a whole (``_share``), those
-    coordinates join no unit (pinned, dropped from ``reps`` in place) and their size along the units' letter still
+    coordinates join no unit (pinned, and no id of the operand there) and their size along the units' letter still
     follows the units' count (``SharedRead``). Returns the operands' ids over every letter, without them."""
     pos = {c: i for i, c in enumerate(letters)}
     acts = [i for i, v in enumerate(views) if v.activation]
@@ -296,8 +296,9 @@ def _share_positions(s: Step, views: list[Operand], letters: list[str], out_sub:
         for c in (c for c in views[i].subs if c not in out_sub and reps[i].shape[pos[c]] > 1):
             for k, j in ((k, j) for k in out_sub for j in acts if j != i and k in views[i].subs and
                          varies(reps[j], pos[k]) and varies(reps[i], pos[k])):
-                alike = torch.tensor([not varies(part, pos[k]) and bool((part != NO_ID).any())
-                                      for part in reps[i].split(1, dim=pos[c])])
+                by_position = [t.movedim(pos[c], 0).reshape(reps[i].shape[pos[c]], -1)
+                               for t in (reps[i] == reps[i].narrow(pos[k], 0, 1), reps[i] != NO_ID)]
+                alike = by_position[0].all(1) & by_position[1].any(1)
                 if not alike.any() or alike.all():
                     continue
                 at = alike.nonzero().flatten()

@@ -137,6 +137,11 @@ def shrink(config: Any, seen: set[int] | None = None) -> None:
             config.num_key_value_heads = min(config.num_key_value_heads, config.num_attention_heads)
             if getattr(config, "kv_lora_rank", None):  # latent attention: a key/value head per query head
                 config.num_key_value_heads = config.num_attention_heads
+    partial = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    if getattr(config, "qk_rope_head_dim", None) and getattr(config, "head_dim", None) and partial:
+        config.head_dim = int(config.qk_rope_head_dim / partial)  # the rotary table's width is the rope part's
+    if getattr(config, "n_routed_experts", None) and getattr(config, "num_experts_per_tok", "absent") is None:
+        config.num_experts_per_tok = SIZES["num_experts_per_tok"]  # as released checkpoints set it
     layers = getattr(config, "num_hidden_layers", None)
     for name in ("layer_types", "block_types", "attention_layers"):
         if isinstance(getattr(config, name, None), list) and isinstance(layers, int):

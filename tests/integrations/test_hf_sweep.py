@@ -83,3 +83,12 @@ def test_a_refusal_names_the_part_an_unforeseen_error_left_out(sweep):
     assert sweep._unforeseen_part(message).startswith("blocks.0: analysing blocks.0 (Block) failed: IndexError: boom")
     assert sweep._unforeseen_part(message.partition("; ")[2]).startswith("blocks.0:")
     assert sweep._unforeseen_part("cannot trace the model (M): ValueError: no") == ""
+
+
+@pytest.mark.parametrize("name", ["DeepseekV2ForCausalLM", "Mistral4ForSequenceClassification"])
+def test_latent_attention_classes_build_consistent_and_have_heads(sweep, name):
+    """Their default configs leave the experts per token unset (DeepSeek V2) or size the rotary table from a head
+    width that the tiny sizes make unlike the rope part's (Mistral 4): the sweep sets them as released configs do,
+    so the class builds, and its latent attention has heads."""
+    row = sweep.sweep_one(name)
+    assert row.outcome is sweep.Outcome.HEADS and row.heads == 2, f"{row.outcome.value}: {row.why}"

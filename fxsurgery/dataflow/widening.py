@@ -9,8 +9,9 @@ expanded to every query head), carries none of their coordinates, so no unit axi
 size of the repeat is the number of units, and must follow it. From the value the contraction reads, that dim is
 followed back node by node (where each node's input dim went is told by running it on an input of contiguous
 layout and matching strides) to the node that makes it from a size-1 dim (an expand, whose output repeats it with
-stride 0). Each value on the way holds the units' axis there: the constant rules then find its sizes as they do
-for any value that carries the units.
+stride 0); through a concatenation along another dim (the units' own coordinates beside a part they read alike:
+latent attention's keys), into the parts that carry none of their ids. Each value on the way holds the units' axis
+there: the constant rules then find its sizes as they do for any value that carries the units.
 """
 from __future__ import annotations
 

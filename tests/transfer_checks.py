@@ -7,7 +7,8 @@ QUICK_TRANSFERS = {"density": 0.5, "seed": 0, "window": (0.1, 0.9), "head_ratio"
 
 class ScoreRecorder(TrainerCallback):
     """Placed after BarterCallback: at every optimizer step, before the transfers that follow it, whether the
-    scores they are chosen on are non-zero in every layer with units."""
+    scores they are chosen on are non-zero in every layer with units, for each kind that has transfers planned
+    (a kind with none, every layer at its full width, collects no scores)."""
 
     def __init__(self, barter_callback) -> None:
         self.barter_callback = barter_callback
@@ -16,4 +17,5 @@ class ScoreRecorder(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         ctl = self.barter_callback.controller
         self.nonzero.append(all(float(d.abs().sum()) > 0 and float(s.abs().sum()) > 0
-                                for kind in ("head", "channel") for d, s in ctl.scores(kind).values() if d.numel()))
+                                for kind in ("head", "channel") if ctl.schedule[kind]
+                                for d, s in ctl.scores(kind).values() if d.numel()))

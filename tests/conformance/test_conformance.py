@@ -52,7 +52,7 @@ HEADS_REQUIRED |= {"hf_phi3"}
 HEADS_REQUIRED |= {"hf_funnel", "hf_diffllama"}
 # and ALiBi slopes the model computes once at its head count and hands to every layer, each layer reading its kept
 # heads' slopes through an index buffer of its own (MPT adds them to the scores, Bloom through baddbmm)
-HEADS_REQUIRED |= {"hf_mpt", "hf_bloom", "hf_deepseek_v3"}
+HEADS_REQUIRED |= {"hf_mpt", "hf_bloom", "hf_deepseek_v3", "hf_llama_one_head"}
 
 HERE = Path(__file__).parent
 OUTSIDE_TIMM = HERE / "models_outside_timm.json"  # torchvision's transformers

@@ -25,8 +25,8 @@ from ..runtime.call_signature import FIXED_SIZES
 from .aten import lower
 from .calls import buffers_kept, forked_rng, materialize, real_values, training_mode
 from .grad_regions import inline_grad_regions
-from .slice_fills import fills_as_concatenation
 from .held_objects import holders_registered, rebuild_held_outputs, tensor_holders
+from .slice_fills import fills_as_concatenation
 from .tracer import CODE_CONSTANT
 
 

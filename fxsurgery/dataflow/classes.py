@@ -62,7 +62,7 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
     low = torch.full((len(keys),), n).scatter_reduce_(0, which, partner, "amin")
     high = torch.full((len(keys),), -1).scatter_reduce_(0, which, partner, "amax")
     shared = torch.zeros(n, dtype=torch.bool).index_fill_(0, (keys % n)[low != high], True)
-    along = _along_one_class(use, partner, torch.cat(tent)[apart])
+    along = _along_one_class(use, partner, torch.cat(tent)[apart], n)
     shared.index_fill_(0, element[along & _spans_classes(element, partner, n)], True)
     joined = ~shared.index_select(0, element)
     ids = torch.arange(n)
@@ -71,15 +71,14 @@ def join_parameters(rep: torch.Tensor, tentative: list[torch.Tensor]) -> torch.T
                        torch.stack([element[joined], partner[joined]], 1)])
 
 
-def _along_one_class(use: torch.Tensor, partner: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+def _along_one_class(use: torch.Tensor, partner: torch.Tensor, raw: torch.Tensor, n: int) -> torch.Tensor:
     """For each pair (``raw``: its element and activation ids): whether its use meets one class only, with several
     elements meeting several coordinates of it (a rotary table read along a layer's one head), rather than each
     element meeting one id of it (a per-head table read by the scores of that head)."""
     uses = int(use.max()) + 1
 
-    def distinct(ids: torch.Tensor) -> torch.Tensor:
-        seen = torch.unique(torch.stack([use, ids], 1), dim=0)
-        return torch.bincount(seen[:, 0], minlength=uses)
+    def distinct(ids: torch.Tensor) -> torch.Tensor:  # of the ids below n, per use (pairs packed in one int64)
+        return torch.bincount(torch.unique(use * n + ids) // n, minlength=uses)
     along = (distinct(raw[:, 0]) > 1) & (distinct(raw[:, 1]) > 1) & (distinct(partner) == 1)
     return along.index_select(0, use)
 

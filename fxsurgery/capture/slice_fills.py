@@ -19,6 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 aten = torch.ops.aten
 
 _UNINITIALISED = (aten.new_empty.default, aten.empty.memory_format)
+_VIEWS = (aten.slice.Tensor, aten.alias.default)  # a slice of the whole tensor is recorded as its alias
 
 
 class Piece(NamedTuple):
@@ -39,8 +40,8 @@ def fills_as_concatenation(graph: torch.fx.Graph) -> None:
 
 
 def _rewrite(graph: torch.fx.Graph, fresh: torch.fx.Node) -> None:
-    views = [u for u in fresh.users if u.op == "call_function" and u.target == aten.slice.Tensor]
-    dims = {_dim(view, fresh) for view in views}
+    views = [u for u in fresh.users if u.op == "call_function" and u.target in _VIEWS]
+    dims = {_dim(view, fresh) for view in views if view.target == aten.slice.Tensor} or {0}  # a whole view: any dim
     if not views or len(dims) != 1 or None in dims:
         return
     dim = dims.pop()
@@ -78,7 +79,7 @@ def _dim(view: torch.fx.Node, fresh: torch.fx.Node) -> int | None:
 def _piece(view: torch.fx.Node, size: int) -> Piece | None:
     """The write through ``view`` (its one user, a ``copy_`` whose result nothing reads, of a value of the view's
     shape and dtype) into a dim of ``size``, or None where the view is anything else."""
-    start, stop, step = (*view.args[2:], None, None, 1)[:3]  # aten.slice(self, dim, start, end, step)
+    start, stop, step = (*view.args[2:], None, None, 1)[:3]  # aten.slice(self, dim, start, end, step); an alias: all
     start = 0 if start is None else start
     stop = size if stop is None or (isinstance(stop, int) and stop >= sys.maxsize) else stop
     if not all(isinstance(b, int) and 0 <= b for b in (start, stop)) or step not in (None, 1) or len(view.users) != 1:

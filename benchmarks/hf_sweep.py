@@ -238,13 +238,14 @@ def sweep_one(name: str) -> Row:
         return Row(name, Outcome.NOT_BUILT, why=first_words(err), seconds=time.perf_counter() - start)
     try:
         analysis = analyse(model, (), call)
-    except (AnalysisError, TraceError) as err:
+    except (AnalysisError, TraceError) as err:  # a refused model with attention counts against the share too
         return Row(name, Outcome.REFUSED, why=first_words(f"{type(err).__name__}: {err}"),
-                   seconds=time.perf_counter() - start, unforeseen=_unforeseen_part(str(err)))
+                   seconds=time.perf_counter() - start, unforeseen=_unforeseen_part(str(err)),
+                   attention=bool(attention_modules(model)))
     except Exception as err:  # noqa: BLE001 - what the sweep exists to find
         head = "".join(traceback.format_exception(err)[-6:])
         return Row(name, Outcome.RAW, why=first_words(f"{type(err).__name__}: {err}"),
-                   seconds=time.perf_counter() - start, trace=head)
+                   seconds=time.perf_counter() - start, trace=head, attention=bool(attention_modules(model)))
     heads = sum(g.kind == "head" for g in analysis.groups)
     channels = len(analysis.groups) - heads
     seconds = time.perf_counter() - start

@@ -92,3 +92,10 @@ def test_latent_attention_classes_build_consistent_and_have_heads(sweep, name):
     so the class builds, and its latent attention has heads."""
     row = sweep.sweep_one(name)
     assert row.outcome is sweep.Outcome.HEADS and row.heads == 2, f"{row.outcome.value}: {row.why}"
+
+
+def test_a_refused_class_with_attention_counts_against_the_share(sweep):
+    """JetMoE's mixture of attention heads is refused (a router's top-k among heads): its row says it has attention,
+    so the share of attention classes with heads counts it (before, a refused row never did)."""
+    row = sweep.sweep_one("JetMoeForCausalLM")
+    assert row.outcome is sweep.Outcome.REFUSED and row.why and row.attention

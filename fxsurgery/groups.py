@@ -118,6 +118,7 @@ class GroupPlumbing:
     kind: UnitKind
     max_count: int  # the count in the host's template
     min_count: int
+    exact: bool  # as analysed: a removal equals masking (a group with a reduction over its units does not)
     slices: tuple[ParamSlice, ...]  # as in the template
     constants: list[ConstantSpec]  # the graph constants that follow the count
     slots: list[ConstantSlot]  # the host attributes that hold them: a graph captured for another call adds to them

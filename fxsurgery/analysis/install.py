@@ -119,7 +119,7 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
         hg = bound.analysis.groups[index]
         editor.plumbing[g] = GroupPlumbing(
             host=host, sink=hg.spec.sink, kind=hg.spec.kind, max_count=hg.spec.count, min_count=hg.spec.min_count,
-            slices=tuple(hg.spec.members), constants=hg.constants,
+            exact=hg.spec.exact, slices=tuple(hg.spec.members), constants=hg.constants,
             slots=list(bound.slots[index]),  # the host's own: a capture for another call may add to it
             tap_point=bound.points[index], tap_layout=hg.sites[0].layout)
         records.append(editor.plumbing[g])

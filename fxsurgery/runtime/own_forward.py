@@ -229,7 +229,7 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
         return None, fault, ""
     checks.clear()  # the trials' copies of the host freed before the empty trial makes its two
     trials.clear()
-    empty = _Trial(real, groups, [r.max_count if r.min_count == 0 else 0 for r in groups], gathers)
+    empty = _Trial(real, groups, [r.max_count if r.min_count == 0 and r.exact else 0 for r in groups], gathers)
     return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
 
 
@@ -255,8 +255,9 @@ def _fitting(candidates: list[CountAttribute], checks: list, *, needs_held: bool
 
 
 def _removing(groups: list[GroupPlumbing], k: int) -> list[int]:
-    """``k`` units of every group that has more."""
-    return [k if r.max_count > k else 0 for r in groups]
+    """``k`` units of every exact group that has more (a removal from an inexact one differs from masking by its
+    nature, by more or less than the trials' tolerance as the call's values fall: no trial of a count attribute)."""
+    return [k if r.exact and r.max_count > k else 0 for r in groups]
 
 
 def _told_apart(groups: list[GroupPlumbing]) -> list[list[int]]:
@@ -264,7 +265,8 @@ def _told_apart(groups: list[GroupPlumbing]) -> list[list[int]]:
     units in the ``t``-th), so that an attribute holding one group's count is not taken for another's that the
     uniform removals shrink alike (a decoder's self- and cross-attention heads)."""
     bits = (len(groups) - 1).bit_length()
-    return [[min(1 + (i >> t & 1), r.max_count - 1) for i, r in enumerate(groups)] for t in range(bits)]
+    return [[min(1 + (i >> t & 1), r.max_count - 1) if r.exact else 0 for i, r in enumerate(groups)]
+            for t in range(bits)]
 
 
 class _Trial:

@@ -170,11 +170,13 @@ def test_fsdp_pipeline_with_a_layer_emptied_of_heads(tmp_path):
 
 def test_barter_train_fsdp_under_torchrun_on_the_default_preset(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    command = [torchrun, "--nproc_per_node", "2", "--master_port", str(free_ports(1)[0]), "-m", "barter", "train",
+    # --standalone: the rendezvous binds a free port itself (a port chosen here could be taken before torchrun binds it)
+    command = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "barter", "train",
                "--fsdp", "--device", "cpu", "--dataset", "fake", "--fake-size", "32", "--batch-size", "16",
                "--epochs", "2", "--density", "0.5", "--out-dir", str(tmp_path), "--name", "run", "--no-progress"]
-    done = subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
                           capture_output=True, text=True)
+    assert done.returncode == 0, f"torchrun exited {done.returncode}:\n{done.stderr[-6000:]}"
     assert BUILT_ON_META in done.stdout
     last = load_checkpoint(tmp_path / "run" / "last")
     assert last["finished"] and any(e["skipped"] is None for e in last["controller"]["events"])

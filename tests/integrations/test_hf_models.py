@@ -70,15 +70,15 @@ def bert() -> BertForSequenceClassification:
                                                     **TINY))
 
 
-def train(model, data, tmp_path, *, collator=None, save_steps=None, resume_from=None, **options):
+def train(model, data, tmp_path, *, collator=None, save_steps=None, resume_from=None, trainer_args=None, **options):
     """STEPS Trainer steps with BarterCallback(**QUICK_TRANSFERS, **options), no example inputs unless among `options`,
-    saving every `save_steps`; returns (callback, trainer)."""
+    saving every `save_steps`, with more TrainingArguments in `trainer_args`; returns (callback, trainer)."""
     barter_callback = BarterCallback(resume_from=resume_from, **QUICK_TRANSFERS, **options)
     saving = {"save_strategy": "no"} if save_steps is None else {"save_strategy": "steps", "save_steps": save_steps}
     recorder = ScoreRecorder(barter_callback)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4,
                              per_device_eval_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True,
-                             logging_strategy="no", disable_tqdm=True, seed=0, **saving)
+                             logging_strategy="no", disable_tqdm=True, seed=0, **saving, **(trainer_args or {}))
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
                       callbacks=[barter_callback, recorder])
     trainer.train(resume_from_checkpoint=None if resume_from is None else str(resume_from))
@@ -166,3 +166,29 @@ def test_causal_lm_trains_and_generates(tmp_path, name):
     with torch.no_grad():
         generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, 8) and torch.equal(generated[:, :4], prompt)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_recomputes_the_compact_layers_and_changes_nothing(tmp_path, reentrant):
+    """The Trainer's activation (gradient) checkpointing: each layer's attention (an installed forward with its score
+    taps) runs again in the backward, and the run is the run without it: the same scores, transfers and weights."""
+    runs = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = CAUSAL_LMS["llama"]()
+        calls = []
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        extra = {"activation_checkpointing": True,
+                 "activation_checkpointing_kwargs": {"use_reentrant": reentrant}} if checkpointing else {}
+        barter_callback, _ = train(model, sentences(labels=False), tmp_path / str(checkpointing),
+                                   collator=DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+                                   trainer_args=extra)
+        runs[checkpointing] = (barter_callback.controller, model, len(calls))
+    (plain, plain_model, plain_calls), (checkpointed, checkpointed_model, checkpointed_calls) = runs[False], runs[True]
+    assert checkpointed_calls == plain_calls + 2 * STEPS  # each layer's attention ran again in each step's backward
+    assert checkpointed.events == plain.events
+    for kind in ("head", "channel"):
+        torch.testing.assert_close(checkpointed.tables[kind].ema, plain.tables[kind].ema)
+    for (name, a), b in zip(plain_model.state_dict().items(), checkpointed_model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

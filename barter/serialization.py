@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxsurgery import AnalysisError, GroupDescription, Surgeon, TraceError, UnitGroup, analyse, solve_counts
+from fxsurgery import Analysis, AnalysisError, GroupDescription, Surgeon, TraceError, UnitGroup, analyse, solve_counts
 
 from .analysis import ModelBase, default_example_inputs, keep_base, model_base
+from .example_call import call_record, recorded_call
 from .files import (
     FORMAT,
     MANIFEST,
@@ -41,6 +42,7 @@ from .files import (
     write_manifest,
 )
 from .packed_state import pack_state, unpack_state
+from .pretrained import is_pretrained_folder, read_pretrained, record_call, with_tied
 from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base
 
 VERSION = 1
@@ -51,7 +53,6 @@ RUN_CONFIG = "config.json"  # what a training run directory holds beside its che
 __all__ = ["export", "load", "write_export", "read_export", "ExportError", "FORMAT", "VERSION", "WEIGHTS", "TOPOLOGY",
            "PROGRAM", "RUN_CONFIG", "MANIFEST", "replace_directory", "write_manifest", "read_manifest",
            "verify_files", "file_sha256", "pack_state", "unpack_state"]
-RECORDED_VALUES = 16_384  # the integer and boolean example tensors up to this size are recorded with their values
 TOPOLOGY_KEYS = ("architecture", "model_kwargs", "inputs", "input_kwargs", "groups", "parameters", "sha256")
 
 
@@ -85,7 +86,8 @@ def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tu
 
 def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
          device: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild the compact model exported at `path`, load its weights, and return it on `device`.
+    """Rebuild the compact model exported at `path` (or saved there by a Hugging Face model's `save_pretrained`
+after `wrap`, `barter.pretrained`), load its weights, and return it on `device`.
 
     `model`, a freshly built base model, is resized in place (needed for architectures outside timm's
     registry and transformers); without it the recorded timm architecture, or transformers class from its
@@ -94,7 +96,8 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     as `model.barter_base`, for its next export.
     """
     path = Path(path)
-    topology, weights = read_export(path)
+    pretrained = is_pretrained_folder(path)
+    topology, weights = read_pretrained(path) if pretrained else read_export(path)
     built = model is None
     if built:
         if topology["architecture"] is None:
@@ -106,7 +109,13 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         model.to(dtypes.pop())
-    surgeon, plan = _resize_plan(model, topology, path, weights=weights)
+    analysis = None
+    if pretrained:  # the counts each group keeps are read off the weights
+        weights = with_tied(model, weights)
+        analysis = _analysis(model, recorded_call(model, topology))
+        counts = _kept_counts(list(analysis.groups), weights, topology["architecture"])
+        topology["groups"] = [{**g.to_dict(), "count": count} for g, count in zip(analysis.groups, counts)]
+    surgeon, plan = _resize_plan(model, topology, path, weights=weights, analysis=analysis)
     _check_fits(model, weights, plan, path / WEIGHTS)
     for group, count in plan:
         if count < group.count:
@@ -116,6 +125,7 @@ def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
                                architecture=topology["architecture"] if built else None,
                                model_kwargs=topology["model_kwargs"] if built else {},
                                call={"inputs": topology["inputs"], "input_kwargs": topology["input_kwargs"]}))
+    record_call(model, {"inputs": topology["inputs"], "input_kwargs": topology["input_kwargs"]})
     return model.to(device)
 
 
@@ -155,7 +165,7 @@ def _write_program(model: nn.Module, file: Path, call: dict[str, Any]) -> str | 
     with a warning when torch.export cannot capture the model (the weights and topology are exported all the
     same)."""
     copied = copy.deepcopy(model).eval()  # a wrapped model copies itself without its score taps
-    args, kwargs = _recorded_call(copied, call)
+    args, kwargs = recorded_call(copied, call)
     dynamic = torch.export.ShapesCollection()
     for value in (*args, *kwargs.values()):
         if torch.is_tensor(value):
@@ -235,20 +245,20 @@ def _groups(model: nn.Module, example: tuple[tuple, dict[str, Any]] | None, arch
     base = model_base(model)
     analysis = None if base is None else base.analysis
     if analysis is not None:
-        return list(analysis.groups), _call_record(*(example or (analysis.example_inputs, analysis.example_kwargs)))
+        return list(analysis.groups), call_record(*(example or (analysis.example_inputs, analysis.example_kwargs)))
     if example is not None:
-        call = _call_record(*example)
+        call = call_record(*example)
     elif base is not None and base.call is not None:
         call = base.call
     else:
         try:
-            call = _call_record(default_example_inputs(model), {})
+            call = call_record(default_example_inputs(model), {})
         except ValueError as e:
             raise ExportError(f"{e}; pass example_inputs= and/or example_kwargs=") from e
     with torch.random.fork_rng(devices=[]):  # building and analysing the base leaves the caller's RNG alone
         built = model if architecture is None else _build(architecture, kwargs)
         try:
-            return list(analyse(built, *_recorded_call(built, call)).groups), call
+            return list(analyse(built, *recorded_call(built, call)).groups), call
         except (TraceError, AnalysisError) as e:
             warnings.warn(f"{type(model).__name__} is exported without unit groups (loading takes it as "
                           f"built): {e}", stacklevel=1)
@@ -279,44 +289,6 @@ def _kept_counts(groups: list[GroupDescription], tensors: dict[str, Tensor], arc
     return counts
 
 
-def _call_record(inputs: tuple, input_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """{"inputs": [spec, ...], "input_kwargs": {name: spec}} of the call `model(*inputs, **input_kwargs)`: a
-    tensor's spec is its shape and dtype; a flag's, number's, string's or None's, its value."""
-    return {"inputs": [_input_spec(value, f"example_inputs[{i}]") for i, value in enumerate(inputs)],
-            "input_kwargs": {name: _input_spec(value, f"example_kwargs[{name!r}]")
-                             for name, value in input_kwargs.items()}}
-
-
-def _input_spec(value: Any, label: str) -> dict[str, Any]:
-    if torch.is_tensor(value):
-        spec = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
-        if not value.is_floating_point() and not value.is_complex() and value.numel() <= RECORDED_VALUES:
-            spec["values"] = value.detach().cpu().flatten().tolist()
-        return spec
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return {"value": value}
-    raise ExportError(f"{label} is a {type(value).__name__}; an example call is recorded from tensors, flags, "
-                      "numbers, strings and None")
-
-
-def _recorded_call(model: nn.Module, call: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """The recorded call (a topology's or `_call_record`'s) on `model`'s device: its integer and boolean tensors with
-    their recorded values (zeros where a large one's were not kept: zero token ids are valid ones), floating ones
-    as zeros in `model`'s dtype (a half-precision export's base is built in single precision), and its plain
-    values."""
-    p = next(model.parameters())
-
-    def value(spec: dict[str, Any]) -> Any:
-        if "value" in spec:
-            return spec["value"]
-        dtype = getattr(torch, spec["dtype"])
-        if "values" in spec:
-            return torch.tensor(spec["values"], dtype=dtype, device=p.device).reshape(spec["shape"])
-        return torch.zeros(spec["shape"], dtype=p.dtype if dtype.is_floating_point else dtype, device=p.device)
-
-    return tuple(value(s) for s in call["inputs"]), {k: value(s) for k, s in call["input_kwargs"].items()}
-
-
 def _build(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
     """The base model `architecture` built with `kwargs` (`barter.rebuild.create_model`)."""
     with torch.random.fork_rng(devices=[]):
@@ -328,18 +300,16 @@ def _build(architecture: str, kwargs: dict[str, Any]) -> nn.Module:
             raise ExportError(f"cannot build {architecture} with {kwargs}: {e}") from e
 
 
-def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path, *, weights: dict[str, Tensor]
-                 ) -> tuple[Surgeon | None, list[tuple[UnitGroup, int]]]:
-    """`model`'s unit groups with their recorded counts; no analysis when every group keeps all its units and the
-    weights hold nothing that installing the groups adds (the index buffers of heads that read their slopes
-    through a gather: a clone at the full count changes them)."""
+def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path, *, weights: dict[str, Tensor],
+                 analysis: Analysis | None = None) -> tuple[Surgeon | None, list[tuple[UnitGroup, int]]]:
+    """`model`'s unit groups with their recorded counts (found by `analysis`, else by analysing `model` on the
+    recorded call); none when every group keeps all its units and the weights hold nothing that installing the
+    groups adds (the index buffers of heads that read their slopes through a gather: a clone at the full count
+    changes them)."""
     recorded = topology["groups"]
     if all(g["count"] == g["max_count"] for g in recorded) and weights.keys() <= model.state_dict().keys():
         return None, []
-    try:
-        surgeon = Surgeon(model, *_recorded_call(model, topology))
-    except (TraceError, AnalysisError) as e:
-        raise ExportError(f"cannot find the unit groups of {type(model).__name__} to resize it: {e}") from e
+    surgeon = Surgeon(model, analysis or _analysis(model, recorded_call(model, topology)))
     plan = []
     for record in recorded:
         exported, count = GroupDescription.from_dict(record), record["count"]
@@ -357,6 +327,14 @@ def _resize_plan(model: nn.Module, topology: dict[str, Any], path: Path, *, weig
                               f"{group.count} (at least {group.min_count} must stay)")
         plan.append((group, count))
     return surgeon, plan
+
+
+def _analysis(model: nn.Module, call: tuple[tuple, dict[str, Any]]) -> Analysis:
+    """`model`'s analysis on the recorded `call`, or ExportError saying why there is none."""
+    try:
+        return analyse(model, *call)
+    except (TraceError, AnalysisError) as e:
+        raise ExportError(f"cannot find the unit groups of {type(model).__name__} to resize it: {e}") from e
 
 
 def _check_fits(model: nn.Module, weights: dict[str, Tensor], plan: list[tuple[UnitGroup, int]],

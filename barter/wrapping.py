@@ -17,6 +17,7 @@ from .controller import Controller
 from .fsdp import check_optimizer, refuse_sharded
 from .loss_scale import Scaler
 from .options import METHODS, RANKED_INITS, Options
+from .pretrained import record_call, sampled_call
 from .schedule import KINDS, make_schedule, transfer_count
 from .transfer_policy import TransferParts
 
@@ -52,6 +53,7 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
         example_inputs = default_example_inputs(model)
     analysis = analyse(model, () if example_inputs is None else example_inputs, example_kwargs)
     keep_base(model, ModelBase(analysis, architecture=None, model_kwargs={}, call=None))
+    record_call(model, sampled_call(analysis.example_inputs, analysis.example_kwargs))
     surgeon = Surgeon(model, analysis)
     model.__dict__[WRAPPED_ATTRIBUTE] = True
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}

@@ -192,3 +192,47 @@ def test_gradient_checkpointing_recomputes_the_compact_layers_and_changes_nothin
         torch.testing.assert_close(checkpointed.tables[kind].ema, plain.tables[kind].ema)
     for (name, a), b in zip(plain_model.state_dict().items(), checkpointed_model.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_LMS))
+def test_a_saved_compact_model_loads_from_its_folder_with_barter(tmp_path, name):
+    """`trainer.save_model` (and a checkpoint folder of the run) holds the compact weights and a config that records
+    the call barter analysed the model on: `barter.load` rebuilds the model from the folder alone (its weights sharded
+    too), equal on a padded batch and in `generate` (GPT-2's output embedding, tied to its input one, is not in the
+    file);
+    `from_pretrained` refuses the compact sizes, and a folder saved from a model barter did not wrap is refused
+    with the reason."""
+    from transformers import AutoModelForCausalLM
+
+    import barter
+    from barter.files import ExportError
+
+    torch.manual_seed(0)
+    model = CAUSAL_LMS[name]()
+    collator = DataCollatorForLanguageModeling(tokenizer(), mlm=False)
+    barter_callback, trainer = train(model, sentences(labels=False), tmp_path / "run", collator=collator,
+                                     save_steps=STEPS)
+    widths = [g.count for kind in ("head", "channel") for g in barter_callback.controller.layers[kind]]
+    assert len(set(widths)) > 2  # the transfers left layers of different widths
+    trainer.save_model(str(tmp_path / "final"))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    batch = collator(sentences(4, labels=False))
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    for folder in (tmp_path / "final", tmp_path / "run" / f"checkpoint-{STEPS}", tmp_path / "sharded"):
+        loaded = barter.load(folder).eval()
+        assert [p.shape for p in loaded.parameters()] == [p.shape for p in model.parameters()]
+        with torch.no_grad():
+            logits = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            assert torch.equal(loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                                               do_sample=False), tokens)
+        torch.testing.assert_close(logits, expected)
+    with pytest.raises(RuntimeError, match="mismatch"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    CAUSAL_LMS[name]().save_pretrained(tmp_path / "dense")
+    with pytest.raises(ExportError, match="has no barter_call: it was not saved from a model barter wrapped"):
+        barter.load(tmp_path / "dense")

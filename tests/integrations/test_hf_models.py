@@ -236,3 +236,22 @@ def test_a_saved_compact_model_loads_from_its_folder_with_barter(tmp_path, name)
     CAUSAL_LMS[name]().save_pretrained(tmp_path / "dense")
     with pytest.raises(ExportError, match="has no barter_call: it was not saved from a model barter wrapped"):
         barter.load(tmp_path / "dense")
+
+
+def test_the_trainers_own_torch_compile_trains_as_eager(tmp_path):
+    """`TrainingArguments(torch_compile=True)` compiles the model before the callback wraps it: the compiled run of
+    GPT-2 makes the transfers and weights of the eager one."""
+    torch._dynamo.reset()
+    runs = []
+    for extra in ({}, {"torch_compile": True, "torch_compile_backend": "eager"}):
+        torch.manual_seed(0)
+        model = CAUSAL_LMS["gpt2"]()
+        barter_callback, trainer = train(model, sentences(labels=False), tmp_path / str(len(runs)),
+                                         collator=DataCollatorForLanguageModeling(tokenizer(), mlm=False),
+                                         trainer_args=extra)
+        runs.append((barter_callback.controller, model, trainer))
+    (eager, eager_model, _), (compiled, compiled_model, trainer) = runs
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert compiled.events == eager.events
+    for (name, a), b in zip(eager_model.state_dict().items(), compiled_model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

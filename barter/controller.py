@@ -136,7 +136,7 @@ class Controller:
         for kind in KINDS:
             if self.step_count < self._schedule.last(kind):
                 table = self.tables[kind]
-                self._taps[kind] = [self.surgeon.tap(g, table.tap(i, self._loss_scale))
+                self._taps[kind] = [self.surgeon.tap(g, table.tap(i, self._loss_scale), grad_only=True)
                                     for i, g in enumerate(self.layers[kind])]
                 self._taps[kind].append(self.model.register_forward_pre_hook(_next_forward(table)))
         if any(self._taps.values()):

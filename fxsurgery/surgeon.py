@@ -166,14 +166,17 @@ class Surgeon:
             total = sq if total is None else total + sq.to(total.device)
         return total.sqrt()
 
-    def tap(self, group: UnitGroup, fn: Callable[[torch.Tensor], None]) -> torch.utils.hooks.RemovableHandle:
+    def tap(self, group: UnitGroup, fn: Callable[[torch.Tensor], None], *,
+            grad_only: bool = False) -> torch.utils.hooks.RemovableHandle:
         """Call ``fn(a)`` in every forward with the activations that feed the group's output
         projection, viewed as ``(*lead, count, per_unit)``, and, for heads mixed by heads×heads maps, with
         each map's input viewed alike (a head enters the others there too): zeroing a unit in every call masks
         it as a removal would. Changes ``fn`` makes to ``a`` reach the forward. Every front end's graph calls
-        the tap. ``handle.remove()`` stops it."""
+        the tap. ``grad_only``: ``fn`` measures gradients (it hooks ``a``'s), so it is called only where ``a``
+        requires grad, and a call without gradients (generation under ``no_grad``) may be served where it could
+        not be tapped. ``handle.remove()`` stops it."""
         g = self._own(group)
-        return self._editor.tap_point(g).add(fn)
+        return self._editor.tap_point(g).add(fn, grad_only=grad_only)
 
     def explain(self) -> str:
         """A table of the groups (count / max, exactness, sliced tensors, rewritten constants) and of

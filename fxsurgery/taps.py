@@ -31,20 +31,29 @@ class TapPoint:
 
     def __init__(self) -> None:
         self.hooks: OrderedDict[int, Tap] = OrderedDict()
+        # the hooks called only with values that require grad (an OrderedDict: a handle holds a weak reference to it)
+        self.grad_only: OrderedDict[int, bool] = OrderedDict()
 
-    def add(self, fn: Tap) -> RemovableHandle:
-        handle = RemovableHandle(self.hooks)
+    def add(self, fn: Tap, *, grad_only: bool = False) -> RemovableHandle:
+        handle = RemovableHandle(self.hooks, extra_dict=self.grad_only)
         self.hooks[handle.id] = fn
+        if grad_only:
+            self.grad_only[handle.id] = True
         return handle
 
+    def active(self, grad: bool) -> list[Tap]:
+        """The hooks that run for a value that does (``grad``) or does not require grad."""
+        return [fn for key, fn in self.hooks.items() if grad or key not in self.grad_only]
+
     def __call__(self, x: torch.Tensor, layout: TapLayout) -> torch.Tensor:
-        if not self.hooks:
+        hooks = self.active(x.requires_grad)
+        if not hooks:
             return x
         outer, inner, dim = layout
         y = x.movedim(dim, -1)
         y = y.unflatten(-1, (outer, y.shape[-1] // (outer * inner), inner))
         a = y.movedim(-3, -2).flatten(-2)  # (*lead, count, outer*inner): a view when outer is 1
-        for fn in list(self.hooks.values()):
+        for fn in hooks:
             fn(a)
         y = a.unflatten(-1, (outer, inner)).movedim(-2, -3).flatten(-3)
         return y.movedim(-1, dim)  # the projection reads a: gradients reach it
@@ -54,6 +63,7 @@ class TapPoint:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.hooks = OrderedDict()
+        self.grad_only = OrderedDict()
 
 
 def run_tap_point(point: TapPoint, x: torch.Tensor, layout: TapLayout) -> torch.Tensor:

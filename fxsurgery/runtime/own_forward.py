@@ -180,12 +180,14 @@ class OwnForward:
             return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
 
     def refusal(self, module: nn.Module) -> str:
-        """Why the own forward cannot serve a call now ("" if it can): a tap it would not run where it should."""
-        tapped = [r.sink for r in self.unseen if module.__dict__[r.tap_point].hooks]
+        """Why the own forward cannot serve a call now ("" if it can): a tap it would not run where it should (a tap
+        of gradients runs nowhere in a call without them: generation under ``no_grad``)."""
+        grad = torch.is_grad_enabled()
+        tapped = [r.sink for r in self.unseen if module.__dict__[r.tap_point].active(grad)]
         if tapped:
             return (f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps of the "
                     f"heads read by {tapped[0]} would not see them enter their mixing maps there")
-        tapped = [r.sink for r in self.segmented if module.__dict__[r.tap_point].hooks]
+        tapped = [r.sink for r in self.segmented if module.__dict__[r.tap_point].active(grad)]
         if tapped:
             return (f"{type(module).__name__}'s own forward serves this call (see explain()), but the taps of the "
                     f"units {tapped[0]} reads in a segment of its input would not see them there")

@@ -178,6 +178,26 @@ def test_tap_sees_unit_activations_and_gradients() -> None:
     assert not seen
 
 
+def test_a_grad_only_tap_runs_where_gradients_flow_only() -> None:
+    """A tap of gradients (``grad_only``) is called where the activations require grad and not in a call without
+    gradients; a plain tap in both; removing the handle forgets it."""
+    model = timm_model("vit_tiny_patch16_224")
+    x = torch.randn(2, 3, 32, 32)
+    s = Surgeon(model, (x,))
+    head = s.group("blocks.0.attn:head")
+    grad_calls, plain_calls = [], []
+    handles = [s.tap(head, grad_calls.append, grad_only=True), s.tap(head, plain_calls.append)]
+    with torch.no_grad():
+        model(x)
+    assert (len(grad_calls), len(plain_calls)) == (0, 1)
+    model(x)
+    assert (len(grad_calls), len(plain_calls)) == (1, 2) and grad_calls[0].requires_grad
+    handles[0].remove()
+    model(x)
+    assert (len(grad_calls), len(plain_calls)) == (1, 3)
+    handles[1].remove()
+
+
 def test_unit_norms_match_slices() -> None:
     model = timm_model("vit_tiny_patch16_224")
     s = Surgeon(model, (torch.randn(1, 3, 32, 32),))

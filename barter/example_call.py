@@ -15,7 +15,8 @@ RECORDED_VALUES = 16_384  # the integer and boolean example tensors up to this s
 
 def call_record(inputs: tuple, input_kwargs: dict[str, Any]) -> dict[str, Any]:
     """{"inputs": [spec, ...], "input_kwargs": {name: spec}} of the call `model(*inputs, **input_kwargs)`: a
-    tensor's spec is its shape and dtype; a flag's, number's, string's or None's, its value."""
+    tensor's spec is its shape and dtype (and the values of a small integer or boolean one, where it has values: not
+    on the meta device); a flag's, number's, string's or None's, its value."""
     return {"inputs": [input_spec(value, f"example_inputs[{i}]") for i, value in enumerate(inputs)],
             "input_kwargs": {name: input_spec(value, f"example_kwargs[{name!r}]")
                              for name, value in input_kwargs.items()}}
@@ -24,7 +25,7 @@ def call_record(inputs: tuple, input_kwargs: dict[str, Any]) -> dict[str, Any]:
 def input_spec(value: Any, label: str) -> dict[str, Any]:
     if torch.is_tensor(value):
         spec = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
-        if not value.is_floating_point() and not value.is_complex() and value.numel() <= RECORDED_VALUES:
+        if not (value.is_floating_point() or value.is_complex() or value.is_meta) and value.numel() <= RECORDED_VALUES:
             spec["values"] = value.detach().cpu().flatten().tolist()
         return spec
     if value is None or isinstance(value, (bool, int, float, str)):

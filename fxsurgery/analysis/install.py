@@ -13,6 +13,7 @@ from ..editing import CONSTANT_PREFIX, Editor, bind_constants
 from ..groups import GroupPlumbing, UnitGroup
 from ..reason import Reason
 from ..runtime.graph_forward import GraphForward
+from ..runtime.outside_calls import guard_outside_calls
 from ..runtime.recapture import HostServer, OwnForwardFit, meta_template
 from ..taps import POINT_PREFIX, TapPoint, insert_tap_point
 from .cache import AnalysisCache, BoundGraphs
@@ -125,6 +126,7 @@ def install_host(module: nn.Module, host: str, check: HostCheck, *, inputs: tupl
         records.append(editor.plumbing[g])
     forward.server = HostServer(shared.meta_copies[check.key], host, inputs, records, shared.recaptured,
                                 graph=next(iter(bound.analysis.graphs.values())))
+    guard_outside_calls(module, host, bound.analysis.graphs.values())
     return forward.server
 
 

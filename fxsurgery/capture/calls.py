@@ -182,7 +182,7 @@ def _recorder(seen: dict[str, tuple[tuple, dict]], name: str) -> Any:
     """A forward pre-hook that keeps the first (args, kwargs) the module ``name`` is called with."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         seen.setdefault(name, (args, kwargs))
-    hook.records_calls = True  # not a hook an installed graph must honour (``hooked_submodules``)
+    hook.fxsurgery_internal = True  # not a hook an installed graph must honour (``hooked_submodules``)
     return hook
 
 

@@ -72,8 +72,9 @@ def serves_sizes(graph: torch.fx.Graph, args: tuple, kwargs: dict) -> bool:
 
 def hooked_submodules(inner: list[tuple[str, torch.nn.Module]]) -> tuple[str, ...]:
     """The names of the modules in ``inner`` with forward or backward hooks of their own (HF's output recorders,
-    a user's feature hooks); fxsurgery's own call recorder does not count."""
-    return tuple(name for name, m in inner if any(not getattr(h, "records_calls", False) for h in module_hooks(m)))
+    a user's feature hooks); fxsurgery's own (its call recorder, its guards of calls from outside a host) do not
+    count."""
+    return tuple(name for name, m in inner if any(not getattr(h, "fxsurgery_internal", False) for h in module_hooks(m)))
 
 
 def holds_objects(value: Any) -> bool:

@@ -154,6 +154,9 @@ def _zero_unit_added(sl: ParamSlice, t: torch.Tensor) -> torch.Tensor:
     return sl.append(t, 0, units.new_zeros([size for d, size in enumerate(units.shape) if d != sl.dim + 1]))
 
 
+SERVING = "_fxsurgery_serving"  # on a host: how many calls of its own forward are running (they call its modules)
+
+
 class OwnForward:
     """The host class's forward with its count attributes set from the current widths and its taps run."""
 
@@ -176,8 +179,12 @@ class OwnForward:
         counts = current_counts(module, self.groups)
         emptied = [r for r, count in zip(self.groups, counts) if count == 0]
         held = [max(count, 1) for count in counts]
-        with _one_zero_unit(module, self.groups, counts, emptied), counts_set(module, self.counts, held):
-            return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
+        module.__dict__[SERVING] = module.__dict__.get(SERVING, 0) + 1  # its modules' guards let the calls pass
+        try:
+            with _one_zero_unit(module, self.groups, counts, emptied), counts_set(module, self.counts, held):
+                return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
+        finally:
+            module.__dict__[SERVING] -= 1
 
     def refusal(self, module: nn.Module) -> str:
         """Why the own forward cannot serve a call now ("" if it can): a tap it would not run where it should (a tap

@@ -106,7 +106,7 @@ class FakeSurgeon:
         self._set(g, rows, cols, w)
         return g.count - 1
 
-    def tap(self, g, fn):
+    def tap(self, g, fn, *, grad_only=False):
         g.block.taps[g.kind].append(fn)
         return Handle(g.block.taps[g.kind], fn)
 

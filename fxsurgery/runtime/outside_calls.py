@@ -12,6 +12,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from ..compat import module_hooks
 from ..errors import UnservedCall
 from .graph_forward import GraphForward
 from .own_forward import SERVING
@@ -63,5 +64,5 @@ def guard_outside_calls(host: nn.Module, host_name: str, graphs: Iterable[torch.
     for name, module in host.named_modules():
         if module is host or id(module) in inside or next(module.parameters(), None) is None:
             continue
-        if not any(isinstance(hook, OutsideCallGuard) for hook in module._forward_pre_hooks.values()):
+        if not any(isinstance(hook, OutsideCallGuard) for hook in module_hooks(module)):
             module.register_forward_pre_hook(OutsideCallGuard(host, host_name, f"{host_name}.{name}".strip(".")))

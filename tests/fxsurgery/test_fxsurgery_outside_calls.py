@@ -6,11 +6,15 @@ goes wrong, instead of failing on a shape or computing a wrong result. The host'
 modules for the calls its graphs do not serve, is not refused."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from fxsurgery import Surgeon, UnservedCall
+from fxsurgery.compat import module_hooks
 from fxsurgery.runtime.graph_forward import GraphForward
+from fxsurgery.runtime.outside_calls import OutsideCallGuard
 
 timm = pytest.importorskip("timm")
 
@@ -30,8 +34,10 @@ def shrunk(name: str, **kwargs) -> tuple[torch.nn.Module, Surgeon, torch.Tensor]
 
 def test_modules_whose_code_follows_the_widths_serve_calls_from_outside_the_forward() -> None:
     model, _, x = shrunk("resnest14d")
+    twin = copy.deepcopy(model)  # an EMA copy: its guards judge the copy
     with torch.no_grad():
         torch.testing.assert_close(model.forward_head(model.forward_features(x)), model(x))
+        torch.testing.assert_close(twin.forward_head(twin.forward_features(x)), model(x))
 
 
 def test_modules_whose_code_does_not_follow_the_widths_refuse_calls_from_outside_the_forward() -> None:
@@ -43,3 +49,9 @@ def test_modules_whose_code_does_not_follow_the_widths_refuse_calls_from_outside
             model.forward_features(x)
         with pytest.raises(UnservedCall, match="is called outside the forward of the model"):
             model.stage2[0](torch.randn(2, 384, 8, 8))
+        twin = copy.deepcopy(model)
+        guards = [h for m in twin.modules() for h in module_hooks(m) if isinstance(h, OutsideCallGuard)]
+        assert guards and all(guard.host is twin for guard in guards)  # the copy's guards judge the copy
+        torch.testing.assert_close(twin(x), model(x))
+        with pytest.raises(UnservedCall, match="is called outside the forward of the model"):
+            twin.forward_features(x)

@@ -12,6 +12,7 @@ from pathlib import Path
 FORMAT = "barter-export"  # the manifest's format, an export's too
 MANIFEST = "manifest.json"
 TOPOLOGY = "topology.json"  # the file that makes a directory an export, which replace_directory may replace
+WEIGHTS = "model.safetensors"  # the weights of an export, as of a Hugging Face model folder
 
 
 class ExportError(ValueError):

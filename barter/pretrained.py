@@ -13,12 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from .example_call import call_record
-from .files import TOPOLOGY, ExportError
+from .files import TOPOLOGY, WEIGHTS, ExportError
 from .rebuild import TRANSFORMERS
 
 CONFIG_KEY = "barter_call"
 CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 SAMPLES = 2  # batch samples of the call kept in the config (torch.export specialises a batch of one)
 

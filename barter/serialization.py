@@ -34,6 +34,7 @@ from .files import (
     FORMAT,
     MANIFEST,
     TOPOLOGY,
+    WEIGHTS,
     ExportError,
     file_sha256,
     read_manifest,
@@ -46,7 +47,6 @@ from .pretrained import is_pretrained_folder, read_pretrained, record_call, with
 from .rebuild import RebuildError, check_rebuilds, create_model, timm_arguments, transformers_base
 
 VERSION = 1
-WEIGHTS = "model.safetensors"
 PROGRAM = "model.pt2"
 RUN_CONFIG = "config.json"  # what a training run directory holds beside its checkpoints (best/, last/)
 # the layer below, re-exported where importers found it: atomic directories with manifests, and packed states
@@ -87,7 +87,7 @@ def export(model: nn.Module, path: str | os.PathLike[str], *, example_inputs: tu
 def load(path: str | os.PathLike[str], *, model: nn.Module | None = None,
          device: str | torch.device = "cpu") -> nn.Module:
     """Rebuild the compact model exported at `path` (or saved there by a Hugging Face model's `save_pretrained`
-after `wrap`, `barter.pretrained`), load its weights, and return it on `device`.
+    after `wrap`, `barter.pretrained`), load its weights, and return it on `device`.
 
     `model`, a freshly built base model, is resized in place (needed for architectures outside timm's
     registry and transformers); without it the recorded timm architecture, or transformers class from its

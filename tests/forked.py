@@ -1,4 +1,5 @@
 """Multi-process tests on CPU: WORLD gloo processes, forked (no re-import of torch and timm)."""
+import faulthandler
 import os
 import socket
 
@@ -13,7 +14,14 @@ WORLD = 2
 
 
 def fork_processes(fn, *args):
-    mp.start_processes(fn, args=args, nprocs=WORLD, start_method="fork")
+    mp.start_processes(_with_fault_stacks, args=(fn, *args), nprocs=WORLD, start_method="fork")
+
+
+def _with_fault_stacks(rank, fn, *args):
+    """Runs ``fn(rank, *args)`` in a forked process that prints every thread's stack to its stderr (which the test's
+    failure shows) if a signal such as SIGSEGV kills it, so a crash inside torch's C++ names the call that made it."""
+    faulthandler.enable(file=os.fdopen(os.dup(2), "w"), all_threads=True)
+    fn(rank, *args)
 
 
 def free_ports(n):

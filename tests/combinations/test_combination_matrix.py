@@ -6,14 +6,14 @@ heads in a fused projection, Falcon's multi-query heads, Llama 4's complex-form 
 heads x heads maps, a convolutional FFN); the runtime (eager, torch.compile, bf16 autocast, an EMA copy tracked by
 the controller); the width the layers start at (every layer at its maximum, at one unit, at half: a head transfer
 then empties a layer of a model whose heads may all go, and fills its receiver to its maximum); the lifecycle step
-(transfers alone, checkpoint -> resume, export -> load). Every run ends by forcing a drawn layer to its edge (0
-heads, or 1 channel) on a copy.
+(transfers alone, checkpoint -> resume, export -> load: barter's export and, for transformers models, the folder
+`save_pretrained` writes). Every run ends by forcing a drawn layer to its edge (0 heads, or 1 channel) on a copy.
 
 Properties: training stays finite; the scores are non-zero in every layer with units while they are collected;
 every transfer and every forced edge equals masking the removed units, by two references built without fxsurgery's
 slices (their output weights zeroed on a copy, and their activations zeroed through `tap` on a copy); a clone leaves
 the outputs unchanged; the optimizer state and the EMA copy keep the parameters' shapes; a resumed run ends equal to
-the uninterrupted one; an export loads equal.
+the uninterrupted one; an export loads equal, after the transfers and again at the forced edge.
 
 CI runs the explicit examples (together every value of every axis) and a few drawn ones; `make soak` runs every
 combination of the axes (tests/conftest.py prints the seed that replays a run). The runtimes that need two
@@ -40,7 +40,7 @@ import barter
 from barter.compiling import compile_model
 
 pytest.importorskip("timm")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 from timm.utils import ModelEmaV3  # noqa: E402
 
 RUNTIMES = ("eager", "compile", "amp_bf16", "ema")
@@ -233,9 +233,10 @@ def resume(case: Case, runtime: str, density: float, checkpoint: bytes) -> Run:
     return run
 
 
-def assert_forced_edge(run: Run, rng: random.Random) -> None:
+def assert_forced_edge(run: Run, rng: random.Random, export_path=None) -> None:
     """On a copy: a drawn layer brought to its edge (every removable unit removed: 0 heads, or 1 channel) equals
-    masking those units by both references, and a clone in every exact group with units then keeps the outputs."""
+    masking those units by both references, and a clone in every exact group with units then keeps the outputs;
+    with `export_path`, the model at its edge exports and loads equal."""
     twin = copy.deepcopy(run.controller)
     removable = sorted(g.name for g in twin.surgeon.groups if g.exact and g.count > g.min_count)
     if not removable:
@@ -246,6 +247,8 @@ def assert_forced_edge(run: Run, rng: random.Random) -> None:
     twin.surgeon.keep(group, [u for u in range(group.count) if u not in gone])
     edged = outputs(run, twin.model, STEPS)
     assert_close(run, edged, expected, f"{group.name} at {group.count} units against masking")
+    if export_path is not None:
+        assert_export_loads_equal(run, twin.model, export_path)
     for g in twin.surgeon.groups:
         if g.count and g.exact:  # a clone keeps the outputs where the group is exact (barter edits no other)
             twin.surgeon.clone(g, rng.randrange(g.count), noise_std=0.1)
@@ -255,18 +258,22 @@ def assert_forced_edge(run: Run, rng: random.Random) -> None:
             assert not (torch.is_tensor(state) and state.dim()) or state.shape == p.shape
 
 
-def assert_export_loads_equal(run: Run, path) -> None:
-    """The exported model (the EMA copy when there is one, as a user exports it) loads with equal tensors and
-    outputs."""
-    exported = run.ema.module if run.ema is not None else run.model
-    barter.export(exported, path, program=False)
-    loaded = barter.load(path) if run.case.rebuilt_by_load else barter.load(path, model=run.case.build())
+def assert_export_loads_equal(run: Run, exported: nn.Module, path) -> None:
+    """`exported` loads with equal tensors and outputs from barter's export, and a transformers model also from the
+    folder `save_pretrained` writes (whose config records the call barter analysed it on)."""
+    barter.export(exported, path / "export", program=False)
+    folders = [path / "export"]
+    if isinstance(exported, transformers.PreTrainedModel):
+        exported.save_pretrained(path / "pretrained")
+        folders.append(path / "pretrained")
+    reference = outputs(run, copy.deepcopy(exported).eval(), STEPS)
     state = exported.state_dict()
-    assert loaded.state_dict().keys() == state.keys()
-    for name, tensor in loaded.state_dict().items():
-        assert torch.equal(tensor, state[name]), name
-    reference = copy.deepcopy(exported).eval()
-    assert_close(run, outputs(run, loaded.eval(), STEPS), outputs(run, reference, STEPS), "the loaded export")
+    for folder in folders:
+        loaded = barter.load(folder) if run.case.rebuilt_by_load else barter.load(folder, model=run.case.build())
+        assert loaded.state_dict().keys() == state.keys(), folder.name
+        for name, tensor in loaded.state_dict().items():
+            assert torch.equal(tensor, state[name]), f"{name} of {folder.name}"
+        assert_close(run, outputs(run, loaded.eval(), STEPS), reference, f"the loaded {folder.name}")
 
 
 def check_combination(tmp_path_factory, model: str, runtime: str, width: str, lifecycle: str, seed: int) -> None:
@@ -284,9 +291,11 @@ def check_combination(tmp_path_factory, model: str, runtime: str, width: str, li
         if run.ema is not None:
             for name, tensor in run.ema.state_dict().items():
                 assert torch.equal(resumed.ema.state_dict()[name], tensor), f"EMA {name} differs after the resume"
-    if lifecycle == "export_load":
-        assert_export_loads_equal(run, tmp_path_factory.mktemp("export"))
-    assert_forced_edge(run, random.Random(seed))
+    exporting = lifecycle == "export_load"
+    if exporting:  # the EMA copy when there is one, as a user exports it
+        assert_export_loads_equal(run, run.ema.module if run.ema is not None else run.model,
+                                  tmp_path_factory.mktemp("export"))
+    assert_forced_edge(run, random.Random(seed), tmp_path_factory.mktemp("edge") if exporting else None)
 
 
 # Together every value of every axis; CI runs these and a few drawn combinations (`make soak` more).

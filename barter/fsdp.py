@@ -39,6 +39,7 @@ from fxsurgery import Surgeon, TensorAccess, replace_data
 
 from .analysis import keep_base, model_base
 from .compat import fsdp_records, hold_empty, reshard_resized
+from .pretrained import record_call, recorded_call
 
 SUPPORTED = ("one process (no sharding), DistributedDataParallel (barter.DistributedModel) and FSDP2 "
              "(torch.distributed.fsdp.fully_shard on a 1-D mesh, applied after barter.wrap)")
@@ -182,7 +183,8 @@ def enclosing_block(model: nn.Module, host: str) -> nn.Module | None:
 
 def whole_copy(model: nn.Module, fresh: nn.Module, counts: dict[str, int], state: dict[str, Tensor]) -> nn.Module:
     """`fresh`, a newly built base model, brought to the widths `counts` ({group name: units}) of the sharded
-    `model` and loaded with `state`, `model`'s whole state dict: the unsharded model rank 0 exports."""
+    `model` and loaded with `state`, `model`'s whole state dict: the unsharded model rank 0 exports (a
+    transformers model's config keeps the call barter analysed, so that its `save_pretrained` folder loads)."""
     base = model_base(model)
     if base is not None and base.analysis is not None:
         surgeon = Surgeon(fresh, base.analysis)
@@ -191,4 +193,5 @@ def whole_copy(model: nn.Module, fresh: nn.Module, counts: dict[str, int], state
                 surgeon.keep(group, range(counts[group.name]))
         keep_base(fresh, base)
     fresh.load_state_dict(state)
+    record_call(fresh, recorded_call(model))
     return fresh

@@ -42,6 +42,11 @@ def record_call(model: nn.Module, call: dict[str, Any] | None) -> None:
         setattr(config, CONFIG_KEY, call)
 
 
+def recorded_call(model: nn.Module) -> dict[str, Any] | None:
+    """The call record `record_call` wrote into `model`'s config, if any."""
+    return getattr(getattr(model, "config", None), CONFIG_KEY, None)
+
+
 def is_pretrained_folder(path: Path) -> bool:
     """A folder transformers wrote (a config and safetensors weights), not a barter export."""
     weights = (path / WEIGHTS).is_file() or (path / SHARD_INDEX).is_file()

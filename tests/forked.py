@@ -13,8 +13,11 @@ if "fork" not in mp.get_all_start_methods():
 WORLD = 2
 
 
-def fork_processes(fn, *args):
-    mp.start_processes(_with_fault_stacks, args=(fn, *args), nprocs=WORLD, start_method="fork")
+def fork_processes(fn, *args, processes=WORLD):
+    """Runs ``fn(rank, *args)`` in ``processes`` forked processes. A test runs its backward passes there, never in
+    pytest's process: after a ``torch.export`` in a process, its next backward starts autograd's device threads, and
+    a process forked from it then refuses to run a backward (so one test's work would fail the tests after it)."""
+    mp.start_processes(_with_fault_stacks, args=(fn, *args), nprocs=processes, start_method="fork")
 
 
 def _with_fault_stacks(rank, fn, *args):

@@ -4,9 +4,9 @@ FSDP2 (`barter.fsdp.shard`: each block, then the root), each process on its shar
 
 A run trains through BARTER's transfers and takes its lifecycle step: checkpoint -> resume (under FSDP2 each process
 writes and reads its shards of the model and the optimizer through torch.distributed.checkpoint), or export -> load
-(rank 0's export of the whole model, gathered under FSDP2). Before the export it forces a drawn layer to its edge on
-the live model, on every process alike, and trains one more step: a layer that may lose every head loses them when
-the model has one (FSDP2 then gathers it empty and must reduce no gradient for it), else one keeps its last unit.
+(rank 0's export of the whole model, gathered under FSDP2; a transformers model's `save_pretrained` folder too).
+Before the export it forces a drawn layer to its edge on the live model, on every process alike, and trains one more
+step: a layer that may lose every head loses them when the model has one (FSDP2 then gathers it empty and must reduce no gradient for it), else one keeps its last unit.
 
 Properties: training stays finite; the scores are non-zero in every layer with units while they are collected; the
 processes log the same events and hold identical parameters; a resumed run ends equal to the uninterrupted one; the
@@ -189,7 +189,7 @@ def export(run: Run, directory: Path) -> None:
             use_running_statistics(run.model)
         for a, e in zip(outputs(run, run.model, PROBE_STEP), live, strict=True):
             torch.testing.assert_close(a, e, rtol=0, atol=1e-5, msg="the exported model against the live one")
-        assert_export_loads_equal(run, directory)
+        assert_export_loads_equal(run, run.model, directory)
 
 
 def play(combination: Combination, wrapped: barter.Controller, directory: Path) -> dict:
@@ -225,6 +225,12 @@ def worker(rank: int, directory: Path, combination: Combination, wrapped: barter
         dist.destroy_process_group()
 
 
+def alone_worker(rank: int, directory: Path, combination: Combination, wrapped: barter.Controller) -> None:
+    """The run on one process, without torch.distributed."""
+    torch.set_num_threads(1)
+    torch.save(play(combination, wrapped, directory), directory / "alone.pt")
+
+
 def check_distributed(tmp_path_factory, combination: Combination) -> list[dict]:
     """Run the combination on WORLD processes; they agree with each other bitwise and with one process. Returns
     the events."""
@@ -238,8 +244,10 @@ def check_distributed(tmp_path_factory, combination: Combination) -> list[dict]:
         assert other["params"].keys() == first["params"].keys()
         for name, tensor in first["params"].items():
             assert torch.equal(other["params"][name], tensor), f"{name} differs between the processes"
-    one_process = replace(combination, runtime="eager", lifecycle="transfers")
-    alone = play(one_process, wrapped, tmp_path_factory.mktemp("alone"))
+    alone_directory = tmp_path_factory.mktemp("alone")
+    fork_processes(alone_worker, alone_directory, replace(combination, runtime="eager", lifecycle="transfers"),
+                   wrapped, processes=1)
+    alone = torch.load(alone_directory / "alone.pt", weights_only=False)
     assert_same_events(first["events"], alone["events"])
     assert first["params"].keys() == alone["params"].keys()
     for name, tensor in alone["params"].items():

@@ -6,7 +6,8 @@ A run trains through BARTER's transfers and takes its lifecycle step: checkpoint
 writes and reads its shards of the model and the optimizer through torch.distributed.checkpoint), or export -> load
 (rank 0's export of the whole model, gathered under FSDP2; a transformers model's `save_pretrained` folder too).
 Before the export it forces a drawn layer to its edge on the live model, on every process alike, and trains one more
-step: a layer that may lose every head loses them when the model has one (FSDP2 then gathers it empty and must reduce no gradient for it), else one keeps its last unit.
+step: a layer that may lose every head loses them when the model has one (FSDP2 then gathers it empty and must
+reduce no gradient for it), else one keeps its last unit.
 
 Properties: training stays finite; the scores are non-zero in every layer with units while they are collected; the
 processes log the same events and hold identical parameters; a resumed run ends equal to the uninterrupted one; the

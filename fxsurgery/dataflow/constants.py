@@ -24,6 +24,11 @@ class ConstantSpec:
     path: Path
     per_unit: int
 
+    def __deepcopy__(self, memo: dict) -> "ConstantSpec":
+        """The same node: a node belongs to its graph, whose copy maps its nodes itself (``HostAnalysis.copy``);
+        copied alone it would drag its every input along, a recursion as deep as the graph is long."""
+        return ConstantSpec(self.node, self.path, self.per_unit)
+
     def describe(self) -> str:
         where = ".".join(str(p) for p in self.path[1:])
         return f"{self.node.name}[{where}] = {self.per_unit}·n"

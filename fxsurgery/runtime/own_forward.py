@@ -30,7 +30,7 @@ from ..analysis.verify import max_rel_diff
 from ..capture.calls import materialize, training_mode
 from ..compat import own_tensor_tables, tree_leaves
 from ..dataflow.input_gathers import Gather, forward_gathered
-from ..dataflow.paths import tensor_at
+from ..dataflow.paths import common_module, tensor_at, within
 from ..dataflow.records import TapLayout
 from ..errors import UnservedCall
 from ..groups import GroupPlumbing
@@ -157,6 +157,22 @@ def _zero_unit_added(sl: ParamSlice, t: torch.Tensor) -> torch.Tensor:
 SERVING = "_fxsurgery_serving"  # on a host: how many calls of its own forward are running (they call its modules)
 
 
+@contextlib.contextmanager
+def own_code_serving(module: nn.Module, groups: list[GroupPlumbing],
+                     counts: list[CountAttribute]) -> Iterator[list[GroupPlumbing]]:
+    """While the host's modules run their own code on its compact tensors: its count attributes hold the current
+    counts, an emptied group holds one zero unit (its code may not run at none), and the modules' guards let their
+    calls pass. Yields the emptied groups."""
+    now = current_counts(module, groups)
+    emptied = [r for r, count in zip(groups, now) if count == 0]
+    module.__dict__[SERVING] = module.__dict__.get(SERVING, 0) + 1
+    try:
+        with _one_zero_unit(module, groups, now, emptied), counts_set(module, counts, [max(n, 1) for n in now]):
+            yield emptied
+    finally:
+        module.__dict__[SERVING] -= 1
+
+
 class OwnForward:
     """The host class's forward with its count attributes set from the current widths and its taps run."""
 
@@ -176,15 +192,8 @@ class OwnForward:
         self.unseen = [r for r in groups if any(sl.output and sl.name != r.sink for sl in r.slices)]
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        counts = current_counts(module, self.groups)
-        emptied = [r for r, count in zip(self.groups, counts) if count == 0]
-        held = [max(count, 1) for count in counts]
-        module.__dict__[SERVING] = module.__dict__.get(SERVING, 0) + 1  # its modules' guards let the calls pass
-        try:
-            with _one_zero_unit(module, self.groups, counts, emptied), counts_set(module, self.counts, held):
-                return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
-        finally:
-            module.__dict__[SERVING] -= 1
+        with own_code_serving(module, self.groups, self.counts) as emptied:
+            return self._run(module, {r.tap_point for r in emptied}, args, kwargs)
 
     def refusal(self, module: nn.Module) -> str:
         """Why the own forward cannot serve a call now ("" if it can): a tap it would not run where it should (a tap
@@ -232,6 +241,8 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
     checks = [check for check in checks if check[2] is not None]  # a later call the template cannot run
     own, held = _candidates(trials[0].masked, groups) if trials else ([], [])
     chosen, fault = _fitting(own, checks, needs_held=False)
+    if chosen is None:
+        chosen = _fitting_locally(own, groups, checks)
     if chosen is None and held:  # the host's own attributes first: a held config adds many candidates
         chosen, _ = _fitting(own + held, checks, needs_held=True)
     if chosen is None:
@@ -253,7 +264,7 @@ def _fitting(candidates: list[CountAttribute], checks: list, *, needs_held: bool
                 continue  # one attribute follows one group
             if needs_held and all(not c.holder for c in chosen):
                 continue  # tried already, among the host's own attributes
-            why = next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
+            why = _fault(chosen, checks)
             if not why:
                 return chosen, ""
             fault = fault or why
@@ -261,6 +272,31 @@ def _fitting(candidates: list[CountAttribute], checks: list, *, needs_held: bool
             if tried >= MAX_TRIALS:
                 return None, fault
     return None, fault
+
+
+def _fitting_locally(candidates: list[CountAttribute], groups: list[GroupPlumbing], checks: list
+                     ) -> tuple[CountAttribute, ...] | None:
+    """The attributes of some names, smallest sets of names first, within every group's own module (the innermost
+    holding all its slices), with which the checks pass; or None. The search for a host whose groups keep their
+    counts one per layer in attributes of one name (a model analysed as a whole), sets larger than ``_fitting``
+    reaches in its trials. Its candidates also hold the count in a unit's own width (1, or a slice's elements of
+    one unit): a larger search passes checks by chance more often (a head size that is a multiple of the count)."""
+    homes = [common_module([sl.name.rpartition(".")[0] for sl in r.slices]) for r in groups]
+    widths = [{1} | {sl.inner for sl in r.slices} | {sl.outer * sl.inner for sl in r.slices} for r in groups]
+    local = list({(c.module, c.name): c for c in reversed(candidates) if not c.holder and c.per_unit in widths[c.group]
+                  and within(c.module, homes[c.group])}.values())
+    names = sorted({c.name for c in local})
+    sets = (names_set for size in range(1, len(names) + 1) for names_set in itertools.combinations(names, size))
+    for names_set in itertools.islice(sets, MAX_TRIALS):
+        chosen = tuple(c for c in local if c.name in names_set)
+        if not _fault(chosen, checks):
+            return chosen
+    return None
+
+
+def _fault(chosen: tuple[CountAttribute, ...], checks: list) -> str:
+    """What goes wrong first with ``chosen`` set in the checks ("" if nothing)."""
+    return next((w for w in (t.run(chosen, *call, expected) for t, call, expected in checks) if w), "")
 
 
 def _removing(groups: list[GroupPlumbing], k: int) -> list[int]:

@@ -19,13 +19,15 @@ run: $(STAMP)
 
 # `test` runs the tests in two worker processes (pytest-xdist), one per core: each test runs on one intra-op
 # thread (tests/conftest.py), so one process would leave a core idle. The tests that fork processes (marked
-# `forks` by tests/conftest.py) run after them in one process of their own. It then executes the example notebooks
+# `forks` by tests/conftest.py) run after them, each in a process forked for it alone from a pytest process that runs
+# no test (`--fork-each`, tests/fork_each.py): a test's children must not inherit the threads of the tests before it.
+# It then executes the example notebooks
 # (nbmake, in the venv's own kernel; a cell past 3 minutes fails). Their models are tiny, so one intra-op thread
 # costs little and keeps torch from slowing down several-fold when other processes compete for the cores.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow and not forks" tests
-	$(PY) -m pytest -q -m "forks and not slow" tests
+	$(PY) -m pytest -q --fork-each -m "forks and not slow" tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
 # The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py),
@@ -40,7 +42,7 @@ soak: $(STAMP)
 		tests/fxsurgery/test_fxsurgery_module_calls.py
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal \
 		-m "(slow or not slow) and not forks" tests/combinations
-	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m "(slow or not slow) and forks" \
+	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --fork-each -m "(slow or not slow) and forks" \
 		tests/combinations
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "slow or not slow" \
 		tests/conformance/test_analysis_history.py

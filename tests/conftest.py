@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from fork_each import pytest_addoption, pytest_runtest_protocol  # noqa: F401 (hooks: ``--fork-each``)
 from hypothesis import HealthCheck, Phase, settings
 
 torch.set_num_threads(1)
@@ -30,9 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``forks`` the tests of modules that fork processes: `make test` runs them in a process of their own,
-    after the others, because a fork copies the threads that earlier tests in its process started (autograd's
-    device threads make a forked child's backward fail)."""
+    """Mark ``forks`` the tests of modules that fork processes: `make test` runs them after the others, each in a
+    process forked for it alone (``--fork-each``), because a fork copies the threads that earlier tests in its
+    process started (autograd's device threads make a forked child's backward fail)."""
     forking: dict[str, bool] = {}
     for item in items:
         module = getattr(item, "module", None)

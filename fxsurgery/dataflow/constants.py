@@ -25,9 +25,10 @@ class ConstantSpec:
     per_unit: int
 
     def __deepcopy__(self, memo: dict) -> "ConstantSpec":
-        """The same node: a node belongs to its graph, whose copy maps its nodes itself (``HostAnalysis.copy``);
-        copied alone it would drag its every input along, a recursion as deep as the graph is long."""
-        return ConstantSpec(self.node, self.path, self.per_unit)
+        """The node's copy where this deep copy copied its graph already (a graph's copy maps its nodes in the memo),
+        else the same node: copied alone, a node drags its every input along, a recursion as deep as the graph is
+        long (the record only names the node once the host is installed: ``bind_constants`` made it a read)."""
+        return ConstantSpec(memo.get(id(self.node), self.node), self.path, self.per_unit)
 
     def describe(self) -> str:
         where = ".".join(str(p) for p in self.path[1:])

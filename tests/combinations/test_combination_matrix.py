@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from cases import CASES, Case
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -298,21 +298,31 @@ def check_combination(tmp_path_factory, model: str, runtime: str, width: str, li
     assert_forced_edge(run, random.Random(seed), tmp_path_factory.mktemp("edge") if exporting else None)
 
 
-# Together every value of every axis; CI runs these and a few drawn combinations (`make soak` more).
-@example(model="timm_vit", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=0)
-@example(model="hf_encoder", runtime="ema", width="one_unit", lifecycle="export_load", seed=1)
-@example(model="hf_decoder_cache", runtime="amp_bf16", width="half", lifecycle="transfers", seed=2)
-@example(model="hf_fused_gqa_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=5)
-@example(model="hf_multi_query_cache", runtime="amp_bf16", width="maximum", lifecycle="export_load", seed=6)
-@example(model="hf_complex_rotary_cache", runtime="ema", width="half", lifecycle="export_load", seed=7)
-@example(model="hf_alibi_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=8)
-@example(model="hf_alibi_cache", runtime="eager", width="one_unit", lifecycle="transfers", seed=8)
-@example(model="hf_alibi_cache", runtime="amp_bf16", width="half", lifecycle="export_load", seed=9)
-@example(model="hf_alibi_cache", runtime="ema", width="maximum", lifecycle="export_load", seed=688)
-@example(model="hf_latent_cache", runtime="compile", width="one_unit", lifecycle="checkpoint_resume", seed=10)
-@example(model="hf_latent_cache", runtime="amp_bf16", width="half", lifecycle="export_load", seed=11)
-@example(model="head_mixing", runtime="eager", width="maximum", lifecycle="checkpoint_resume", seed=3)
-@example(model="conv_ffn", runtime="ema", width="half", lifecycle="export_load", seed=4)
+# Together every value of every axis: each its own test, so that test workers share them.
+EXAMPLES = [
+    ("timm_vit", "compile", "one_unit", "checkpoint_resume", 0),
+    ("hf_encoder", "ema", "one_unit", "export_load", 1),
+    ("hf_decoder_cache", "amp_bf16", "half", "transfers", 2),
+    ("hf_fused_gqa_cache", "compile", "one_unit", "checkpoint_resume", 5),
+    ("hf_multi_query_cache", "amp_bf16", "maximum", "export_load", 6),
+    ("hf_complex_rotary_cache", "ema", "half", "export_load", 7),
+    ("hf_alibi_cache", "compile", "one_unit", "checkpoint_resume", 8),
+    ("hf_alibi_cache", "eager", "one_unit", "transfers", 8),
+    ("hf_alibi_cache", "amp_bf16", "half", "export_load", 9),
+    ("hf_alibi_cache", "ema", "maximum", "export_load", 688),
+    ("hf_latent_cache", "compile", "one_unit", "checkpoint_resume", 10),
+    ("hf_latent_cache", "amp_bf16", "half", "export_load", 11),
+    ("head_mixing", "eager", "maximum", "checkpoint_resume", 3),
+    ("conv_ffn", "ema", "half", "export_load", 4),
+]
+
+
+@pytest.mark.parametrize("model, runtime, width, lifecycle, seed", EXAMPLES)
+def test_every_axis_value_in_combination(tmp_path_factory, model, runtime, width, lifecycle, seed):
+    check_combination(tmp_path_factory, model, runtime, width, lifecycle, seed)
+
+
+# A few drawn combinations besides (`make soak` more).
 @settings(max_examples=3 if settings.get_current_profile_name() == "ci" else 20)
 @given(model=st.sampled_from(sorted(CASES)), runtime=st.sampled_from(RUNTIMES), width=st.sampled_from(sorted(WIDTHS)),
        lifecycle=st.sampled_from(LIFECYCLES), seed=st.integers(0, 2**16))

@@ -1,47 +1,22 @@
 """Checkpoints that cannot silently poison a run: every file checked against the manifest, a fallback to the
-previous checkpoint, runs cut anywhere in a checkpoint write, damaged run logs, and the integrations' states."""
-import os
+previous checkpoint, damaged run logs, and the integrations' states (cut runs: test_checkpoint_cuts.py)."""
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_runs import assert_same_end, config
 
 import barter
 from barter.integrations.hf import read_state
 from barter.integrations.lightning import controller_state
 from barter.serialization import ExportError, pack_state
-from barter.training import TrainConfig, train
+from barter.training import train
 from barter.training.cli import main
-from barter.training.runlog import CheckpointError, RunDir, load_checkpoint
+from barter.training.runlog import CheckpointError, RunDir
 
 FILES = ("manifest.json", "model.safetensors", "topology.json", "trainer.pt", "model.pt2")
-KILLED = 17  # the exit status of a child cut in a checkpoint write
-
-
-def config(out_dir, name, **kw) -> TrainConfig:
-    """Two epochs of 2 steps of a tiny CCT under BARTER (transfers in both epochs), no progress output."""
-    base = {"dataset": "fake", "fake_size": 32, "batch_size": 16, "epochs": 2, "lr": 2e-3, "warmup_epochs": 0.5,
-            "device": "cpu", "out_dir": str(out_dir), "progress": False, "density": 0.5, "method": "barter",
-            "model": "cct_2_3x1_32_tiny", "img_size": 16, "barter_options": {"window": (0.1, 0.9)}}
-    return TrainConfig(**{**base, "name": name, **kw})
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as in a forked child, so that runs cut in a child repeat the reference bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    """The uninterrupted reference run."""
-    torch.set_num_threads(1)
-    return train(config(tmp_path_factory.mktemp("whole"), "whole")).run_dir
 
 
 def damage(file: Path, fault: str) -> None:
@@ -53,22 +28,6 @@ def damage(file: Path, fault: str) -> None:
         file.write_bytes(data[:len(data) // 2])
     else:
         file.unlink()
-
-
-def assert_same_end(run: Path, reference: Path) -> None:
-    """Same weights, optimizer state, transfers, FLOPs and metrics (but the wall time), and the same best model."""
-    a, b = load_checkpoint(run / "last"), load_checkpoint(reference / "last")
-    assert a["step"] == b["step"] and a["finished"] and a["flops"] == b["flops"]
-    assert a["controller"]["events"] == b["controller"]["events"]
-    for key, tensor in b["model"].items():
-        assert torch.equal(a["model"][key], tensor), key
-    for key, state in b["optimizer"]["state"].items():
-        assert all(torch.equal(a["optimizer"]["state"][key][k], v) for k, v in state.items())
-    strip = [{k: v for k, v in m.items() if k != "wall_s"} for m in RunDir(reference).metrics()]
-    assert [{k: v for k, v in m.items() if k != "wall_s"} for m in RunDir(run).metrics()] == strip
-    assert (run / "events.jsonl").read_text() == (reference / "events.jsonl").read_text()
-    best, reference_best = barter.load(run / "best").state_dict(), barter.load(reference / "best").state_dict()
-    assert all(torch.equal(best[k], v) for k, v in reference_best.items())
 
 
 @pytest.mark.parametrize("fault", ["flip", "truncate", "delete"])
@@ -122,65 +81,6 @@ def test_an_export_without_a_manifest_is_refused(whole, tmp_path):
     (old / "manifest.json").unlink()
     with pytest.raises(ExportError, match="manifest.json is missing"):
         barter.load(old)
-
-
-def run_cut(cfg: TrainConfig, cut) -> None:
-    """Train `cfg` in a forked child that `cut()` prepares to end with os._exit(KILLED) inside a write."""
-    pid = os.fork()
-    if pid == 0:
-        status = 1
-        try:
-            cut()
-            train(cfg)
-        finally:
-            os._exit(status)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == KILLED
-
-
-def exit_at(owner, attribute: str, *, when) -> None:
-    """Make `owner.attribute` end the process (before doing anything) on the call for which `when(args)`
-    first counts to True."""
-    real = getattr(owner, attribute)
-
-    def cut(*args, **kwargs):
-        if when(*args):
-            os._exit(KILLED)
-        return real(*args, **kwargs)
-
-    setattr(owner, attribute, cut)
-
-
-def nth(n: int, match):
-    """A predicate true on the `n`-th call whose arguments `match`."""
-    seen = []
-
-    def when(*args):
-        if match(*args):
-            seen.append(1)
-        return len(seen) == n
-
-    return when
-
-
-CUTS = {  # where the child dies: the owner, the function, and on which of its calls
-    "writing trainer.pt": (torch, "save", nth(2, lambda obj, f, *a: Path(f).name == "trainer.pt")),
-    "writing the manifest": (os, "replace", nth(3, lambda src, dst: Path(dst).name == "manifest.json")),
-    "before last/ becomes previous/": (os, "replace", nth(1, lambda src, dst: Path(dst).name == "previous")),
-    "between the renames (no last/)": (os, "replace", nth(2, lambda src, dst: Path(dst).name == "last")),
-    "before the first best/": (os, "replace", nth(1, lambda src, dst: Path(dst).name == "best")),
-    "before the metrics line": (RunDir, "append_metrics", nth(2, lambda *args: True)),
-}
-
-
-@pytest.mark.parametrize("point", list(CUTS))
-def test_run_cut_inside_a_checkpoint_write_resumes_exactly(whole, tmp_path, point):
-    owner, attribute, when = CUTS[point]
-    cfg = config(tmp_path, "cut")
-    run_cut(cfg, lambda: exit_at(owner, attribute, when=when))
-    train(cfg, resume=True)
-    assert_same_end(tmp_path / "cut", whole)
-    assert not any(p.name.endswith((".tmp", ".old")) for p in (tmp_path / "cut").iterdir())
 
 
 def test_damaged_config_json_is_a_clear_error(whole, tmp_path, capsys):

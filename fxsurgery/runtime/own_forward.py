@@ -224,21 +224,30 @@ class OwnForward:
                 handle.remove()
 
 
-def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbing], calls: list[tuple[tuple, dict]],
-                         *, gathers: list[Gather]) -> tuple[list[CountAttribute] | None, str, str]:
+def fit_count_attributes(real: Callable[[bool], nn.Module], groups: list[GroupPlumbing],
+                         calls: list[tuple[tuple, dict]], *, gathers: list[Gather]
+                         ) -> tuple[list[CountAttribute] | None, str, str]:
     """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
-    analysed call first; a later call the template cannot run is not checked) (``real()`` makes a copy of the host
-    at its analysed widths; ``gathers``: the module inputs it reads as the graphs do), or None and what went wrong
-    without any; and what goes wrong with the groups that may be emptied left with no units, each holding one zero
-    unit ("" if nothing)."""
-    trials = [_Trial(real, groups, _removing(groups, k), gathers) for k in (1, 2)
+    analysed call first; a later call the template cannot run is not checked) (``real(unit_scale)`` makes a copy of
+    the host at its analysed widths, its parameters drawn small or at unit scale; ``gathers``: the module inputs it
+    reads as the graphs do), or None and what went wrong without any; and what goes wrong with the groups that may be
+    emptied left with no units, each holding one zero unit ("" if nothing). Small parameters make attention nearly
+    uniform and a residual stream outweigh the heads, so a count read wrongly (a head size taken for another) may
+    change the outputs by less than the tolerance: a removal is also checked on parameters at unit scale, wherever
+    the outputs there are finite."""
+    small, unit_scale = (lambda: real(False)), (lambda: real(True))
+    trials = [_Trial(small, groups, _removing(groups, k), gathers) for k in (1, 2)
               if any(r.max_count > k for r in groups)]
-    trials += [_Trial(real, groups, removals, gathers) for removals in _told_apart(groups)]
+    trials += [_Trial(small, groups, removals, gathers) for removals in _told_apart(groups)]
     calls = [materialize(call) for call in calls]
     checks = [(trial, call, trial.expected(*call)) for call in calls for trial in trials]
     if any(expected is None for _, call, expected in checks if call is calls[0]):
         return None, "cannot run the call it was analysed on", ""
     checks = [check for check in checks if check[2] is not None]  # a later call the template cannot run
+    if trials:
+        trials.append(_Trial(unit_scale, groups, _removing(groups, 1), gathers))
+        checks += [(trials[-1], call, expected) for call in calls
+                   for expected in [trials[-1].expected(*call)] if expected is not None and _finite(expected)]
     own, held = _candidates(trials[0].masked, groups) if trials else ([], [])
     chosen, fault = _fitting(own, checks, needs_held=False)
     if chosen is None:
@@ -249,7 +258,7 @@ def fit_count_attributes(real: Callable[[], nn.Module], groups: list[GroupPlumbi
         return None, fault, ""
     checks.clear()  # the trials' copies of the host freed before the empty trial makes its two
     trials.clear()
-    empty = _Trial(real, groups, [r.max_count if r.min_count == 0 and r.exact else 0 for r in groups], gathers)
+    empty = _Trial(small, groups, [r.max_count if r.min_count == 0 and r.exact else 0 for r in groups], gathers)
     return list(chosen), "", empty.run(chosen, *calls[0], empty.expected(*calls[0]) or [])
 
 
@@ -292,6 +301,10 @@ def _fitting_locally(candidates: list[CountAttribute], groups: list[GroupPlumbin
         if not _fault(chosen, checks):
             return chosen
     return None
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point() or t.is_complex())
 
 
 def _fault(chosen: tuple[CountAttribute, ...], checks: list) -> str:

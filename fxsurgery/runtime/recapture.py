@@ -18,6 +18,7 @@ Otherwise the call is refused, naming the host and the arguments that differ fro
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import ExitStack
 from typing import Any, NamedTuple
 
@@ -153,7 +154,7 @@ class HostServer:
             if isinstance(gathers, Reason):
                 self.fit = OwnForwardFit(gathers.text, [], "", [])
             else:
-                counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
+                counts, fault, empty_fault = fit_count_attributes(lambda unit_scale: self.materialize(None, unit_scale=unit_scale), self.groups,
                                                                   [self.analysed], gathers=gathers)
                 self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
 
@@ -167,7 +168,7 @@ class HostServer:
             fit = self.fit
             if not fit.fault:
                 trial = tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, without_objects(call))
-                counts, fault, empty_fault = fit_count_attributes(lambda: self.materialize(None), self.groups,
+                counts, fault, empty_fault = fit_count_attributes(lambda unit_scale: self.materialize(None, unit_scale=unit_scale), self.groups,
                                                                   [self.analysed, trial], gathers=fit.gathers)
                 fit = OwnForwardFit(fault, counts or [], empty_fault, fit.gathers)
             self.fits[key] = fit
@@ -210,8 +211,10 @@ class HostServer:
         return any(not r.slots and r.min_count == 0 for r in self.groups) and not all(current_counts(module,
                                                                                                    self.groups))
 
-    def materialize(self, like: nn.Module | None) -> nn.Module:
-        """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given)."""
+    def materialize(self, like: nn.Module | None, *, unit_scale: bool = False) -> nn.Module:
+        """A real copy of the template, its parameters random (on ``like``'s devices and dtypes, if given): small
+        (std 0.02), or with ``unit_scale`` at the scale that keeps values of order one through the host (a matrix's
+        std 1/sqrt(fan-in), a vector's 1), where attention is far from uniform and each head's share shows."""
         real = copy.deepcopy(self.template)
         live = dict(like.named_parameters()) if like is not None else {}
         live_buffers = dict(like.named_buffers()) if like is not None else {}
@@ -222,7 +225,7 @@ class HostServer:
             for pname, p in list(owner.named_parameters(recurse=False, remove_duplicate=False)):
                 if id(p) not in made:
                     ref = live.get(names[id(p)])
-                    value = torch.randn(p.shape, generator=gen).mul_(0.02)
+                    value = torch.randn(p.shape, generator=gen).mul_(_draw_std(p.shape, unit_scale))
                     made[id(p)] = nn.Parameter(value.to(dtype=p.dtype if ref is None else ref.dtype,
                                                         device="cpu" if ref is None else ref.device),
                                                requires_grad=p.requires_grad)
@@ -232,6 +235,13 @@ class HostServer:
             if ref is not None:
                 b.data = b.data.to(device=ref.device, dtype=ref.dtype if b.is_floating_point() else b.dtype)
         return real
+
+
+def _draw_std(shape: torch.Size, unit_scale: bool) -> float:
+    if not unit_scale:
+        return 0.02
+    fan_in = math.prod(shape[1:])
+    return 1.0 if len(shape) < 2 or not fan_in else fan_in ** -0.5
 
 
 def meta_template(module: nn.Module) -> nn.Module:

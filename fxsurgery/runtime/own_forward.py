@@ -18,6 +18,7 @@ there, not graph nodes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import types
 from dataclasses import replace
@@ -224,18 +225,18 @@ class OwnForward:
                 handle.remove()
 
 
-def fit_count_attributes(real: Callable[[bool], nn.Module], groups: list[GroupPlumbing],
+def fit_count_attributes(real: Callable[..., nn.Module], groups: list[GroupPlumbing],
                          calls: list[tuple[tuple, dict]], *, gathers: list[Gather]
                          ) -> tuple[list[CountAttribute] | None, str, str]:
     """The count attributes with which the class's forward follows the widths on every one of ``calls`` (the
-    analysed call first; a later call the template cannot run is not checked) (``real(unit_scale)`` makes a copy of
+    analysed call first; a later call the template cannot run is not checked) (``real(unit_scale=...)`` makes a copy of
     the host at its analysed widths, its parameters drawn small or at unit scale; ``gathers``: the module inputs it
     reads as the graphs do), or None and what went wrong without any; and what goes wrong with the groups that may be
     emptied left with no units, each holding one zero unit ("" if nothing). Small parameters make attention nearly
     uniform and a residual stream outweigh the heads, so a count read wrongly (a head size taken for another) may
     change the outputs by less than the tolerance: a removal is also checked on parameters at unit scale, wherever
     the outputs there are finite."""
-    small, unit_scale = (lambda: real(False)), (lambda: real(True))
+    small, unit_scale = functools.partial(real, unit_scale=False), functools.partial(real, unit_scale=True)
     trials = [_Trial(small, groups, _removing(groups, k), gathers) for k in (1, 2)
               if any(r.max_count > k for r in groups)]
     trials += [_Trial(small, groups, removals, gathers) for removals in _told_apart(groups)]

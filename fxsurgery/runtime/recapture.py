@@ -18,6 +18,7 @@ Otherwise the call is refused, naming the host and the arguments that differ fro
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from contextlib import ExitStack
 from typing import Any, NamedTuple
@@ -154,8 +155,8 @@ class HostServer:
             if isinstance(gathers, Reason):
                 self.fit = OwnForwardFit(gathers.text, [], "", [])
             else:
-                counts, fault, empty_fault = fit_count_attributes(lambda unit_scale: self.materialize(None, unit_scale=unit_scale), self.groups,
-                                                                  [self.analysed], gathers=gathers)
+                copies = functools.partial(self.materialize, None)
+                counts, fault, empty_fault = fit_count_attributes(copies, self.groups, [self.analysed], gathers=gathers)
                 self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
 
     def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
@@ -168,8 +169,9 @@ class HostServer:
             fit = self.fit
             if not fit.fault:
                 trial = tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, without_objects(call))
-                counts, fault, empty_fault = fit_count_attributes(lambda unit_scale: self.materialize(None, unit_scale=unit_scale), self.groups,
-                                                                  [self.analysed, trial], gathers=fit.gathers)
+                copies = functools.partial(self.materialize, None)
+                counts, fault, empty_fault = fit_count_attributes(copies, self.groups, [self.analysed, trial],
+                                                                  gathers=fit.gathers)
                 fit = OwnForwardFit(fault, counts or [], empty_fault, fit.gathers)
             self.fits[key] = fit
         return self.fits[key]

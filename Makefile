@@ -30,7 +30,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q --fork-each -m "forks and not slow" tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --nbmake --nbmake-timeout=180 examples
 
-# The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py),
+# The property tests with 1,000 freshly drawn examples each (the `soak` hypothesis profile of tests/conftest.py; 200 for
+# the own forward's, whose examples each analyse a model),
 # every combination of the combination matrix's axes (tests/combinations; those over two processes after the others,
 # in one process of their own, as in `test`), each with a freshly drawn seed, every
 # conformance model analysed fresh, called and trained (tests/conformance/test_analysis_history.py, one draw each),
@@ -39,7 +40,7 @@ test: $(STAMP)
 # raw exception.
 soak: $(STAMP)
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal tests/fxsurgery/test_fxsurgery_properties.py \
-		tests/fxsurgery/test_fxsurgery_module_calls.py
+		tests/fxsurgery/test_fxsurgery_module_calls.py tests/fxsurgery/test_fxsurgery_own_forward_fit.py
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal \
 		-m "(slow or not slow) and not forks" tests/combinations
 	HYPOTHESIS_PROFILE=soak OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider --fork-each -m "(slow or not slow) and forks" \

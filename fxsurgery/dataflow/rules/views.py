@@ -109,7 +109,7 @@ def reshape_constants(site: Site) -> list[ConstantSpec]:
         if k == site.out_dim or get_path(site.node, path) != -1:
             continue
         merged = _merged_without_units(site, k)
-        if _split_with_units(site, k):
+        if _split_with_units(site, k) or merged == []:  # (merging no input dim: a size-1 dim of its own)
             site.write_size(path, site.out_shape[k])
         elif merged is not None:
             site.write_size_product(path, site.node.args[0], merged)

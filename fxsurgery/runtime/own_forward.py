@@ -245,10 +245,13 @@ def fit_count_attributes(real: Callable[..., nn.Module], groups: list[GroupPlumb
     if any(expected is None for _, call, expected in checks if call is calls[0]):
         return None, "cannot run the call it was analysed on", ""
     checks = [check for check in checks if check[2] is not None]  # a later call the template cannot run
-    if trials:
-        trials.append(_Trial(unit_scale, groups, _removing(groups, 1), gathers))
-        checks += [(trials[-1], call, expected) for call in calls
-                   for expected in [trials[-1].expected(*call)] if expected is not None and _finite(expected)]
+    if trials:  # one removal again on copies at unit scale, on every call whose outputs there are finite
+        scaled = _Trial(unit_scale, groups, _removing(groups, 1), gathers)
+        trials.append(scaled)
+        for call in calls:
+            expected = scaled.expected(*call)
+            if expected is not None and _finite(expected):
+                checks.append((scaled, call, expected))
     own, held = _candidates(trials[0].masked, groups) if trials else ([], [])
     chosen, fault = _fitting(own, checks, needs_held=False)
     if chosen is None:
@@ -305,6 +308,7 @@ def _fitting_locally(candidates: list[CountAttribute], groups: list[GroupPlumbin
 
 
 def _finite(tensors: list[torch.Tensor]) -> bool:
+    """No floating or complex tensor holds an infinity or a NaN."""
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point() or t.is_complex())
 
 

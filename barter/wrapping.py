@@ -52,9 +52,11 @@ def wrap(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, to
     if example_inputs is None and not example_kwargs:
         example_inputs = default_example_inputs(model)
     analysis = analyse(model, () if example_inputs is None else example_inputs, example_kwargs)
+    # installed before the model records its base and call: both change its hosts' fingerprints (an attribute of
+    # the model, a config its modules read), and a host changed since its analysis is analysed again
+    surgeon = Surgeon(model, analysis)
     keep_base(model, ModelBase(analysis, architecture=None, model_kwargs={}, call=None))
     record_call(model, sampled_call(analysis.example_inputs, analysis.example_kwargs))
-    surgeon = Surgeon(model, analysis)
     model.__dict__[WRAPPED_ATTRIBUTE] = True
     layers = {kind: [g for g in surgeon.groups if g.kind == kind and g.exact] for kind in KINDS}
     inexact = [g.name for g in surgeon.groups if not g.exact]

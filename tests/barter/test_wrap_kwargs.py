@@ -89,3 +89,42 @@ def test_the_timm_default_only_without_an_example():
     assert ctl.surgeon.example_inputs[0].shape == (2, 3, 32, 32) and ctl.surgeon.example_kwargs == {}
     with pytest.raises(ValueError, match="example_inputs is required"):
         barter.wrap(KeywordViT(), total_steps=T, density=0.5)
+
+
+class Attention(nn.Module):
+    """Self-attention computed in the model's own forward: the model itself is the host of its heads."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj, self.head = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        q, k, v = self.qkv(x).reshape(batch, tokens, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attention = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(-1)
+        mixed = (attention @ v).transpose(1, 2).reshape(batch, tokens, dim)
+        return self.head(x + self.proj(mixed)).mean(1)
+
+
+def tiny_llama() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    ids = torch.randint(0, 32, (2, 5))
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("build", [lambda: (Attention(), {"x": torch.randn(2, 3, 8)}), tiny_llama],
+                         ids=["hosted_by_the_model", "hf_config_read_by_its_layers"])
+def test_wrap_analyses_the_model_once(build, monkeypatch):
+    """What wrap records on the model (its base, and a transformers config's call record) changes no host the
+    analysis checked: the model is analysed once, not again when the analysis installs."""
+    from fxsurgery.analysis import value as analysis_value
+
+    torch.manual_seed(0)
+    model, kwargs = build()
+    real, planned = analysis_value.plan_model, []
+    monkeypatch.setattr(analysis_value, "plan_model", lambda *a: planned.append(a) or real(*a))
+    ctl = barter.wrap(model, total_steps=T, density=0.5, example_kwargs=kwargs)
+    assert len(planned) == 1 and ctl.layers["head"]

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from barter import wrap
-from fxsurgery import Surgeon
+from fxsurgery import Analysis, Surgeon, analyse
 
 LIST = Path(__file__).resolve().parent / "timm_models.json"  # the project's copy of the list
 
@@ -120,18 +120,19 @@ def in_float64(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, torch.Tens
     return copy.deepcopy(model).double().eval(), x.double() if x.is_floating_point() else x
 
 
-def check_analysis(model: nn.Module, x: torch.Tensor, result: Conformance) -> Surgeon:
-    """The analysis of ``model`` (never called before: analysed as a user wraps it): its group counts, what it leaves
-    out, the attention and FFN modules neither grouped nor reported, and its seconds."""
+def check_analysis(model: nn.Module, x: torch.Tensor, result: Conformance) -> tuple[Surgeon, Analysis]:
+    """The analysis of ``model`` (never called before: analysed as a user wraps it), installed on it: its group counts,
+    what it leaves out, the attention and FFN modules neither grouped nor reported, and its seconds."""
     t = time.perf_counter()
-    s = Surgeon(model, (x,))
+    analysis = analyse(model, (x,))
+    s = Surgeon(model, analysis)
     result.analyse_s = time.perf_counter() - t
     result.heads = sum(g.kind == "head" for g in s.groups)
     result.channels = sum(g.kind == "channel" for g in s.groups)
     result.exact = sum(g.exact for g in s.groups)
     result.left_out = [f"{lo.module}: {'; '.join(lo.reasons)}" for lo in s.left_out]
     result.unaccounted = unaccounted_modules(model, s)
-    return s
+    return s, analysis
 
 
 def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> None:
@@ -140,7 +141,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
     rows of any head-mixing map)."""
     model, x = in_float64(model, x)
     original = copy.deepcopy(model)
-    s = check_analysis(model, x, result)
+    s, analysis = check_analysis(model, x, result)
     fresh, masked = copy.deepcopy(original), copy.deepcopy(original)  # before train mode moves BN statistics
     with torch.no_grad():
         result.modes_ok = True
@@ -160,7 +161,7 @@ def check_surgery(model: nn.Module, x: torch.Tensor, result: Conformance) -> Non
             if g.exact:
                 s.clone(g, 0, noise_std=0.1, generator=gen, relative=True)
         result.clone_ok = _close(model(x), y0, 1e-9)
-        s2 = Surgeon(fresh, (x,))
+        s2 = Surgeon(fresh, analysis)  # a copy built alike takes the same analysis, as a user's second model does
         exact = [g for g in s2.groups if g.exact and g.count > g.min_count]  # a group at its minimum keeps its units
         taps = [s2.tap(g, _zero_first_unit) for g in exact]
         by_taps = fresh(x)

@@ -147,6 +147,7 @@ class HostServer:
                 differing.append(f"{path}.{name}" if path else name)
         return differing
 
+    @torch.compiler.disable  # an analysis, run once: never traced by dynamo (a compiled call that meets it)
     def fit_own_forward(self) -> None:
         """Fit the host's own forward on the analysed call, once (``self.fit``: what goes wrong in it, "" if
         nothing)."""
@@ -159,6 +160,7 @@ class HostServer:
                 counts, fault, empty_fault = fit_count_attributes(copies, self.groups, [self.analysed], gathers=gathers)
                 self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
 
+    @torch.compiler.disable  # an analysis, run once: never traced by dynamo (a compiled call that meets it)
     def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
         """The own forward's fit for a call it serves (of signature ``key``), checked on that call too: a path the
         analysed call did not take may read a count it stores (a key/value head repeated to the query heads only

@@ -90,3 +90,26 @@ def test_a_hooked_call_after_removals_equals_masking_when_heads_split_by_an_attr
     assert (hooked - masked).abs().max() < 1e-10
     with torch.no_grad():
         assert (model(x) - masked).abs().max() < 1e-10
+
+
+def test_the_fit_runs_eagerly_when_a_compiled_call_meets_it(monkeypatch) -> None:
+    """The fit is an analysis that runs once per kind of call: a compiled call that needs it (a layer emptied, its cache
+    stored by the own forward) runs it eagerly, not traced by dynamo, which would compile each of its many steps."""
+    from fxsurgery.runtime import recapture
+    from fxsurgery.runtime.graph_forward import GraphForward
+
+    torch.manual_seed(0)
+    model, x = Stack(8, 2).eval(), torch.randn(2, TOKENS, 8)
+    Surgeon(model, (x,))
+    server = GraphForward.of(model.blocks[0]).server
+    real, compiling = recapture.fit_count_attributes, []
+    monkeypatch.setattr(recapture, "fit_count_attributes",
+                        lambda *args, **kw: compiling.append(torch.compiler.is_compiling()) or real(*args, **kw))
+
+    def fitted_then_scaled(t: torch.Tensor) -> torch.Tensor:
+        fault = server.fit_call(("a call of its own",), ((t,), {})).fault
+        return t * 2 if not fault else t
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(fitted_then_scaled, backend="eager")(x), x * 2)
+    assert compiling and not any(compiling)

@@ -147,20 +147,12 @@ class HostServer:
                 differing.append(f"{path}.{name}" if path else name)
         return differing
 
-    @torch.compiler.disable  # an analysis, run once: never traced by dynamo (a compiled call that meets it)
     def fit_own_forward(self) -> None:
         """Fit the host's own forward on the analysed call, once (``self.fit``: what goes wrong in it, "" if
         nothing)."""
         if self.fit is None:
-            gathers = argument_gathers(self.materialize(None), self.graph, materialize(self.analysed))
-            if isinstance(gathers, Reason):
-                self.fit = OwnForwardFit(gathers.text, [], "", [])
-            else:
-                copies = functools.partial(self.materialize, None)
-                counts, fault, empty_fault = fit_count_attributes(copies, self.groups, [self.analysed], gathers=gathers)
-                self.fit = OwnForwardFit(fault, counts or [], empty_fault, gathers)
+            self.fit = self._fitted(None)
 
-    @torch.compiler.disable  # an analysis, run once: never traced by dynamo (a compiled call that meets it)
     def fit_call(self, key: tuple, call: tuple[tuple, dict]) -> OwnForwardFit:
         """The own forward's fit for a call it serves (of signature ``key``), checked on that call too: a path the
         analysed call did not take may read a count it stores (a key/value head repeated to the query heads only
@@ -168,15 +160,24 @@ class HostServer:
         holds values at the current widths, not the template's); one the template cannot run so is not checked."""
         if key not in self.fits:
             self.fit_own_forward()
-            fit = self.fit
-            if not fit.fault:
-                trial = tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t, without_objects(call))
-                copies = functools.partial(self.materialize, None)
-                counts, fault, empty_fault = fit_count_attributes(copies, self.groups, [self.analysed, trial],
-                                                                  gathers=fit.gathers)
-                fit = OwnForwardFit(fault, counts or [], empty_fault, fit.gathers)
-            self.fits[key] = fit
+            self.fits[key] = self.fit if self.fit.fault else self._fitted(call)
         return self.fits[key]
+
+    @torch.compiler.disable  # an analysis, run once per kind of call: a compiled call that meets it runs it eagerly
+    def _fitted(self, call: tuple[tuple, dict] | None) -> OwnForwardFit:
+        """The fit on the analysed call, and on ``call`` too where one is given (after the analysed call's own)."""
+        if call is None:
+            gathers = argument_gathers(self.materialize(None), self.graph, materialize(self.analysed))
+            if isinstance(gathers, Reason):
+                return OwnForwardFit(gathers.text, [], "", [])
+            calls = [self.analysed]
+        else:
+            gathers = self.fit.gathers
+            calls = [self.analysed, tree_map(lambda t: t.detach().cpu() if torch.is_tensor(t) else t,
+                                             without_objects(call))]
+        copies = functools.partial(self.materialize, None)
+        counts, fault, empty_fault = fit_count_attributes(copies, self.groups, calls, gathers=gathers)
+        return OwnForwardFit(fault, counts or [], empty_fault, gathers)
 
     def own(self, module: nn.Module, call: tuple[tuple, dict], key: tuple, why: str) -> tuple[None, str]:
         """The host's own forward, if it follows the widths (``own_forward``); else the call is refused."""

@@ -19,7 +19,7 @@ from ..compat import pytree_info, tree_leaves
 from ..dataflow.constants import ConstantSpec
 from ..dataflow.grouping import GroupSpec, Refusal, TapSite
 from ..errors import AnalysisError, TraceError
-from .find import find_groups
+from .find import GraphGroups, find_groups
 
 
 @dataclass
@@ -94,8 +94,14 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
     found = analyse_with(record, module, host, args, kwargs, modes)
     if found.refusals and found.front_end.front_end is FrontEnd.SYMBOLIC:
         why = f"the symbolic trace left out: {found.refusals[0].reasons[0]}"
+        concrete, recorded = functools.partial(record_concrete, why=why), {}
         try:
-            captured = analyse_with(functools.partial(record_concrete, why=why), module, host, args, kwargs, modes)
+            # the groups found in every mode are some of those of the first: where its capture finds no more than
+            # the symbolic trace did, the other modes are not captured (a whole model's capture takes many seconds)
+            if len(analyse_with(concrete, module, host, args, kwargs, modes[:1], recorded=recorded).groups) \
+                    <= len(found.groups):
+                return found
+            captured = analyse_with(concrete, module, host, args, kwargs, modes, recorded=recorded)
         except (TraceError, AnalysisError):
             return found
         if len(captured.groups) > len(found.groups):
@@ -123,19 +129,42 @@ def _name(node: torch.fx.Node) -> str:
     return node.name
 
 
+class _ModeRecord(NamedTuple):
+    """One mode's graph as a front end recorded it, the groups found in it, and the constants tracing created."""
+
+    graph: torch.fx.Graph
+    found: GraphGroups
+    tensors: dict[str, torch.Tensor]
+    front_end: FrontEndUse
+
+
+def _record_mode(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple, kwargs: dict,
+                 mode: bool, train: _ModeRecord | None, *, returns_units: bool) -> _ModeRecord:
+    """The host recorded in ``mode`` and its groups; an eval graph the same as the train one (``train``) shares
+    its groups."""
+    gm, values, used = front_end(module, host, args, kwargs, mode)
+    tensors = {n.target: getattr(gm, n.target) for n in gm.graph.nodes
+               if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)}
+    if mode is False and train is not None and same_graphs(gm.graph, train.graph):
+        return train._replace(tensors={**train.tensors, **tensors}, front_end=used)
+    with training_mode(module, mode):
+        return _ModeRecord(gm.graph, find_groups(gm, values, host, returns_units=returns_units), tensors, used)
+
+
 def _analyse_with(front_end: Callable[..., Recording], module: nn.Module, host: str, args: tuple,
-                  kwargs: dict, modes: tuple[bool, ...], *, returns_units: bool) -> HostAnalysis:
-    graphs, results, tensors = {}, {}, {}
+                  kwargs: dict, modes: tuple[bool, ...], *, returns_units: bool,
+                  recorded: dict[bool, _ModeRecord] | None = None) -> HostAnalysis:
+    """The groups found in the graphs of every mode of ``modes``; ``recorded``: the modes recorded by this front
+    end so far, kept for a later call (filled in here)."""
+    recorded = {} if recorded is None else recorded
     for mode in modes:
-        gm, values, used = front_end(module, host, args, kwargs, mode)
-        tensors.update({n.target: getattr(gm, n.target) for n in gm.graph.nodes
-                        if n.op == "get_attr" and n.target.startswith(CODE_CONSTANT)})
-        if mode is False and True in graphs and same_graphs(gm.graph, graphs[True]):
-            graphs[False], results[False] = graphs[True], results[True]
-            break
-        graphs[mode] = gm.graph
-        with training_mode(module, mode):
-            results[mode] = find_groups(gm, values, host, returns_units=returns_units)
+        if mode not in recorded:
+            recorded[mode] = _record_mode(front_end, module, host, args, kwargs, mode, recorded.get(True),
+                                          returns_units=returns_units)
+    graphs = {mode: recorded[mode].graph for mode in modes}
+    results = {mode: recorded[mode].found for mode in modes}
+    tensors = {name: t for mode in modes for name, t in recorded[mode].tensors.items()}
+    used = recorded[modes[-1]].front_end
     first, last = results[modes[0]], results[modes[-1]]
     eval_specs = {(s.sink, s.kind): s for s in last.groups}  # a fused output projection reads heads and channels
     groups, refusals = [], list(first.refusals)

@@ -74,7 +74,7 @@ def _install_and_check(module: nn.Module, host: str, check: HostCheck, *, editor
             check.outcomes[layout] = self_check(editor, g, inputs)
         if check.outcomes[layout] is not None:
             del editor.plumbing[g]
-    kept = offered(host, check).kept
+    kept = offered(host, check, plan.aliases).kept
     for index, g in trial:
         if index not in kept:
             editor.plumbing.pop(g, None)

@@ -68,6 +68,7 @@ class ModelPlan:
     shared: AnalysisCache
     checks: dict[str, HostCheck] = field(default_factory=dict)
     placed: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a tensor's names, where it has several
 
 
 def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
@@ -75,7 +76,8 @@ def plan_model(model: nn.Module, example: tuple[tuple, dict]) -> ModelPlan:
     found = Findings()
     regions, failures = find_regions(model, example, found.leave_out)
     hosts, traced_calls = locate_hosts(model, regions, found.leave_out)
-    plan = ModelPlan(type(model).__name__, [], {}, {}, found.left_out, failures, AnalysisCache())
+    plan = ModelPlan(type(model).__name__, [], {}, {}, found.left_out, failures, AnalysisCache(),
+                     aliases=tensor_aliases(model))
     if hosts:
         # the hosts' calls, and their callers' (a host whose heads reach its outputs is replaced by its caller):
         # as the labelling of the traced graphs made them, else captured from a meta run of the model
@@ -107,7 +109,7 @@ def read_findings(plan: ModelPlan) -> Findings:
         found.front_ends[host] = check.found.front_end
         for r in check.found.refusals:
             found.leave_out(join_path(host, common_module(r.modules)), r.reasons)
-        _offer(found, host, check, plan.model_name)
+        _offer(found, host, check, plan.model_name, plan.aliases)
     # modules that did not trace: their parts were analysed on their own where they traced
     for name, err in plan.failures:
         found.leave_out(name, [str(err)])
@@ -121,10 +123,11 @@ def read_findings(plan: ModelPlan) -> Findings:
     return found
 
 
-def _offer(found: Findings, host: str, check: HostCheck, model_name: str) -> None:
+def _offer(found: Findings, host: str, check: HostCheck, model_name: str,
+           aliases: dict[str, tuple[str, ...]]) -> None:
     """Offer the host's groups that pass (``offered``), each named in turn (a name taken by a group passing before,
     even one left out later as a partner, is not given again), with what its host's own forward asks of it."""
-    offer = offered(host, check)
+    offer = offered(host, check, aliases)
     taken = [g.name for g in found.groups]
     names = {}
     for index, hg in enumerate(check.found.groups):
@@ -150,18 +153,21 @@ class Offer(NamedTuple):
     left_out: list[LeftOut]
 
 
-def offered(host: str, check: HostCheck) -> Offer:
-    """The host's groups offered: those that pass their self-check, less those that share a dim with one left out
-    (segments of one fused projection: the segments of a dim tile it, so its size tells their counts)."""
+def offered(host: str, check: HostCheck, aliases: dict[str, tuple[str, ...]]) -> Offer:
+    """The host's groups offered: those that pass their self-check and slice no tensor that code outside the host
+    uses too (``aliases``: a module other blocks call), less those that share a dim with one left out (segments of
+    one fused projection: the segments of a dim tile it, so its size tells their counts)."""
     specs = [hg.spec for hg in check.found.groups]
     slices = [group_slices(host, spec) for spec in specs]
     passed, left_out, lost = [], [], set()
     for index, spec in enumerate(specs):
+        shared = shared_outside(host, slices[index], aliases)
         failure = check.outcomes[layout_within(host, slices[index])]
-        if failure is None:
+        if shared is None and failure is None:
             passed.append(index)
         else:
-            left_out.append(LeftOut(group_module(host, spec), [f"self-check failed: {failure.text}"]))
+            reason = shared.text if shared is not None else f"self-check failed: {failure.text}"
+            left_out.append(LeftOut(group_module(host, spec), [reason]))
             lost |= {(sl.name, sl.dim) for sl in slices[index]}
     kept = list(passed)
     while partners := [index for index in kept if any((sl.name, sl.dim) in lost for sl in slices[index])]:
@@ -172,6 +178,29 @@ def offered(host: str, check: HostCheck) -> Offer:
             kept.remove(index)
             lost |= {(sl.name, sl.dim) for sl in slices[index]}
     return Offer(slices, passed, kept, left_out)
+
+
+def tensor_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every name of each parameter or buffer that ``model`` holds under several (a module that several blocks
+    call, tied weights), by each of those names."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                        model.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(name)
+    return {name: tuple(every) for every in names.values() if len(every) > 1 for name in every}
+
+
+def shared_outside(host: str, slices: tuple[ParamSlice, ...],
+                   aliases: dict[str, tuple[str, ...]]) -> Reason | None:
+    """Why a group of ``host`` cannot be sliced: a tensor it slices is also a tensor of a module outside the host
+    (whose graph does not see that use, so its analysis cannot tie the units there), or None."""
+    for sl in slices:
+        outside = [name for name in aliases.get(sl.name, ()) if host and not within(name, host)]
+        if outside:
+            users = sorted({name.rpartition(".")[0] for name in outside})
+            return Reason(f"{sl.name} is also {outside[0]}, used by {', '.join(users)} outside {host}: a tensor "
+                          "shared by layers cannot be sliced for one of them", module=host)
+    return None
 
 
 def group_module(host: str, spec: GroupSpec) -> str:

@@ -98,8 +98,8 @@ def analyse_host(module: nn.Module, host: str, args: tuple, kwargs: dict,
         try:
             # the groups found in every mode are some of those of the first: where its capture finds no more than
             # the symbolic trace did, the other modes are not captured (a whole model's capture takes many seconds)
-            if len(analyse_with(concrete, module, host, args, kwargs, modes[:1], recorded=recorded).groups) \
-                    <= len(found.groups):
+            first = analyse_with(concrete, module, host, args, kwargs, modes[:1], recorded=recorded)
+            if len(first.groups) <= len(found.groups):
                 return found
             captured = analyse_with(concrete, module, host, args, kwargs, modes, recorded=recorded)
         except (TraceError, AnalysisError):

@@ -103,3 +103,24 @@ def test_heads_of_layers_that_call_one_output_projection_in_one_host_are_one_gro
     assert_removal_masks_and_clone_keeps(s, heads[0], head, lambda: model(x), by_weights=by_weights,
                                          reference=reference)
     assert model[0].attn.qkv.weight.shape[0] == model[1].attn.qkv.weight.shape[0] == 3 * HIDDEN
+
+
+def test_barter_trains_a_model_whose_blocks_share_a_module_moving_only_its_channels() -> None:
+    """Through `barter.wrap`, as a user trains: the heads left out stay whole in both blocks while the channels
+    are made compact and transfer on the scores the taps read."""
+    import barter
+
+    _seeded()
+    model = Stage()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, TOKENS, HIDDEN)
+    ctl = barter.wrap(model, optimizer, total_steps=12, density=0.5, example_inputs=(x,), window=(0.0, 0.8))
+    assert sorted(g.name for g in ctl.surgeon.groups) == ["blocks.0:channel", "blocks.1:channel"]
+    for _ in range(12):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert ctl.tables["channel"].ema.abs().sum() > 0 and ctl.edits > 0
+    assert all(block.attn.qkv.weight.shape[0] == 3 * HIDDEN for block in model.blocks)
+    assert model.blocks[0].attn.position is model.blocks[1].attn.position
+    assert model.blocks[0].attn.position.weight.shape[0] == HIDDEN

@@ -503,7 +503,8 @@ class _Builder:
         if any(len(units) != len(ut) for units in read.values()):
             return False
         carriers = {act.node for act in self.acts_of.get(k, []) if not act.param}
-        return not _sum_read(carriers, readers={sink.node for sink in sinks})
+        mapped = {sink.input for sink in self.sinks if sink.input is not None}
+        return not _sum_read(carriers, readers={sink.node for sink in sinks}, mapped=mapped)
 
     def read_apart(self, sinks: list[Sink], ut: torch.Tensor) -> bool:
         """No unit of ``ut`` is read by two of ``sinks`` (columns as classes): one pass over all their columns."""
@@ -693,14 +694,23 @@ def _is_sum(node: Node) -> bool:
         (node.op == "call_method" and node.target in _SUM_METHODS)
 
 
-def _sum_read(carriers: set[Node], readers: set[str]) -> bool:
-    """Whether a sum of two ``carriers`` reaches a map of ``readers`` (node names) through values made of one carrier
-    each (a norm, a view, an activation): a stream the units are summed into and read from. A product of carriers on
-    the way (the attention's, after a score bias or a rotary embedding is summed) ends the search."""
+def _sum_read(carriers: set[Node], readers: set[str], mapped: set[str]) -> bool:
+    """Whether a sum of ``carriers`` that come from apart reaches a map of ``readers`` (node names) through values made
+    of one carrier each (a norm, a view, an activation): a stream the units are summed into and read from. Carriers
+    made from one value that no map reads (one projection's output: an attention's output and a convolution of its
+    values) sum within the layer: no stream; a value that maps read (``mapped``: node names) is a stream's, however its
+    parts are made from it. A product of carriers on the way (the attention's, after a score bias or a rotary
+    embedding is summed) ends the search."""
     def one_carrier(node: Node) -> bool:
         return sum(arg in carriers for arg in node.all_input_nodes) == 1
 
-    todo = [node for node in carriers if _is_sum(node) and not one_carrier(node)]
+    origins = _origins(carriers)
+
+    def apart(node: Node) -> bool:  # a sum with no carrier among its inputs (of parameters alone) counts as apart
+        parts = [origins[arg] for arg in node.all_input_nodes if arg in carriers]
+        return not parts or (len(parts) > 1 and all(origin.name in mapped for origin in set.intersection(*parts)))
+
+    todo = [node for node in carriers if _is_sum(node) and apart(node)]
     seen: set[Node] = set()
     while todo:
         node = todo.pop()
@@ -710,6 +720,19 @@ def _sum_read(carriers: set[Node], readers: set[str]) -> bool:
             seen.add(node)
             todo += [user for user in node.users if user.name in readers or (user in carriers and one_carrier(user))]
     return False
+
+
+def _origins(carriers: set[Node]) -> dict[Node, set[Node]]:
+    """The carriers each carrier is made from that are made from no carrier (the values the units' projections
+    make), in one pass in graph order."""
+    origins: dict[Node, set[Node]] = {}
+    if not carriers:
+        return origins
+    for node in next(iter(carriers)).graph.nodes:
+        if node in carriers:
+            made_from = [origins[arg] for arg in node.all_input_nodes if arg in origins]
+            origins[node] = set().union(*made_from) if made_from else {node}
+    return origins
 
 
 def _layout(t: torch.Tensor) -> tuple:

@@ -28,28 +28,29 @@ class Attention(nn.Module):
     """``helper``: the attention is computed by ``attend``; ``position``: a depthwise convolution of the values over
     the tokens is added (a head owns its channels of it)."""
 
-    def __init__(self, *, helper: bool, position: nn.Conv1d | None):
+    def __init__(self, *, helper: bool, position: nn.Conv1d | None, of_input: bool = False):
         super().__init__()
         self.qkv, self.proj = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        self.helper, self.position = helper, position
+        self.helper, self.position, self.of_input = helper, position, of_input
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4).unbind(0)
         out = attend(q, k, v) if self.helper else F.scaled_dot_product_attention(q, k, v)
         if self.position is not None:
-            out = out + self.position(v.transpose(-1, -2).reshape(b, c, n)).reshape(b, HEADS, -1, n).transpose(-1, -2)
+            convolved = x.transpose(1, 2) if self.of_input else v.transpose(-1, -2).reshape(b, c, n)
+            out = out + self.position(convolved).reshape(b, HEADS, -1, n).transpose(-1, -2)
         return self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
 class Blocks(nn.Module):
-    """Two attention layers and an FFN; ``shared``: the layers call one position convolution, which ties their
-    heads, each sliced to its own count in its projections, together."""
+    """Two attention layers and an FFN; ``shared``: the layers call one position convolution, the first on its values
+    and the second on its input, which ties the first layer's heads to the stream."""
 
     def __init__(self, *, helper: bool, shared: bool):
         super().__init__()
         position = nn.Conv1d(HIDDEN, HIDDEN, 3, padding=1, groups=HIDDEN) if shared else None
-        self.attns = nn.ModuleList(Attention(helper=helper, position=position) for _ in range(2))
+        self.attns = nn.ModuleList(Attention(helper=helper, position=position, of_input=i == 1) for i in range(2))
         self.fc1, self.fc2 = nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
